@@ -1,0 +1,151 @@
+"""python -m diffzoo.data {download,sizes,check,retry} — see `python -m diffzoo.data -h`."""
+import argparse
+import os
+import sys
+from typing import Dict, List, Optional
+
+import yaml
+
+from .download import card_names, download, load_card
+from .shards import DataError, check_dataset, write_retry, write_sizes
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == '':
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise DataError(f'{name}={value!r} is not a whole number') from None
+
+
+def _raw_flags(flags: List[str]) -> Dict:
+    """['--number_sample_per_shard', '20', '--skip_reencode', 'True'] -> {…: 20, …: True}."""
+    out, i = {}, 0
+    while i < len(flags):
+        flag = flags[i]
+        if not flag.startswith('--'):
+            raise DataError(f'img2dataset flags after -- must be --name value pairs; got {flag!r}')
+        if '=' in flag:
+            name, value = flag[2:].split('=', 1)
+            i += 1
+        elif i + 1 < len(flags) and not flags[i + 1].startswith('--'):
+            name, value = flag[2:], flags[i + 1]
+            i += 2
+        else:
+            name, value = flag[2:], 'True'
+            i += 1
+        out[name.replace('-', '_')] = yaml.safe_load(value)
+    return out
+
+
+def _cmd_download(a, extra) -> int:
+    card = load_card(a.dataset)
+    processes = a.processes or _env_int('IMG2DATASET_PROCESSES', os.cpu_count() or 1)
+    threads = a.threads or _env_int('IMG2DATASET_THREADS', 64)
+    wandb = os.environ.get('WANDB', '0').lower() in ('1', 'true', 'yes', 'on')
+    report = download(card, a.tsv, a.out_dir, processes, threads, wandb, a.extend, _raw_flags(extra))
+    lo, hi = card.expected.get('downloaded', [0, 0])
+    print(f'{len(report.sizes)} shards, {report.total:,} samples in {a.out_dir} (sizes.json written)')
+    print(f'  the full {card.name} ends with about {lo:,}-{hi:,}; failed URLs: '
+          f'python -m diffzoo.data retry {a.out_dir} failed.tsv')
+    return 0
+
+
+def _cmd_sizes(a, _) -> int:
+    report = write_sizes(a.directory, recount=a.recount)
+    counted = f' ({len(report.counted)} counted from the tar, no stats)' if report.counted else ''
+    print(f'{a.directory}/sizes.json: {len(report.sizes)} shards, {report.total:,} samples{counted}')
+    return 0
+
+
+def _cmd_check(a, _) -> int:
+    report = check_dataset(a.directory, workers=a.workers, decode=not a.no_decode)
+    undecodable = sum(len(s.undecodable) for s in report.shards)
+    missing = sum(sum(s.missing.values()) for s in report.shards)
+    empty = sum(1 for s in report.shards if s.samples == 0 and not s.error)
+    unreadable = sum(1 for s in report.shards if s.error)
+    rows = [('shards', len(report.shards)), ('samples', report.samples),
+            ('samples missing a member', missing), ('undecodable images', undecodable),
+            ('empty shards', empty), ('unreadable shards', unreadable)]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f'  {name:<{width}}  {value:>12,}')
+    problems = report.problems()
+    if problems:
+        print(f'{a.directory}: {len(problems)} problems')
+        for p in problems[:50]:
+            print(f'  {p}')
+        if len(problems) > 50:
+            print(f'  … and {len(problems) - 50} more')
+        return 1
+    print(f'{a.directory}: OK')
+    return 0
+
+
+def _cmd_retry(a, _) -> int:
+    report = write_retry(a.directory, a.out, exclude=a.exclude_error)
+    print(f'{report.failed:,} failed URLs in {a.directory}; {report.written:,} written to {a.out}'
+          + (f', {report.excluded:,} excluded' if report.excluded else ''))
+    for error, n in report.errors.most_common(8):
+        print(f'  {n:>10,}  {error}')
+    print(f'download them into the same directory: scripts/download_<dataset>.sh {a.out} {a.directory} --extend')
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m diffzoo.data', description=__doc__)
+    sub = p.add_subparsers(dest='command', required=True)
+
+    d = sub.add_parser('download', help='URL list (TSV) -> webdataset shards with img2dataset, then sizes.json',
+                       description='Processes and threads come from IMG2DATASET_PROCESSES / IMG2DATASET_THREADS '
+                                   '(default: CPU cores / 64); WANDB=1 turns on wandb logging. '
+                                   'img2dataset flags after -- override the card.')
+    d.add_argument('dataset', help=f'dataset card: {", ".join(card_names())} or a YAML path')
+    d.add_argument('tsv', help="the dataset's URL list as published (no header) or as `retry` writes it")
+    d.add_argument('out_dir')
+    d.add_argument('--processes', type=int, default=0)
+    d.add_argument('--threads', type=int, default=0)
+    d.add_argument('--extend', action='store_true',
+                   help='add new shards after the existing ones (for a list written by `retry`)')
+    d.set_defaults(run=_cmd_download)
+
+    s = sub.add_parser('sizes', help="write open_clip's sizes.json from img2dataset's *_stats.json")
+    s.add_argument('directory')
+    s.add_argument('--recount', action='store_true', help='count samples by reading every tar')
+    s.set_defaults(run=_cmd_sizes)
+
+    c = sub.add_parser('check', help='read every shard; non-zero exit on a broken dataset')
+    c.add_argument('directory')
+    c.add_argument('--workers', type=int, default=0, help='processes (default: one per CPU core)')
+    c.add_argument('--no-decode', action='store_true', help='check members only, do not decode images')
+    c.set_defaults(run=_cmd_check)
+
+    r = sub.add_parser('retry', help='write the URLs that failed to download, to download them again')
+    r.add_argument('directory')
+    r.add_argument('out', help='TSV to write (url<TAB>caption, with a header)')
+    r.add_argument('--exclude-error', action='append', default=[], metavar='TEXT',
+                   help="leave out failures whose message contains TEXT (e.g. 'HTTP Error 404'); repeatable")
+    r.set_defaults(run=_cmd_retry)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if '--' in argv:
+        at = argv.index('--')
+        argv, extra = argv[:at], argv[at + 1:]
+    args = parser().parse_args(argv)
+    if extra and args.command != 'download':
+        parser().error('flags after -- are img2dataset flags, for `download` only')
+    try:
+        return args.run(args, extra)
+    except DataError as exc:
+        print(f'error: {exc}', file=sys.stderr)
+        return 2
+
+
+if __name__ == '__main__':
+    sys.exit(main())

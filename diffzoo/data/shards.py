@@ -1,0 +1,281 @@
+"""Webdataset shards as img2dataset writes them: counting, checking, and listing failed URLs.
+
+A shard directory holds `NNNNN.tar` (members `KEY.jpg`, `KEY.txt`, `KEY.json`), and per shard
+img2dataset's `NNNNN_stats.json` (success counts) and `NNNNN.parquet` (every URL with its status).
+open_clip counts training samples only from a `sizes.json` ({"NNNNN.tar": samples}) next to the
+shards; `write_sizes` makes it from the stats files, counting a tar itself where stats are missing.
+Sample keys follow webdataset's rule: the member name up to the first dot of its base name.
+"""
+import io
+import json
+import multiprocessing
+import os
+import re
+import tarfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp')
+TEXT_EXT = 'txt'
+SIZES_FILE = 'sizes.json'
+_KEY_RE = re.compile(r'^((?:.*/|)[^./]+)[.]([^/]*)$')
+
+
+class DataError(ValueError):
+    """A dataset directory that cannot be used as it is; the message names the fix."""
+
+
+def split_member(name: str) -> Tuple[Optional[str], Optional[str]]:
+    """'000012.jpg' -> ('000012', 'jpg'); webdataset's base_plus_ext rule."""
+    match = _KEY_RE.match(name)
+    if not match:
+        return None, None
+    return match.group(1), match.group(2).lower()
+
+
+def list_shards(directory) -> List[Path]:
+    """The `*.tar` shards of a directory, in name order; a clear error if there are none."""
+    path = Path(directory)
+    if not path.exists():
+        raise DataError(f'shard directory {path} does not exist; pass the OUT_DIR given to the download script')
+    if not path.is_dir():
+        raise DataError(f'{path} is not a directory; pass the directory that holds the NNNNN.tar shards')
+    try:
+        shards = sorted(p for p in path.iterdir() if p.suffix == '.tar')
+    except PermissionError as exc:
+        raise DataError(f'shard directory {path} is not readable ({exc.strerror}); fix its permissions') from exc
+    if not shards:
+        raise DataError(f'no *.tar shards in {path}; run scripts/download_cc3m.sh (or _cc12m.sh) into it first')
+    return shards
+
+
+def read_stats(directory) -> Dict[str, dict]:
+    """img2dataset's per-shard statistics, keyed by shard file name ('00003.tar')."""
+    stats = {}
+    for path in Path(directory).glob('*_stats.json'):
+        shard = path.name[:-len('_stats.json')] + '.tar'
+        with open(path) as f:
+            stats[shard] = json.load(f)
+    return stats
+
+
+def iter_samples(shard: Path) -> Iterator[Tuple[str, Dict[str, bytes]]]:
+    """(key, {ext: bytes}) for each sample of a tar, grouping consecutive members by key."""
+    key, members = None, {}
+    with tarfile.open(shard, mode='r|*') as tar:
+        for info in tar:
+            if not info.isreg():
+                continue
+            k, ext = split_member(info.name)
+            if k is None:
+                continue
+            if key is not None and (k != key or ext in members):
+                yield key, members
+                members = {}
+            key = k
+            members[ext] = tar.extractfile(info).read()
+    if key is not None:
+        yield key, members
+
+
+def count_samples(shard: Path) -> int:
+    """Samples of a shard that have an image (what a training pipeline can use)."""
+    return sum(1 for _, m in iter_samples(shard) if any(e in m for e in IMAGE_EXTS))
+
+
+@dataclass
+class SizesReport:
+    sizes: Dict[str, int]
+    counted: List[str]  # shards whose size came from reading the tar, not from stats
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+
+def write_sizes(directory, recount: bool = False) -> SizesReport:
+    """Write open_clip's sizes.json for every shard of `directory`."""
+    shards = list_shards(directory)
+    stats = {} if recount else read_stats(directory)
+    sizes, counted = {}, []
+    for shard in shards:
+        if shard.name in stats and 'successes' in stats[shard.name]:
+            sizes[shard.name] = int(stats[shard.name]['successes'])
+        else:
+            sizes[shard.name] = count_samples(shard)
+            counted.append(shard.name)
+    tmp = Path(directory) / (SIZES_FILE + '.tmp')
+    tmp.write_text(json.dumps(sizes, indent=1) + '\n')
+    os.replace(tmp, Path(directory) / SIZES_FILE)
+    return SizesReport(sizes, counted)
+
+
+def read_sizes(directory) -> Optional[Dict[str, int]]:
+    path = Path(directory) / SIZES_FILE
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return {k: int(v) for k, v in json.load(f).items()}
+
+
+@dataclass
+class ShardReport:
+    name: str
+    samples: int = 0
+    missing: Counter = field(default_factory=Counter)  # 'image' / 'caption' -> samples lacking it
+    undecodable: List[str] = field(default_factory=list)  # sample keys
+    error: Optional[str] = None  # the tar itself could not be read to the end
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.samples > 0 and not self.missing and not self.undecodable
+
+
+def check_shard(shard: Path, decode: bool = True) -> ShardReport:
+    """Read every sample of a shard: members present, caption non-empty, image decodable."""
+    from PIL import Image
+
+    report = ShardReport(shard.name)
+    try:
+        for key, members in iter_samples(shard):
+            report.samples += 1
+            image = next((members[e] for e in IMAGE_EXTS if e in members), None)
+            if image is None:
+                report.missing['image'] += 1
+            elif decode:
+                try:
+                    with Image.open(io.BytesIO(image)) as img:
+                        img.convert('RGB')
+                except Exception:
+                    report.undecodable.append(key)
+            if not members.get(TEXT_EXT, b'').strip():
+                report.missing['caption'] += 1
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        report.error = f'{type(exc).__name__}: {exc}'
+    return report
+
+
+@dataclass
+class DatasetReport:
+    directory: Path
+    shards: List[ShardReport]
+    sizes: Optional[Dict[str, int]]
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def problems(self) -> List[str]:
+        out = []
+        for s in self.shards:
+            if s.error:
+                out.append(f'{s.name}: unreadable after {s.samples} samples ({s.error}); '
+                           f'delete it and its _stats.json, then re-run the download script')
+            elif s.samples == 0:
+                out.append(f'{s.name}: empty shard; delete it and its _stats.json, then re-run the download script')
+            for member, n in sorted(s.missing.items()):
+                out.append(f'{s.name}: no {member} in {n} of {s.samples} samples')
+            if s.undecodable:
+                shown = ', '.join(s.undecodable[:3]) + (' …' if len(s.undecodable) > 3 else '')
+                out.append(f'{s.name}: {len(s.undecodable)} undecodable images ({shown})')
+        if self.sizes is None:
+            out.append(f'no {SIZES_FILE}: run python -m diffzoo.data sizes {self.directory}')
+        else:
+            wrong = [s.name for s in self.shards if s.error is None and self.sizes.get(s.name) != s.samples
+                     and not s.missing]
+            if wrong:
+                out.append(f'{SIZES_FILE} disagrees with {len(wrong)} shards ({", ".join(wrong[:3])}); '
+                           f'run python -m diffzoo.data sizes {self.directory} --recount')
+        return out
+
+
+def _check_one(args) -> ShardReport:
+    return check_shard(*args)
+
+
+def check_dataset(directory, workers: int = 0, decode: bool = True, progress=print) -> DatasetReport:
+    """Check every shard, `workers` processes in parallel (0: one per CPU core)."""
+    shards = list_shards(directory)
+    workers = workers or os.cpu_count() or 1
+    reports, start, last = [], time.monotonic(), 0.0
+    jobs = [(s, decode) for s in shards]
+    if workers == 1 or len(shards) == 1:
+        results: Iterable[ShardReport] = map(_check_one, jobs)
+        pool = None
+    else:
+        method = 'fork' if 'fork' in multiprocessing.get_all_start_methods() else 'spawn'
+        pool = multiprocessing.get_context(method).Pool(min(workers, len(shards)))
+        results = pool.imap(_check_one, jobs)
+    try:
+        for report in results:
+            reports.append(report)
+            now = time.monotonic()
+            if progress and (now - last > 10 or len(reports) == len(shards)):
+                last = now
+                progress(f'checked {len(reports)}/{len(shards)} shards, '
+                         f'{sum(r.samples for r in reports):,} samples ({now - start:.0f} s)')
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return DatasetReport(Path(directory), reports, read_sizes(directory))
+
+
+@dataclass
+class RetryReport:
+    failed: int
+    written: int
+    excluded: int
+    errors: Counter
+
+
+def failed_urls(directory) -> Iterator[dict]:
+    """Rows of img2dataset's NNNNN.parquet files whose status is not 'success'.
+
+    A URL that later succeeded (a retry downloaded with --extend) is left out."""
+    import pyarrow.parquet as pq
+
+    parquets = sorted(Path(directory).glob('*.parquet'))
+    if not parquets:
+        raise DataError(f'no NNNNN.parquet files in {directory}; img2dataset writes them next to the shards '
+                        f'(is this the download OUT_DIR?)')
+    columns = ['url', 'caption', 'status', 'error_message']
+    failed, succeeded = [], set()
+    for path in parquets:
+        table = pq.read_table(path, columns=[c for c in columns if c in pq.read_schema(path).names])
+        for row in table.to_pylist():
+            if row.get('status') == 'success':
+                succeeded.add(row['url'])
+            else:
+                failed.append(row)
+    seen = set()
+    for row in failed:
+        if row['url'] not in succeeded and row['url'] not in seen:
+            seen.add(row['url'])
+            yield row
+
+
+def write_retry(directory, out, exclude: Iterable[str] = ()) -> RetryReport:
+    """Write failed URLs as a TSV with a `url<TAB>caption` header (the download script reads it).
+
+    `exclude`: substrings of error messages to leave out (e.g. 'HTTP Error 404')."""
+    exclude = list(exclude)
+    report = RetryReport(0, 0, 0, Counter())
+    tmp = Path(str(out) + '.tmp')
+    with open(tmp, 'w', encoding='utf-8') as f:
+        f.write('url\tcaption\n')
+        for row in failed_urls(directory):
+            report.failed += 1
+            error = row.get('error_message') or row.get('status') or 'unknown'
+            report.errors[error] += 1
+            if any(e in error for e in exclude):
+                report.excluded += 1
+                continue
+            caption = ' '.join(str(row.get('caption') or '').split())  # no tabs or newlines
+            f.write(f"{row['url']}\t{caption}\n")
+            report.written += 1
+    os.replace(tmp, out)
+    return report

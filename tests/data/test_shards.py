@@ -1,0 +1,99 @@
+import json
+import sys
+import tarfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from diffzoo.data.__main__ import main as data_main
+from diffzoo.data.shards import DataError, check_dataset, list_shards, write_retry, write_sizes
+from tests.factory import write_shards
+
+
+def test_sizes_from_img2dataset_stats_and_from_tars_without_stats(tmp_path):
+    write_shards(tmp_path, 3, 5, sizes=False)
+    (tmp_path / '00000_stats.json').write_text(json.dumps({'count': 9, 'successes': 5}))
+    (tmp_path / '00001_stats.json').write_text(json.dumps({'count': 8, 'successes': 5}))
+    report = write_sizes(tmp_path)
+    assert report.sizes == {'00000.tar': 5, '00001.tar': 5, '00002.tar': 5}
+    assert report.counted == ['00002.tar']
+    assert json.loads((tmp_path / 'sizes.json').read_text()) == report.sizes
+
+
+def test_open_clip_reads_the_sizes_we_write(tmp_path):
+    from open_clip_train.data import get_dataset_size
+    write_shards(tmp_path, 4, 3, sizes=False)
+    write_sizes(tmp_path)
+    assert get_dataset_size(str(tmp_path / '{00000..00003}.tar')) == (12, 4)
+
+
+def test_check_passes_a_clean_dataset(tmp_path, capsys):
+    write_shards(tmp_path, 2, 4)
+    assert data_main(['check', str(tmp_path), '--workers', '2']) == 0
+    assert 'OK' in capsys.readouterr().out
+
+
+def test_check_reports_every_kind_of_damage_and_exits_nonzero(tmp_path, capsys):
+    write_shards(tmp_path, 4, 6, corrupt={(0, 2)}, no_caption={(1, 0), (1, 3)}, empty={2})
+    data = (tmp_path / '00003.tar').read_bytes()
+    (tmp_path / '00003.tar').write_bytes(data[:len(data) // 2])  # truncated mid-sample
+    report = check_dataset(tmp_path, workers=1, progress=None)
+    by_name = {s.name: s for s in report.shards}
+    assert by_name['00000.tar'].undecodable == ['000000002']
+    assert by_name['00001.tar'].missing == {'caption': 2}
+    assert by_name['00002.tar'].samples == 0
+    assert by_name['00003.tar'].error is not None
+    assert data_main(['check', str(tmp_path), '--workers', '1']) == 1
+    out = capsys.readouterr().out
+    assert '00000.tar: 1 undecodable images (000000002)' in out
+    assert '00001.tar: no caption in 2 of 6 samples' in out
+    assert '00002.tar: empty shard' in out
+    assert '00003.tar: unreadable' in out
+
+
+def test_check_catches_stale_sizes_json(tmp_path, capsys):
+    write_shards(tmp_path, 2, 4)
+    (tmp_path / 'sizes.json').write_text(json.dumps({'00000.tar': 4, '00001.tar': 9}))
+    assert data_main(['check', str(tmp_path), '--no-decode']) == 1
+    assert 'sizes.json disagrees with 1 shards (00001.tar)' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('make, message', [
+    (lambda p: p / 'nope', 'does not exist'),
+    (lambda p: p, 'no *.tar shards'),
+])
+def test_unusable_directories_name_the_fix(tmp_path, make, message, capsys):
+    with pytest.raises(DataError, match='shard|does not exist'):
+        list_shards(make(tmp_path))
+    assert data_main(['sizes', str(make(tmp_path))]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_retry_lists_failures_once_and_skips_urls_that_succeeded_later(tmp_path, capsys):
+    row = lambda url, status, err=None: {'url': url, 'caption': f'caption\tof {url}', 'status': status,
+                                         'error_message': err}
+    _parquet(tmp_path / '00000.parquet', [row('http://a/1', 'success'), row('http://a/2', 'failed_to_download',
+                                          'HTTP Error 404: Not Found'), row('http://a/3', 'failed_to_download', 'timeout')])
+    _parquet(tmp_path / '00001.parquet', [row('http://a/4', 'failed_to_resize', 'Image decoding error'),
+                                          row('http://a/3', 'success')])
+    out = tmp_path / 'failed.tsv'
+    report = write_retry(tmp_path, out, exclude=['404'])
+    lines = out.read_text().splitlines()
+    assert lines[0] == 'url\tcaption'
+    assert lines[1:] == ['http://a/4\tcaption of http://a/4']
+    assert (report.failed, report.written, report.excluded) == (2, 1, 1)
+    assert data_main(['retry', str(tmp_path), str(out)]) == 0
+    assert '2 failed URLs' in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_shards_of_img2dataset_layout_read_with_webdataset_keys(tmp_path):
+    write_shards(tmp_path, 1, 3)
+    with tarfile.open(tmp_path / '00000.tar') as tar:
+        names = tar.getnames()
+    assert names[:3] == ['000000000.jpg', '000000000.json', '000000000.txt']

@@ -1,0 +1,107 @@
+"""Image–caption data made by the tests: coloured shapes, webdataset shards, an HTTP server."""
+import contextlib
+import functools
+import http.server
+import io
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import webdataset as wds
+from PIL import Image, ImageDraw
+
+COLOURS = {'red': (220, 40, 40), 'green': (40, 190, 60), 'blue': (40, 60, 220), 'yellow': (230, 210, 40)}
+SHAPES = ('circle', 'square')
+CORRUPT_JPEG = b'\xff\xd8\xff\xe0' + b'\x00not a jpeg at all' * 8
+
+
+def picture(colour: str, shape: str, size=(96, 80), seed: int = 0) -> Image.Image:
+    """A `colour` `shape` on a grey background at a random place."""
+    rng = random.Random(seed)
+    img = Image.new('RGB', size, (128, 128, 128))
+    draw = ImageDraw.Draw(img)
+    r = min(size) // 3
+    x, y = rng.randint(r, size[0] - r), rng.randint(r, size[1] - r)
+    box = (x - r, y - r, x + r, y + r)
+    (draw.ellipse if shape == 'circle' else draw.rectangle)(box, fill=COLOURS[colour])
+    return img
+
+
+def jpeg(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, 'JPEG', quality=90)
+    return buf.getvalue()
+
+
+def sample(i: int, seed: int = 0):
+    rng = random.Random(seed * 100003 + i)
+    colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+    return picture(colour, shape, seed=seed * 100003 + i), f'a {colour} {shape}'
+
+
+def write_shards(directory, n_shards: int, per_shard: int, seed: int = 0, corrupt=(), no_caption=(),
+                 empty=(), sizes: bool = True) -> dict:
+    """Shards NNNNN.tar of jpg/txt/json samples; `corrupt`/`no_caption` are (shard, index) pairs,
+    `empty` shard numbers written without members. Returns {shard name: samples with an image}."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for s in range(n_shards):
+        name = f'{s:05d}.tar'
+        with wds.TarWriter(str(directory / name)) as writer:
+            n = 0 if s in empty else per_shard
+            for i in range(n):
+                img, text = sample(s * per_shard + i, seed)
+                record = {'__key__': f'{s:05d}{i:04d}', 'jpg': CORRUPT_JPEG if (s, i) in corrupt else jpeg(img),
+                          'json': json.dumps({'caption': text}).encode()}
+                if (s, i) not in no_caption:
+                    record['txt'] = text
+                writer.write(record)
+        counts[name] = 0 if s in empty else per_shard
+    if sizes:
+        (directory / 'sizes.json').write_text(json.dumps(counts))
+    return counts
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def http_server(directory):
+    """A real HTTP server for `directory` on 127.0.0.1; yields its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f'http://127.0.0.1:{server.server_address[1]}'
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def python_env(**extra) -> dict:
+    """Environment for subprocesses running this interpreter's diffzoo, offline and quiet."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE='1', NO_ALBUMENTATIONS_UPDATE='1', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+    env['PATH'] = str(Path(sys.executable).parent) + os.pathsep + env.get('PATH', '')
+    env.pop('WORLD_SIZE', None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, cwd, timeout=300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=python_env(**env), capture_output=True, text=True, timeout=timeout)
