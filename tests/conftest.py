@@ -1,7 +1,12 @@
+import os
+
 import pytest
 import torch
 
-import diffzoo  # noqa: F401  registers the timm and open_clip models
+os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')  # img2dataset's albumentations checks PyPI on import
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+
+import diffzoo  # noqa: E402,F401  registers the timm and open_clip models
 
 
 @pytest.fixture(autouse=True)

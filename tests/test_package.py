@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_carries_the_model_configs(tmp_path):
+def test_wheel_carries_configs_recipes_and_dataset_cards(tmp_path):
     subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--quiet', '--no-deps', '-w', str(tmp_path), str(ROOT)],
                    check=True, capture_output=True)
     wheel, = tmp_path.glob('diffzoo-*.whl')
@@ -14,6 +14,11 @@ def test_wheel_carries_the_model_configs(tmp_path):
     configs = {Path(n).name for n in names if n.startswith('diffzoo/model_configs/')}
     assert configs == {p.name for p in (ROOT / 'model_configs').glob('*.json')}
     assert len(configs) == 16
+    recipes = {Path(n).name for n in names if n.startswith('diffzoo/recipes/')}
+    assert recipes == {p.name for p in (ROOT / 'recipes').glob('*.yaml')}
+    cards = {Path(n).name for n in names if n.startswith('diffzoo/data/cards/')}
+    assert cards == {'cc3m.yaml', 'cc12m.yaml'}
+    assert {'diffzoo/train/launch.py', 'diffzoo/data/shards.py'} <= set(names)
 
 
 def test_ci_runs_the_readme_test_command():

@@ -42,7 +42,7 @@ class OpenClipChanged(RuntimeError):
     pass
 
 
-def _expect(module, name: str, params) -> Callable:
+def expect_function(module, name: str, params) -> Callable:
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise OpenClipChanged(
@@ -57,8 +57,8 @@ def _expect(module, name: str, params) -> Callable:
     return original
 
 
-def _wrap(module, name: str, params, make_wrapper) -> None:
-    original = _expect(module, name, params)
+def wrap_function(module, name: str, params, make_wrapper) -> None:
+    original = expect_function(module, name, params)
     wrapper = functools.wraps(original)(make_wrapper(original))
     setattr(wrapper, _WRAPPED, original)
     setattr(module, name, wrapper)
@@ -136,13 +136,13 @@ def register_configs() -> None:
 
 def install() -> None:
     """Register diffzoo's configs and tags with open_clip and install the seams (idempotent)."""
-    _wrap(open_clip.model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'),
+    wrap_function(open_clip.model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'),
           _text_tower_builder)
-    _expect(open_clip.coca_model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'))
+    expect_function(open_clip.coca_model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'))
     open_clip.coca_model._build_text_tower = open_clip.model._build_text_tower  # CoCa's own reference
-    _wrap(open_clip.factory, 'load_state_dict', ('checkpoint_path', 'device', 'weights_only'),
+    wrap_function(open_clip.factory, 'load_state_dict', ('checkpoint_path', 'device', 'weights_only'),
           _state_dict_loader)
-    _wrap(open_clip.factory, 'load_checkpoint', ('model', 'checkpoint_path', 'strict', 'weights_only'),
+    wrap_function(open_clip.factory, 'load_checkpoint', ('model', 'checkpoint_path', 'strict', 'weights_only'),
           _checkpoint_loader)
     registry = getattr(open_clip.pretrained, '_PRETRAINED', None)
     if not isinstance(registry, dict):

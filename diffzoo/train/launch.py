@@ -1,0 +1,171 @@
+"""`python -m diffzoo.train`: a recipe (+ overrides) -> open_clip_train's own training loop.
+
+    python -m diffzoo.train --recipe RECIPE [--key value …] [-- open_clip_train flags]
+    python -m diffzoo.train -- open_clip_train flags          (a complete run without a recipe)
+    python -m diffzoo.train recipes                          (the shipped recipes)
+    python -m diffzoo.train plot-lambda RUN_DIR [--out PNG]   (λ against step, every layer)
+
+Before open_clip builds anything, the data is checked (shards exist, sizes known, enough shards
+for the workers) and the run directory is checked: a directory that holds a run started with
+other settings is refused, one with the same settings is resumed from its latest checkpoint
+(recipes set `--resume latest --save-most-recent`). Flags after `--` are appended last, so they
+win over the recipe. Under torchrun every process runs this; only rank 0 prints and writes.
+"""
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+from diffzoo.data.shards import DataError
+from .recipe import (
+    DIFFZOO_KEYS, Plan, RecipeError, dataset_size, expand_shards, find_recipe, load_recipe, parse_overrides,
+    recipe_names, resolve,
+)
+
+RUN_CONFIG = 'diffzoo-run.json'
+# open_clip_train settings that may differ when a run is resumed (hardware, logging, world size).
+MAY_CHANGE_ON_RESUME = {
+    'workers', 'batch_size', 'accum_freq', 'warmup', 'local_loss', 'gather_with_grad', 'log_every_n_steps',
+    'report_to', 'device', 'dist_url', 'dist_backend', 'grad_checkpointing', 'torchcompile', 'precision',
+    'resume', 'save_frequency', 'val_frequency', 'zeroshot_frequency', 'log_local', 'debug', 'horovod',
+    'no_set_device_rank', 'use_bn_sync', 'ddp_static_graph', 'delete_previous_checkpoint', 'wandb_notes',
+    'remote_sync', 'remote_sync_frequency', 'remote_sync_protocol', 'save_most_recent',
+}
+
+
+def _world() -> tuple:
+    from open_clip_train.distributed import world_info_from_env
+    return world_info_from_env()  # (local_rank, rank, world_size), from torchrun / SLURM variables
+
+
+def _jsonable(args) -> Dict:
+    return json.loads(json.dumps(vars(args), default=str))
+
+
+def check_run_dir(args, rank: int) -> Optional[str]:
+    """Refuse a run directory holding a run with other settings; record the settings of a new one."""
+    if args.name is None:
+        return None  # open_clip names a new directory by date
+    run_dir = os.path.join(args.logs, args.name)
+    path = os.path.join(run_dir, RUN_CONFIG)
+    config = _jsonable(args)
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+        changed = sorted(k for k in set(stored) | set(config)
+                         if k not in MAY_CHANGE_ON_RESUME and stored.get(k) != config.get(k))
+        if changed:
+            diffs = '; '.join(f'{k}: {stored.get(k)!r} -> {config.get(k)!r}' for k in changed[:6])
+            raise RecipeError(f'{run_dir} holds a run started with other settings ({diffs}). Re-run its original '
+                              f'command to resume it, or pass --name NEW for a new run.')
+    elif rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, 'w') as f:
+            json.dump(config, f, indent=1, sort_keys=True)
+    return run_dir
+
+
+def preflight(argv: List[str], world_size: int):
+    """open_clip_train's parsed args for `argv`, after the data checks open_clip would do later."""
+    from open_clip_train.params import parse_args
+    args = parse_args(list(argv))
+    if args.train_data and args.dataset_type in ('webdataset', 'auto') and '.tar' in args.train_data:
+        _, shards = expand_shards(args.train_data)
+        if args.train_num_samples is None:
+            dataset_size(shards)
+        if not args.dataset_resampled and len(shards) < max(1, args.workers) * world_size:
+            raise RecipeError(f'{len(shards)} shards cannot feed {args.workers} data workers on each of '
+                              f'{world_size} processes; lower --workers or pass --dataset-resampled')
+    return args
+
+
+def print_plan(plan: Optional[Plan], source: Optional[str], argv: List[str], run_dir: Optional[str]) -> None:
+    if plan is not None:
+        print(f'diffzoo.train: recipe {plan.name} ({source})')
+        width = max(len(k) for k in plan.recipe)
+        for key, value in plan.recipe.items():
+            print(f'  {key:<{width}}  {value}')
+        print(f'derived for {plan.derived["world_size"]} process(es): '
+              + ', '.join(f'{k} {v}' for k, v in plan.derived.items() if k != 'world_size'))
+    print('open_clip_train ' + ' '.join(argv))
+    if run_dir:
+        print(f'run directory: {run_dir}')
+    sys.stdout.flush()
+
+
+def _plot_lambda(argv: List[str]) -> int:
+    import argparse
+    from .metrics import plot_lambda
+    p = argparse.ArgumentParser(prog='python -m diffzoo.train plot-lambda')
+    p.add_argument('run_dir')
+    p.add_argument('--out', default=None, help='PNG path (default RUN_DIR/lambda.png)')
+    a = p.parse_args(argv)
+    print(plot_lambda(a.run_dir, a.out))
+    return 0
+
+
+def _list_recipes() -> int:
+    import yaml
+    for name in recipe_names():
+        with open(find_recipe(name)) as f:
+            description = (yaml.safe_load(f) or {}).get('description', '')
+        print(f'  {name:<28} {description}')
+    return 0
+
+
+def run(argv: List[str]) -> int:
+    head, raw = (argv[:argv.index('--')], argv[argv.index('--') + 1:]) if '--' in argv else (argv, [])
+    recipe_arg = None
+    if head and head[0].startswith('--recipe'):
+        if '=' in head[0]:
+            recipe_arg, head = head[0].split('=', 1)[1], head[1:]
+        elif len(head) > 1:
+            recipe_arg, head = head[1], head[2:]
+        else:
+            raise RecipeError('--recipe needs a value: a shipped recipe name or a YAML path')
+    overrides = parse_overrides(head)
+    local_rank, rank, world_size = _world()
+    plan, source = None, None
+    if recipe_arg is not None:
+        source = str(find_recipe(recipe_arg))
+        recipe = load_recipe(recipe_arg)
+        recipe.update(overrides)
+        plan = resolve(recipe, os.path.basename(source)[:-len('.yaml')], world_size)
+        argv = plan.argv + raw
+    else:
+        if overrides:
+            raise RecipeError(f'--{next(iter(overrides))}: overrides need --recipe; without one, put '
+                              f'open_clip_train flags after --')
+        if not raw:
+            raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags after --\n'
+                              + __doc__)
+        argv = raw
+    args = preflight(argv, world_size)
+    run_dir = check_run_dir(args, rank)
+    if rank == 0:
+        print_plan(plan, source, argv, run_dir)
+
+    import open_clip_train.main
+    from . import seams
+    with seams.installed():
+        result = open_clip_train.main.main(argv)
+    return 1 if result == -1 else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (['-h'], ['--help']):
+        print(__doc__)
+        print('recipe keys of diffzoo (plus every open_clip_train flag, with underscores):')
+        for key, text in DIFFZOO_KEYS.items():
+            print(f'  {key:<18} {text}')
+        return 0
+    try:
+        if argv[:1] == ['plot-lambda']:
+            return _plot_lambda(argv[1:])
+        if argv[:1] == ['recipes']:
+            return _list_recipes()
+        return run(argv)
+    except (RecipeError, DataError, FileNotFoundError) as exc:
+        print(f'error: {exc}', file=sys.stderr)
+        return 2

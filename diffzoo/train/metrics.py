@@ -1,0 +1,142 @@
+"""λ of every differential layer, and the training loss, logged while open_clip_train trains.
+
+`RUN_DIR/lambda.jsonl` holds one record per logged step:
+    {"step": 120, "epoch": 0, "lr": 0.00049, "loss": 3.91, "lambda": {"visual.trunk.blocks.0.attn": 0.79, …}}
+`step` counts optimizer updates done; λ is read after that update and `loss` is the loss the update
+was computed from (record 0 is the initial λ, without loss). Records are written every
+`--log-every-n-steps` steps and at the end of each epoch; with tensorboard on, λ also goes to
+`lambda/<layer>` scalars. Layers whose λ depends on the input (variant v2) are not logged.
+"""
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from diffzoo.layers import DifferentialAttention
+
+LAMBDA_FILE = 'lambda.jsonl'
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, 'module', None) or getattr(model, '_orig_mod', None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def lambda_layers(model: torch.nn.Module) -> Dict[str, DifferentialAttention]:
+    """Differential layers with an input-independent λ, by module name (vision then text)."""
+    return {name: m for name, m in unwrap(model).named_modules()
+            if isinstance(m, DifferentialAttention) and m.variant != 'v2'}
+
+
+def lambda_values(layers: Dict[str, DifferentialAttention]) -> Dict[str, float]:
+    if not layers:
+        return {}
+    with torch.no_grad():
+        values = torch.stack([m.compute_lambda(None).reshape(()) for m in layers.values()]).tolist()
+    return dict(zip(layers, values))
+
+
+class LambdaLog:
+    """Follows one epoch of open_clip_train's loop through its scheduler calls and loss outputs."""
+
+    def __init__(self, run_dir: Optional[str], model, optimizer, epoch: int, every: int, tb_writer=None):
+        self.path = os.path.join(run_dir, LAMBDA_FILE) if run_dir else None
+        self.layers = lambda_layers(model) if run_dir else {}
+        self.optimizer, self.epoch, self.every, self.tb_writer = optimizer, epoch, max(1, every), tb_writer
+        self.step: Optional[int] = None  # the step in progress (0-based, as open_clip counts)
+        self.loss_sum: Optional[torch.Tensor] = None
+        self.loss_count = 0
+
+    def wrap_scheduler(self, scheduler):
+        def scheduled(step):
+            self.on_step(step)
+            return scheduler(step) if scheduler is not None else None
+        return scheduled
+
+    def on_loss(self, module, inputs, output) -> None:
+        if self.path is None or self.step is None:
+            return
+        total = sum(output.values()) if isinstance(output, dict) else output
+        total = total.detach().float()
+        self.loss_sum = total if self.loss_sum is None else self.loss_sum + total
+        self.loss_count += 1
+
+    def on_step(self, step: int) -> None:
+        if self.path is None or step == self.step:
+            return  # gradient accumulation calls the scheduler once per micro-batch
+        if self.step is None:
+            if step == 0:
+                self._write(0, loss=None)
+        else:
+            self._finish(final=False)
+        self.step, self.loss_sum, self.loss_count = step, None, 0
+
+    def end_epoch(self) -> None:
+        if self.path is not None and self.step is not None:
+            self._finish(final=True)
+            self.step = None
+
+    def _finish(self, final: bool) -> None:
+        done = self.step + 1
+        if final or done % self.every == 0:
+            loss = (self.loss_sum / self.loss_count).item() if self.loss_count else None
+            self._write(done, loss)
+
+    def _write(self, step: int, loss: Optional[float]) -> None:
+        lam = lambda_values(self.layers)
+        record = {'step': step, 'epoch': self.epoch, 'lr': self.optimizer.param_groups[0]['lr'],
+                  'loss': loss, 'lambda': lam}
+        with open(self.path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+        if self.tb_writer is not None:
+            for name, value in lam.items():
+                self.tb_writer.add_scalar(f'lambda/{name}', value, step)
+
+
+def read_lambda_log(run_dir: str) -> List[Dict]:
+    path = os.path.join(run_dir, LAMBDA_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f'{path} not found: is {run_dir} a run directory of python -m diffzoo.train?')
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_lambda(run_dir: str, out: Optional[str] = None) -> str:
+    """λ against step for every layer, vision and text towers side by side, to a PNG."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    records = read_lambda_log(run_dir)
+    by_step = {}
+    for r in records:
+        by_step[r['step']] = r['lambda']  # a resumed run repeats steps; the latest record wins
+    steps = sorted(by_step)
+    names = list(by_step[steps[-1]]) if steps else []
+    if not names:
+        raise ValueError(f'{run_dir}: the model has no layer with a learned λ (a baseline run?)')
+    towers = {'vision': [n for n in names if n.startswith('visual.')],
+              'text': [n for n in names if not n.startswith('visual.')]}
+    towers = {k: v for k, v in towers.items() if v}
+    fig, axes = plt.subplots(1, len(towers), figsize=(6 * len(towers), 4), squeeze=False)
+    for ax, (tower, layers) in zip(axes[0], towers.items()):
+        colours = plt.cm.viridis([i / max(1, len(layers) - 1) for i in range(len(layers))])
+        for i, (name, colour) in enumerate(zip(layers, colours)):
+            xs = [s for s in steps if name in by_step[s]]
+            ax.plot(xs, [by_step[s][name] for s in xs], color=colour, label=f'block {i}')
+        ax.set_title(f'{tower} tower')
+        ax.set_xlabel('optimizer step')
+        ax.set_ylabel('λ')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, 'lambda.png')
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

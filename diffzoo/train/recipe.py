@@ -1,0 +1,333 @@
+"""Training recipes: YAML files that expand to open_clip_train's command line.
+
+A recipe key is either one of open_clip_train's own flags, spelt with underscores (`lr`, `wd`,
+`beta1`, `precision`, `train_data`, …), or one of the few keys diffzoo derives flags from:
+
+- `global_batch_size`, `max_batch_per_gpu`: the per-GPU `--batch-size` is the global batch split
+  over the world size; where that exceeds `max_batch_per_gpu`, `--accum-freq` makes up the rest
+  (open_clip accumulates features, so the contrastive loss still sees the global batch).
+- `warmup_epochs`: open_clip counts warm-up in optimizer steps; the steps per epoch follow from
+  the dataset size (`sizes.json` or `train_num_samples`), the global batch and the workers,
+  exactly as open_clip_train computes them.
+- `distributed_loss`: `auto` adds `--local-loss --gather-with-grad` when the world size is > 1.
+- `base`: another recipe this one extends (a shipped name or a path relative to this file).
+
+`train_data` is a shard directory (all its `*.tar`), a brace pattern or a `::` list; `${VAR}`
+in any string value is read from the environment.
+"""
+import difflib
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import yaml
+
+from diffzoo.data.shards import SIZES_FILE, DataError, list_shards
+
+DIFFZOO_KEYS = {
+    'base': 'recipe this one extends',
+    'description': 'one line saying what the run reproduces',
+    'global_batch_size': 'samples per optimizer step, all GPUs together',
+    'max_batch_per_gpu': 'largest per-GPU batch; above it, gradient accumulation',
+    'warmup_epochs': 'warm-up length in epochs (turned into open_clip steps)',
+    'distributed_loss': 'auto | true | false: --local-loss --gather-with-grad on > 1 process',
+}
+# open_clip flags that diffzoo computes; a recipe gives the diffzoo key instead.
+DERIVED = {'batch_size': 'global_batch_size', 'accum_freq': 'global_batch_size',
+           'warmup': 'warmup_epochs', 'local_loss': 'distributed_loss', 'gather_with_grad': 'distributed_loss'}
+_ENV_RE = re.compile(r'\$\{([A-Za-z_][A-Za-z0-9_]*)\}')
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-3` as a string; recipes and overrides mean a number."""
+
+
+_Loader.add_implicit_resolver(
+    'tag:yaml.org,2002:float',
+    re.compile(r'^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$'),
+    list('-+0123456789.'))
+
+
+def yaml_value(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+class RecipeError(ValueError):
+    """A recipe or override that cannot be turned into a run; the message names the fix."""
+
+
+@functools.lru_cache(maxsize=1)
+def open_clip_defaults() -> Dict:
+    """open_clip_train's flags (as argparse dests) and their default values."""
+    from open_clip_train.params import parse_args
+    return dict(vars(parse_args([])))
+
+
+def valid_keys() -> List[str]:
+    return sorted(set(DIFFZOO_KEYS) | set(open_clip_defaults()))
+
+
+def recipe_names() -> List[str]:
+    return sorted(p.name[:-5] for p in resources.files('diffzoo').joinpath('recipes').iterdir()
+                  if p.name.endswith('.yaml') and not p.name.startswith('_'))
+
+
+def _shipped(name: str) -> Path:
+    return Path(str(resources.files('diffzoo').joinpath('recipes', f'{name}.yaml')))
+
+
+def find_recipe(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
+    candidates = [Path(name_or_path)]
+    if relative_to is not None:
+        candidates.insert(0, relative_to / name_or_path)
+    candidates.append(_shipped(Path(name_or_path).stem if name_or_path.endswith('.yaml') else name_or_path))
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise RecipeError(f'no recipe {name_or_path!r}: not a file, and not a shipped recipe '
+                      f'({", ".join(recipe_names())})')
+
+
+def load_recipe(name_or_path: str, relative_to: Optional[Path] = None, _seen=()) -> Dict:
+    """The recipe's keys with its `base` chain merged underneath (later files win)."""
+    path = find_recipe(name_or_path, relative_to).resolve()
+    if path in _seen:
+        raise RecipeError(f'recipe {path} extends itself through `base`')
+    with open(path) as f:
+        data = yaml.load(f, Loader=_Loader) or {}
+    if not isinstance(data, dict):
+        raise RecipeError(f'recipe {path} is not a mapping of keys to values')
+    base = data.pop('base', None)
+    merged = load_recipe(base, path.parent, _seen + (path,)) if base else {}
+    merged.update(data)
+    return merged
+
+
+def parse_overrides(tokens: List[str]) -> Dict:
+    """['--lr', '1e-3', '--epochs=2', '--grad-checkpointing'] -> {'lr': 0.001, 'epochs': 2, …}."""
+    out, i = {}, 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith('--') or token == '--':
+            raise RecipeError(f'overrides are --key value pairs; got {token!r} '
+                              f'(open_clip_train flags go after a lone --)')
+        if '=' in token:
+            key, value = token[2:].split('=', 1)
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith('--'):
+            key, value = token[2:], tokens[i + 1]
+            i += 2
+        else:
+            key, value = token[2:], 'true'
+            i += 1
+        out[key.replace('-', '_')] = yaml_value(value)
+    return out
+
+
+def check_keys(recipe: Dict) -> None:
+    known = set(valid_keys())
+    unknown = [k for k in recipe if k not in known]
+    if unknown:
+        lines = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            lines.append(f'  {key}' + (f' (did you mean {", ".join(close)}?)' if close else ''))
+        ours = '\n'.join(f'  {k:<18} {v}' for k, v in DIFFZOO_KEYS.items())
+        raise RecipeError('unknown recipe keys:\n' + '\n'.join(lines)
+                          + f'\nvalid keys are diffzoo\'s:\n{ours}\nand every open_clip_train flag with '
+                            f'underscores for dashes (python -m open_clip_train.main --help)')
+    derived = [k for k in recipe if k in DERIVED]
+    if derived:
+        raise RecipeError(f'{", ".join(derived)}: diffzoo computes these; set '
+                          f'{", ".join(sorted({DERIVED[k] for k in derived}))} instead')
+
+
+def expand_env(recipe: Dict) -> Dict:
+    def expand(key, value):
+        if isinstance(value, str):
+            def sub(m):
+                if m.group(1) not in os.environ:
+                    raise RecipeError(f'recipe key {key} uses ${{{m.group(1)}}}, which is not set; '
+                                      f'export {m.group(1)}=… or pass --{key} …')
+                return os.environ[m.group(1)]
+            return _ENV_RE.sub(sub, value)
+        if isinstance(value, list):
+            return [expand(key, v) for v in value]
+        if isinstance(value, dict):
+            return {k: expand(key, v) for k, v in value.items()}
+        return value
+    return {k: expand(k, v) for k, v in recipe.items()}
+
+
+def _is_remote(url: str) -> bool:
+    return '://' in url or url.startswith('pipe:')
+
+
+def shard_pattern(shards: List[str]) -> str:
+    """Shard paths as brace ranges joined by `::`: [.../00000.tar … .../00009.tar] -> .../{00000..00009}.tar."""
+    runs: List[List[str]] = []
+    for path in shards:
+        stem = Path(path).stem
+        if runs and stem.isdigit():
+            prev = Path(runs[-1][-1])
+            if (prev.parent == Path(path).parent and prev.stem.isdigit() and len(prev.stem) == len(stem)
+                    and int(stem) == int(prev.stem) + 1):
+                runs[-1].append(path)
+                continue
+        runs.append([path])
+    parts = []
+    for run in runs:
+        if len(run) == 1:
+            parts.append(run[0])
+        else:
+            first, last = Path(run[0]), Path(run[-1])
+            parts.append(str(first.parent / f'{{{first.stem}..{last.stem}}}.tar'))
+    return '::'.join(parts)
+
+
+def expand_shards(train_data: str) -> Tuple[str, List[str]]:
+    """(open_clip --train-data value, shard list) for a directory, brace pattern or `::` list."""
+    import braceexpand
+
+    if os.path.isdir(train_data):
+        shards = [str(p) for p in list_shards(train_data)]
+        return shard_pattern(shards), shards
+    shards = [s for part in train_data.split('::') for s in braceexpand.braceexpand(part)]
+    local = [s for s in shards if not _is_remote(s)]
+    missing = [s for s in local if not os.path.isfile(s)]
+    if local and len(missing) == len(local):
+        parent = os.path.dirname(local[0]) or '.'
+        hint = (f'{parent} does not exist' if not os.path.isdir(parent)
+                else f'{parent} holds {len(list(Path(parent).glob("*.tar")))} *.tar files')
+        raise RecipeError(f'train_data {train_data!r} matches no shard ({hint}); pass --train_data DIR')
+    if missing:
+        raise RecipeError(f'train_data {train_data!r}: {len(missing)} of {len(shards)} shards are missing '
+                          f'(first: {missing[0]}); fix the pattern or pass the directory')
+    return train_data, shards
+
+
+def dataset_size(shards: List[str]) -> int:
+    """Samples in `shards` from the sizes.json next to the first shard, as open_clip reads it."""
+    folder = os.path.dirname(shards[0])
+    path = os.path.join(folder, SIZES_FILE)
+    if not os.path.exists(path):
+        raise RecipeError(f'no {SIZES_FILE} in {folder} and no train_num_samples: run '
+                          f'python -m diffzoo.data sizes {folder}, or pass --train_num_samples N')
+    with open(path) as f:
+        sizes = json.load(f)
+    missing = [os.path.basename(s) for s in shards if os.path.basename(s) not in sizes]
+    if missing:
+        raise RecipeError(f'{path} has no entry for {len(missing)} shards (first: {missing[0]}); '
+                          f'run python -m diffzoo.data sizes {folder}')
+    return sum(int(sizes[os.path.basename(s)]) for s in shards)
+
+
+def split_batch(global_batch: int, world_size: int, max_per_gpu: Optional[int]) -> Tuple[int, int]:
+    """(per-GPU batch, accumulation steps) with per_gpu * world_size * accum == global_batch."""
+    if global_batch % world_size:
+        raise RecipeError(f'global_batch_size {global_batch} does not divide over {world_size} processes; '
+                          f'choose a multiple of {world_size}')
+    per_process = global_batch // world_size
+    accum = max(1, math.ceil(per_process / max_per_gpu)) if max_per_gpu else 1
+    while per_process % accum:
+        accum += 1
+    return per_process // accum, accum
+
+
+def steps_per_epoch(num_samples: int, per_gpu: int, world_size: int, workers: int, accum: int) -> int:
+    """Optimizer steps in one epoch, as open_clip_train's webdataset loader and scheduler count them."""
+    num_batches = math.ceil(num_samples / (per_gpu * world_size))
+    workers = max(1, workers)
+    num_batches = math.ceil(num_batches / workers) * workers
+    return num_batches // accum
+
+
+@dataclass
+class Plan:
+    """A recipe resolved for one world size: open_clip_train argv and what was derived."""
+    name: str
+    recipe: Dict
+    argv: List[str]
+    derived: Dict = field(default_factory=dict)
+
+
+def _flag(key: str) -> str:
+    return '--' + key.replace('_', '-')
+
+
+def to_argv(options: Dict) -> List[str]:
+    defaults = open_clip_defaults()
+    argv = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value and defaults.get(key) is not True:
+                argv.append(_flag(key))
+            elif not value and defaults.get(key) is True:
+                raise RecipeError(f'{key}: false is open_clip\'s default already; remove the key')
+            continue
+        if isinstance(value, dict):
+            argv += [_flag(key)] + [f'{k}={v!r}' if isinstance(v, str) else f'{k}={v}' for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            argv += [_flag(key)] + [str(v) for v in value]
+        else:
+            argv += [_flag(key), str(value)]
+    return argv
+
+
+def resolve(recipe: Dict, name: str, world_size: int) -> Plan:
+    """Turn a merged recipe (+ overrides) into open_clip_train argv for `world_size` processes."""
+    check_keys(recipe)
+    recipe = expand_env(recipe)
+    options = {k: v for k, v in recipe.items() if k not in DIFFZOO_KEYS}
+    derived = {'world_size': world_size}
+
+    if not options.get('model'):
+        raise RecipeError('the recipe names no model; add `model: diffclip-b16` (or pass --model …)')
+    options = {'model': options.pop('model'), **options}
+    options.setdefault('name', name)
+    options.setdefault('logs', 'runs')
+    options.setdefault('resume', 'latest')
+    options.setdefault('save_most_recent', True)
+
+    if options.get('train_data'):
+        options['train_data'], shards = expand_shards(str(options['train_data']))
+        num_samples = options.get('train_num_samples') or dataset_size(shards)
+        derived.update(shards=len(shards), samples=num_samples)
+        workers = int(options.get('workers', open_clip_defaults()['workers']))
+        if not options.get('dataset_resampled') and len(shards) < max(1, workers) * world_size:
+            raise RecipeError(f'{len(shards)} shards cannot feed {workers} data workers on each of {world_size} '
+                              f'processes; pass --workers {max(1, len(shards) // world_size)} or '
+                              f'--dataset_resampled true')
+        global_batch = recipe.get('global_batch_size')
+        if global_batch:
+            per_gpu, accum = split_batch(int(global_batch), world_size, recipe.get('max_batch_per_gpu'))
+            options.update(batch_size=per_gpu, accum_freq=accum)
+            derived.update(global_batch_size=int(global_batch), batch_per_gpu=per_gpu, accum_freq=accum)
+        per_gpu = int(options.get('batch_size', open_clip_defaults()['batch_size']))
+        accum = int(options.get('accum_freq', 1))
+        steps = steps_per_epoch(num_samples, per_gpu, world_size, workers, accum)
+        derived['steps_per_epoch'] = steps
+        if recipe.get('warmup_epochs') is not None:
+            options['warmup'] = int(round(float(recipe['warmup_epochs']) * steps))
+            derived['warmup_steps'] = options['warmup']
+
+    report_to = str(options.get('report_to') or '')
+    if 'tensorboard' in report_to and importlib.util.find_spec('tensorboard') is None:
+        options['report_to'] = ','.join(x for x in report_to.split(',') if x != 'tensorboard') or None
+        derived['tensorboard'] = 'not installed, not reported to (pip install tensorboard)'
+
+    loss_mode = recipe.get('distributed_loss', 'auto')
+    if loss_mode not in ('auto', True, False):
+        raise RecipeError(f'distributed_loss must be auto, true or false; got {loss_mode!r}')
+    if loss_mode is True or (loss_mode == 'auto' and world_size > 1):
+        options.update(local_loss=True, gather_with_grad=True)
+    return Plan(name=str(options['name']), recipe=recipe, argv=to_argv(options), derived=derived)

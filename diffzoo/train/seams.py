@@ -1,0 +1,117 @@
+"""Every place `python -m diffzoo.train` reaches into open_clip_train, in one module.
+
+Installed by `installed()` for the duration of one `open_clip_train.main.main` call, in the
+training process only (`import diffzoo` alone changes nothing in open_clip_train):
+
+- `torch.nn.parallel.DistributedDataParallel` as open_clip_train.main sees it: open_clip wraps the
+  model with `device_ids=[device]`, which DDP refuses for a CPU module; the CPU case drops them
+  (gloo on CPU then works, e.g. `torchrun --nproc_per_node 2` on a laptop).
+- `open_clip_train.main.train_one_epoch`: around each epoch, logs λ and loss
+  (`diffzoo.train.metrics`) and, at its end, gathers what the data pipeline skipped from every
+  rank and reports it (`RUN_DIR/data.jsonl` and the log).
+- `open_clip_train.data.filter_no_caption_or_no_image`, `.log_and_continue`, `.tar_file_expander`:
+  the same skipping as open_clip's, counted (`diffzoo.train.data_events`).
+- torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back.
+"""
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+
+import open_clip_train.data
+import open_clip_train.main
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from diffzoo.clip.seams import expect_function
+from . import data_events
+from .metrics import LambdaLog
+
+DATA_REPORT_FILE = 'data.jsonl'
+
+
+class CpuAwareDistributedDataParallel(DistributedDataParallel):
+    """DDP that ignores `device_ids` naming only CPU devices (DDP accepts none for CPU modules)."""
+
+    def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        if device_ids and all(torch.device(d).type == 'cpu' for d in device_ids):
+            device_ids, output_device = None, None
+        super().__init__(module, device_ids, output_device, *args, **kwargs)
+
+
+def _quiet_torch_loggers() -> None:
+    """open_clip_train's logging set-up lowers every logger to INFO, torch's too (DDP bucket
+    messages each step, compiler statistics at exit); give torch its own levels back."""
+    for name in list(logging.root.manager.loggerDict):
+        if name == 'torch' or name.startswith('torch.'):
+            logging.getLogger(name).setLevel(logging.WARNING if name == 'torch' else logging.NOTSET)
+
+
+def _epoch_wrapper(original, events_dir: str):
+    def train_one_epoch(model, data, loss, epoch, optimizer, scaler, scheduler, dist_model, args, tb_writer=None):
+        _quiet_torch_loggers()
+        master = args.rank == 0
+        run_dir = os.path.join(args.logs, args.name) if master and args.logs else None
+        log = LambdaLog(run_dir, model, optimizer, epoch, args.log_every_n_steps, tb_writer)
+        hook = loss.register_forward_hook(log.on_loss)
+        before = data_events.collect(events_dir)
+        try:
+            original(model, data, loss, epoch, optimizer, scaler, log.wrap_scheduler(scheduler), dist_model,
+                     args, tb_writer=tb_writer)
+        finally:
+            hook.remove()
+        log.end_epoch()
+        report = data_events.delta(before, data_events.collect(events_dir))
+        per_rank = [report]
+        if dist.is_available() and dist.is_initialized():
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, report)
+        if master:
+            samples = data['train'].dataloader.num_samples
+            logging.info(data_events.summary(epoch + 1, samples, per_rank))
+            if run_dir:
+                with open(os.path.join(run_dir, DATA_REPORT_FILE), 'a') as f:
+                    f.write(json.dumps({'epoch': epoch + 1, 'samples_trained': samples, 'ranks': per_rank}) + '\n')
+    return train_one_epoch
+
+
+@contextlib.contextmanager
+def installed():
+    """Patch open_clip_train for one run and restore it afterwards."""
+    data_mod, main_mod = open_clip_train.data, open_clip_train.main
+    originals = {
+        (data_mod, 'filter_no_caption_or_no_image'): expect_function(data_mod, 'filter_no_caption_or_no_image',
+                                                                     ('sample',)),
+        (data_mod, 'log_and_continue'): expect_function(data_mod, 'log_and_continue', ('exn',)),
+        (data_mod, 'tar_file_expander'): expect_function(data_mod, 'tar_file_expander', ('data', 'handler')),
+        (main_mod, 'train_one_epoch'): expect_function(
+            main_mod, 'train_one_epoch',
+            ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
+    }
+    parallel = main_mod.torch.nn.parallel
+    ddp = parallel.DistributedDataParallel
+    events_dir = tempfile.mkdtemp(prefix='diffzoo-data-')
+    warnings.filterwarnings('ignore', message='torch.distributed.nn.functional.all_gather is deprecated')
+    previous_env = os.environ.get(data_events.ENV)
+    os.environ[data_events.ENV] = events_dir  # data-loader workers inherit it
+    try:
+        data_mod.filter_no_caption_or_no_image = data_events.filter_no_caption_or_no_image
+        data_mod.log_and_continue = data_events.log_and_continue
+        data_mod.tar_file_expander = data_events.tar_file_expander
+        main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
+        parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
+        yield
+    finally:
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
+        parallel.DistributedDataParallel = ddp
+        if previous_env is None:
+            os.environ.pop(data_events.ENV, None)
+        else:
+            os.environ[data_events.ENV] = previous_env
+        shutil.rmtree(events_dir, ignore_errors=True)
+        _quiet_torch_loggers()

@@ -1,0 +1,102 @@
+"""`python -m diffzoo.train` in real processes, on shards with bad samples in them."""
+import json
+import sys
+
+import pytest
+
+from tests.factory import run, write_shards
+
+TRAIN = [sys.executable, '-m', 'diffzoo.train']
+
+
+@pytest.fixture(scope='module')
+def damaged_run(tmp_path_factory):
+    """One epoch of diffclip-tiny on shards with a corrupt JPEG, a sample without caption, an empty shard."""
+    root = tmp_path_factory.mktemp('launch')
+    write_shards(root / 'shards', 4, 12, corrupt={(0, 3)}, no_caption={(1, 5)}, empty={2})
+    cmd = TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8']
+    result = run(cmd, cwd=root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root, cmd, result
+
+
+def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
+    root, _, result = damaged_run
+    run_dir = root / 'runs' / 'diffclip-tiny'
+    report = json.loads((run_dir / 'data.jsonl').read_text().splitlines()[0])
+    skipped = report['ranks'][0]['skipped']
+    assert skipped['undecodable_image'] >= 1 and skipped['no_caption'] >= 1 and skipped['empty_shard'] >= 1
+    assert report['samples_trained'] == 40  # ceil(36 / 8) batches of 8, as open_clip counts
+    examples = {(reason, key) for reason, _, key in report['ranks'][0]['examples']}
+    assert ('undecodable_image', '000000003') in examples and ('no_caption', '000010005') in examples
+    log = (run_dir / 'out.log').read_text()
+    assert 'undecodable image (00000.tar/000000003)' in log and 'without caption (00001.tar/000010005)' in log
+    assert 'empty shards (00002.tar)' in log
+    assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
+
+
+def test_resolved_configuration_is_printed_first(damaged_run):
+    _, _, result = damaged_run
+    out = result.stdout
+    assert out.startswith('diffzoo.train: recipe diffclip-tiny')
+    assert 'derived for 1 process(es): shards 4, samples 36' in out
+    assert 'open_clip_train --model diffclip-tiny' in out
+
+
+def test_lambda_log_and_plot(damaged_run):
+    root, _, _ = damaged_run
+    run_dir = root / 'runs' / 'diffclip-tiny'
+    records = [json.loads(line) for line in (run_dir / 'lambda.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in records] == list(range(6))  # initial λ + 5 steps
+    assert records[0]['loss'] is None and all(r['loss'] > 0 for r in records[1:])
+    layers = records[-1]['lambda']
+    assert len(layers) == 8 and sum(n.startswith('visual.trunk.blocks.') for n in layers) == 4
+    assert records[-1]['lambda'] != records[0]['lambda']  # λ is trained
+    result = run(TRAIN + ['plot-lambda', str(run_dir)], cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    png = run_dir / 'lambda.png'
+    assert result.stdout.strip() == str(png) and png.read_bytes()[:4] == b'\x89PNG'
+
+
+def test_a_run_directory_with_other_settings_is_refused(damaged_run):
+    root, cmd, _ = damaged_run
+    result = run(cmd + ['--lr', '0.01'], cwd=root)
+    assert result.returncode == 2
+    assert 'holds a run started with other settings (lr: 0.001 -> 0.01)' in result.stderr
+    assert '--name NEW' in result.stderr
+
+
+def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(damaged_run):
+    root, cmd, _ = damaged_run
+    checkpoint = root / 'runs' / 'diffclip-tiny' / 'checkpoints' / 'epoch_1.pt'
+    before = checkpoint.stat().st_mtime_ns
+    result = run(cmd, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = (root / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
+    assert "=> resuming checkpoint" in log and '(epoch 1)' in log
+    assert checkpoint.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--train_data', 'missing/{00000..00009}.tar'], 'matches no shard (missing does not exist)'),
+    (['--train_data', 'no_sizes'], 'no sizes.json in no_sizes and no train_num_samples'),
+    (['--train_data', 'no_sizes', '--train_num_samples', '10', '--learning_rate', '1'], 'unknown recipe keys'),
+])
+def test_bad_data_fails_before_any_model_is_built(tmp_path, args, message):
+    write_shards(tmp_path / 'no_sizes', 2, 2, sizes=False)
+    result = run(TRAIN + ['--recipe', 'diffclip-tiny'] + args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / 'runs').exists()
+
+
+def test_open_clip_train_flags_alone_describe_a_run(tmp_path):
+    write_shards(tmp_path / 'shards', 2, 8, sizes=False)
+    result = run(TRAIN + ['--', '--model', 'clip-tiny-baseline', '--train-data', 'shards/{00000..00001}.tar',
+                          '--train-num-samples', '16', '--dataset-type', 'webdataset', '--batch-size', '8',
+                          '--epochs', '1', '--workers', '1', '--device', 'cpu', '--logs', 'runs', '--name', 'raw'],
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / 'runs' / 'raw' / 'checkpoints' / 'epoch_1.pt').exists()
+    records = [json.loads(line) for line in (tmp_path / 'runs' / 'raw' / 'lambda.jsonl').read_text().splitlines()]
+    assert records[-1]['lambda'] == {} and records[-1]['loss'] > 0  # the baseline has no λ; loss is logged
