@@ -30,7 +30,7 @@ def test_changed_open_clip_internals_fail_loudly(monkeypatch):
         seams.install()
     monkeypatch.delattr(open_clip.factory, 'load_state_dict')
     with pytest.raises(seams.OpenClipChanged, match='has no open_clip.factory.load_state_dict'):
-        seams._wrap(open_clip.factory, 'load_state_dict', ('checkpoint_path',), lambda f: f)
+        seams.wrap_function(open_clip.factory, 'load_state_dict', ('checkpoint_path',), lambda f: f)
 
 
 def test_plain_open_clip_models_are_untouched():
