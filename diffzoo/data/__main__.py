@@ -46,10 +46,11 @@ def _cmd_download(a, extra) -> int:
     threads = a.threads or _env_int('IMG2DATASET_THREADS', 64)
     wandb = os.environ.get('WANDB', '0').lower() in ('1', 'true', 'yes', 'on')
     report = download(card, a.tsv, a.out_dir, processes, threads, wandb, a.extend, _raw_flags(extra))
-    lo, hi = card.expected.get('downloaded', [0, 0])
     print(f'{len(report.sizes)} shards, {report.total:,} samples in {a.out_dir} (sizes.json written)')
-    print(f'  the full {card.name} ends with about {lo:,}-{hi:,}; failed URLs: '
-          f'python -m diffzoo.data retry {a.out_dir} failed.tsv')
+    if 'downloaded' in card.expected:
+        lo, hi = card.expected['downloaded']
+        print(f'  the full {card.name} ends with about {lo:,}-{hi:,}')
+    print(f'  failed URLs, to download again: python -m diffzoo.data retry {a.out_dir} failed.tsv')
     return 0
 
 

@@ -1,7 +1,8 @@
 """Image–text datasets from URL lists to webdataset shards, with img2dataset and a dataset card.
 
 A card (`data/<name>.yaml`) names the TSV's column order and the img2dataset arguments. The
-published TSVs have no header, so `prepare_url_list` writes a copy with one; img2dataset then
+published CC3M/CC12M TSVs have no header, so `prepare_url_list` writes a copy with one (a card
+without `columns`, e.g. for LAION's or DataComp's parquet files, passes its list through); img2dataset then
 downloads into OUT_DIR in its incremental mode (a re-run skips shards that have a _stats.json).
 img2dataset's incremental mode reads every `*.json` in OUT_DIR as a shard's stats, so a
 `sizes.json` left there by an earlier run is removed before, and written again after, a download.
@@ -25,9 +26,9 @@ class DatasetCard:
     name: str
     title: str
     source: str
-    columns: List[str]
     img2dataset: Dict
     expected: Dict
+    columns: Optional[List[str]] = None  # the header a headerless TSV needs; None: the list names its columns
     file: str = ''
     shards: str = ''
 
@@ -57,10 +58,13 @@ def prepare_url_list(card: DatasetCard, tsv, out_dir) -> Path:
     """A copy of `tsv` with the card's header line, in OUT_DIR/_url_list/ (reused when up to date).
 
     A file that already starts with a header naming the card's url and caption columns (in any
-    order, as `python -m diffzoo.data retry` writes) is copied as it is."""
+    order, as `python -m diffzoo.data retry` writes) is copied as it is. For a card without
+    `columns` the list (a file or a directory of parquet files) is used where it is."""
     tsv = Path(tsv)
+    if card.columns is None and tsv.exists():
+        return tsv  # parquet, or a table with its own header: img2dataset reads it as it is
     if not tsv.is_file():
-        raise DataError(f'URL list {tsv} not found; download {card.file or "the TSV"} from {card.source}')
+        raise DataError(f'URL list {tsv} not found; download {card.file or "the URL list"} from {card.source}')
     url_col, caption_col = card.img2dataset['url_col'], card.img2dataset['caption_col']
     with open(tsv, encoding='utf-8', errors='replace') as f:
         first = f.readline().rstrip('\n').split('\t')

@@ -1,7 +1,14 @@
+import json
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from diffzoo.data.download import DataError, card_names, command_line, img2dataset_arguments, load_card, \
     prepare_url_list
+from tests.factory import http_server, run, serve_dataset
 
 
 def test_cards_ship_with_the_package_and_match_the_paper_preprocessing():
@@ -49,3 +56,22 @@ def test_the_wrong_dataset_file_is_refused_with_the_reason(tmp_path):
         prepare_url_list(load_card('cc3m'), tsv, tmp_path / 'out')
     with pytest.raises(DataError, match='not found'):
         prepare_url_list(load_card('cc3m'), tmp_path / 'missing.tsv', tmp_path / 'out')
+
+
+def test_a_card_without_columns_downloads_a_parquet_list_as_it_is(tmp_path):
+    """LAION-400M and DataComp publish parquet metadata with named columns; a card for them has no `columns`."""
+    rows = serve_dataset(tmp_path / 'www', 6, missing=1, corrupt=0)
+    card = {'name': 'laion-like', 'title': 'parquet metadata', 'source': 'https://example.org', 'expected': {},
+            'img2dataset': {'input_format': 'parquet', 'url_col': 'URL', 'caption_col': 'TEXT',
+                            'output_format': 'webdataset', 'image_size': 64, 'resize_mode': 'keep_ratio',
+                            'number_sample_per_shard': 4, 'incremental_mode': 'incremental'}}
+    (tmp_path / 'laion-like.yaml').write_text(yaml.safe_dump(card))
+    with http_server(tmp_path / 'www') as base:
+        pq.write_table(pa.Table.from_pylist([{'URL': base + path, 'TEXT': text} for text, path in rows]),
+                       tmp_path / 'meta.parquet')
+        result = run([sys.executable, '-m', 'diffzoo.data', 'download', 'laion-like.yaml', 'meta.parquet', 'out',
+                      '--processes', '1', '--threads', '2'], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert json.loads((tmp_path / 'out' / 'sizes.json').read_text()) == {'00000.tar': 3, '00001.tar': 3}
+    assert '2 shards, 6 samples' in result.stdout and 'ends with about' not in result.stdout
+    assert not (tmp_path / 'out' / '_url_list').exists()
