@@ -6,6 +6,7 @@ import io
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -105,3 +106,51 @@ def python_env(**extra) -> dict:
 
 def run(cmd, cwd, timeout=300, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=python_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def serve_dataset(directory, n_images: int, missing: int, corrupt: int = 1, seed: int = 0):
+    """Pictures to serve as `directory/img_NNN.jpg` (+ `bad_N.jpg`, not JPEGs), and the URL paths of a
+    dataset list in that order with `missing` paths that do not exist. Returns [(caption, path)]."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n_images):
+        img, text = sample(i, seed)
+        (directory / f'img_{i:03d}.jpg').write_bytes(jpeg(img))
+        rows.append((text, f'/img_{i:03d}.jpg'))
+    for j in range(corrupt):
+        (directory / f'bad_{j}.jpg').write_bytes(CORRUPT_JPEG)
+        rows.insert((j + 1) * len(rows) // (corrupt + 1), ('a green square', f'/bad_{j}.jpg'))
+    for j in range(missing):
+        rows.insert((j + 1) * len(rows) // (missing + 1), ('a blue circle', f'/gone_{j}.jpg'))
+    return rows
+
+
+def _descendants(pid: int) -> list:
+    children = {}
+    for stat in Path('/proc').glob('[0-9]*/stat'):
+        try:
+            ppid = int(stat.read_text().rsplit(')', 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, as a node that loses power would. torchrun starts
+    its workers in sessions of their own, so a process-group kill would leave them running."""
+    stopped = set()
+    for _ in range(3):  # freeze first, so nothing forks between the scan and the kill
+        for p in set(_descendants(pid)) - stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+            stopped.add(p)
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)

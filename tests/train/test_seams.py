@@ -1,0 +1,39 @@
+import os
+
+import open_clip_train.data
+import open_clip_train.main
+import pytest
+import torch
+
+from diffzoo.clip.seams import OpenClipChanged
+from diffzoo.train import data_events, seams
+
+
+def _current():
+    return (open_clip_train.main.train_one_epoch, open_clip_train.data.tar_file_expander,
+            open_clip_train.data.filter_no_caption_or_no_image, open_clip_train.data.log_and_continue,
+            torch.nn.parallel.DistributedDataParallel)
+
+
+def test_seams_hold_for_one_run_and_are_undone_after_it():
+    before = _current()
+    with seams.installed():
+        during = _current()
+        assert all(a is not b for a, b in zip(before, during))
+        assert torch.nn.parallel.DistributedDataParallel is seams.CpuAwareDistributedDataParallel
+        assert os.path.isdir(os.environ[data_events.ENV])
+        events = os.environ[data_events.ENV]
+    assert _current() == before
+    assert data_events.ENV not in os.environ and not os.path.exists(events)
+
+
+def test_a_changed_open_clip_train_fails_loudly_and_changes_nothing(monkeypatch):
+    def train_one_epoch(model, data, epoch, optimizer, args):  # a future signature
+        raise AssertionError('not reached')
+
+    monkeypatch.setattr(open_clip_train.main, 'train_one_epoch', train_one_epoch)
+    before = _current()
+    with pytest.raises(OpenClipChanged, match=r'open_clip_train\.main\.train_one_epoch.*no longer takes'):
+        with seams.installed():
+            raise AssertionError('not reached')
+    assert _current() == before
