@@ -14,7 +14,8 @@ def damaged_run(tmp_path_factory):
     """One epoch of diffclip-tiny on shards with a corrupt JPEG, a sample without caption, an empty shard."""
     root = tmp_path_factory.mktemp('launch')
     write_shards(root / 'shards', 4, 12, corrupt={(0, 3)}, no_caption={(1, 5)}, empty={2})
-    cmd = TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8']
+    cmd = TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8',
+                   '--report_to', 'tensorboard']
     result = run(cmd, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, cmd, result
@@ -52,6 +53,12 @@ def test_lambda_log_and_plot(damaged_run):
     layers = records[-1]['lambda']
     assert len(layers) == 8 and sum(n.startswith('visual.trunk.blocks.') for n in layers) == 4
     assert records[-1]['lambda'] != records[0]['lambda']  # λ is trained
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / 'tensorboard'))
+    events.Reload()
+    for name, value in records[-1]['lambda'].items():
+        scalars = events.Scalars(f'lambda/{name}')
+        assert [s.step for s in scalars] == list(range(6)) and scalars[-1].value == pytest.approx(value)
     result = run(TRAIN + ['plot-lambda', str(run_dir)], cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     png = run_dir / 'lambda.png'
