@@ -4,7 +4,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-import yaml
+from diffzoo.flags import FlagError, parse_pairs
 
 from .download import card_names, download, load_card
 from .shards import DataError, check_dataset, write_retry, write_sizes
@@ -20,24 +20,12 @@ def _env_int(name: str, default: int) -> int:
         raise DataError(f'{name}={value!r} is not a whole number') from None
 
 
-def _raw_flags(flags: List[str]) -> Dict:
+def _img2dataset_flags(tokens: List[str]) -> Dict:
     """['--number_sample_per_shard', '20', '--skip_reencode', 'True'] -> {…: 20, …: True}."""
-    out, i = {}, 0
-    while i < len(flags):
-        flag = flags[i]
-        if not flag.startswith('--'):
-            raise DataError(f'img2dataset flags after -- must be --name value pairs; got {flag!r}')
-        if '=' in flag:
-            name, value = flag[2:].split('=', 1)
-            i += 1
-        elif i + 1 < len(flags) and not flags[i + 1].startswith('--'):
-            name, value = flag[2:], flags[i + 1]
-            i += 2
-        else:
-            name, value = flag[2:], 'True'
-            i += 1
-        out[name.replace('-', '_')] = yaml.safe_load(value)
-    return out
+    try:
+        return parse_pairs(tokens)
+    except FlagError as exc:
+        raise DataError(f'img2dataset flags after -- must be --name value pairs; got {exc.token!r}') from None
 
 
 def _cmd_download(a, extra) -> int:
@@ -45,7 +33,7 @@ def _cmd_download(a, extra) -> int:
     processes = a.processes or _env_int('IMG2DATASET_PROCESSES', os.cpu_count() or 1)
     threads = a.threads or _env_int('IMG2DATASET_THREADS', 64)
     wandb = os.environ.get('WANDB', '0').lower() in ('1', 'true', 'yes', 'on')
-    report = download(card, a.tsv, a.out_dir, processes, threads, wandb, a.extend, _raw_flags(extra))
+    report = download(card, a.tsv, a.out_dir, processes, threads, wandb, a.extend, _img2dataset_flags(extra))
     print(f'{len(report.sizes)} shards, {report.total:,} samples in {a.out_dir} (sizes.json written)')
     if 'downloaded' in card.expected:
         lo, hi = card.expected['downloaded']

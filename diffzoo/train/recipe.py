@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 from diffzoo.data.shards import SIZES_FILE, DataError, list_shards
+from diffzoo.flags import FlagError, YamlLoader, parse_pairs
 
 DIFFZOO_KEYS = {
     'base': 'recipe this one extends',
@@ -43,20 +44,6 @@ DIFFZOO_KEYS = {
 DERIVED = {'batch_size': 'global_batch_size', 'accum_freq': 'global_batch_size',
            'warmup': 'warmup_epochs', 'local_loss': 'distributed_loss', 'gather_with_grad': 'distributed_loss'}
 _ENV_RE = re.compile(r'\$\{([A-Za-z_][A-Za-z0-9_]*)\}')
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `1e-3` as a string; recipes and overrides mean a number."""
-
-
-_Loader.add_implicit_resolver(
-    'tag:yaml.org,2002:float',
-    re.compile(r'^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$'),
-    list('-+0123456789.'))
-
-
-def yaml_value(text: str):
-    return yaml.load(text, Loader=_Loader)
 
 
 class RecipeError(ValueError):
@@ -101,7 +88,7 @@ def load_recipe(name_or_path: str, relative_to: Optional[Path] = None, _seen=())
     if path in _seen:
         raise RecipeError(f'recipe {path} extends itself through `base`')
     with open(path) as f:
-        data = yaml.load(f, Loader=_Loader) or {}
+        data = yaml.load(f, Loader=YamlLoader) or {}
     if not isinstance(data, dict):
         raise RecipeError(f'recipe {path} is not a mapping of keys to values')
     base = data.pop('base', None)
@@ -112,23 +99,11 @@ def load_recipe(name_or_path: str, relative_to: Optional[Path] = None, _seen=())
 
 def parse_overrides(tokens: List[str]) -> Dict:
     """['--lr', '1e-3', '--epochs=2', '--grad-checkpointing'] -> {'lr': 0.001, 'epochs': 2, …}."""
-    out, i = {}, 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith('--') or token == '--':
-            raise RecipeError(f'overrides are --key value pairs; got {token!r} '
-                              f'(open_clip_train flags go after a lone --)')
-        if '=' in token:
-            key, value = token[2:].split('=', 1)
-            i += 1
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith('--'):
-            key, value = token[2:], tokens[i + 1]
-            i += 2
-        else:
-            key, value = token[2:], 'true'
-            i += 1
-        out[key.replace('-', '_')] = yaml_value(value)
-    return out
+    try:
+        return parse_pairs(tokens)
+    except FlagError as exc:
+        raise RecipeError(f'overrides are --key value pairs; got {exc.token!r} '
+                          f'(open_clip_train flags go after a lone --)') from None
 
 
 def check_keys(recipe: Dict) -> None:
