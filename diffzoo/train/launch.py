@@ -60,8 +60,10 @@ def check_run_dir(args, rank: int) -> Optional[str]:
                               f'command to resume it, or pass --name NEW for a new run.')
     elif rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-        with open(path, 'w') as f:
+        tmp = f'{path}.tmp'
+        with open(tmp, 'w') as f:
             json.dump(config, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # other ranks read it now or not at all, never half written
     return run_dir
 
 
