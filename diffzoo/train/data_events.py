@@ -1,15 +1,18 @@
 """What the webdataset pipeline skipped, counted in the data-loader workers, reported per epoch.
 
-open_clip_train's pipeline already skips a bad sample (no caption, no image, an image that does
-not decode) or shard (truncated, empty) and goes on; it only logs a warning. The functions here
-replace three of its pipeline functions (see `diffzoo.train.seams`) and count as well, per
+open_clip_train's pipeline already skips a bad sample (no caption, no image, a member that does
+not decode) or shard (missing, truncated, empty) and goes on; it only logs a warning. The functions
+here replace three of its pipeline functions (see `diffzoo.train.seams`) and count as well, per
 process, into `$DIFFZOO_DATA_EVENTS/<pid>.json` (cumulative, rewritten atomically). At the end of
 an epoch each rank sums its workers' files (`collect`) and subtracts the previous sum.
 
-They are module-level functions calling the
-originals imported here, so data-loader workers started by spawn or forkserver can unpickle them.
-A decode error carries no sample key; it is attributed to the last sample that passed the caption
-filter, which is the one being decoded (select and decode are consecutive pipeline stages).
+One difference in what is trained: a blank caption counts as none and its sample is skipped
+(img2dataset writes an empty `.txt` where the URL list had no caption; open_clip would train on it).
+
+The replacements are module-level functions that open_clip_train puts into its pipeline when it
+builds it, so data-loader workers started by fork, spawn or forkserver all run them. A decode error
+carries no sample key; it is attributed to the last sample that passed the caption filter, which is
+the one being decoded (select and decode are consecutive pipeline stages).
 """
 import json
 import os
@@ -19,14 +22,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Optional
 
+from open_clip_train.data import group_by_keys_nothrow
 from open_clip_train.data import log_and_continue as _open_clip_log_and_continue
-from webdataset.handlers import reraise_exception
 from webdataset.tariterators import tar_file_expander as _webdataset_tar_file_expander
+from webdataset.tariterators import url_opener
 
 ENV = 'DIFFZOO_DATA_EVENTS'
 IMAGE_EXTS = ('png', 'jpg', 'jpeg', 'webp')  # what open_clip_train renames to `image`
 REASONS = {
     'undecodable_image': 'undecodable image',
+    'undecodable_text': 'undecodable caption or json',
     'no_caption': 'without caption',
     'no_image': 'without image',
     'unreadable_shard': 'unreadable shard',
@@ -97,20 +102,36 @@ def filter_no_caption_or_no_image(sample: Dict) -> bool:
     return has_image and has_caption
 
 
+def _shard_url(exn) -> Optional[str]:
+    """webdataset appends the shard's url to the args of an exception raised while reading it."""
+    return next((a for a in reversed(exn.args) if isinstance(a, str) and a.endswith('.tar')), None)
+
+
 def log_and_continue(exn) -> bool:
-    """open_clip_train's `log_and_continue`, counting the sample (or shard) it skips."""
+    """open_clip_train's `log_and_continue` (the decode stage's handler), counting what it skips."""
     log = _log()
     if log is not None:
-        if isinstance(exn, tarfile.TarError):
-            url = next((a for a in exn.args if isinstance(a, str) and a.endswith('.tar')), None)
-            log.skip('unreadable_shard', url, None)
+        if isinstance(exn, tarfile.TarError) or _shard_url(exn):  # a shard, in the resampled pipeline
+            log.skip('unreadable_shard', _shard_url(exn), None)
+        elif isinstance(exn, (UnicodeDecodeError, json.JSONDecodeError)):
+            log.skip('undecodable_text', *log.last_sample)
         else:
             log.skip('undecodable_image', *log.last_sample)
     return _open_clip_log_and_continue(exn)
 
 
-def tar_file_expander(data: Iterable[Dict], handler=reraise_exception, select_files=None,
-                      rename_files=None) -> Iterator[Dict]:
+def _counting_shard_errors(handler, url: str, log: Optional[_ProcessLog], state: dict):
+    """A handler for one shard's errors: the shard counts once as unreadable, however many errors."""
+    def shard_handler(exn) -> bool:
+        if log is not None and not state['failed']:
+            log.skip('unreadable_shard', url, None)
+        state['failed'] = True
+        state['go_on'] = handler(exn)
+        return state['go_on']
+    return shard_handler
+
+
+def _tar_file_expander(data: Iterable[Dict], handler) -> Iterator[Dict]:
     """webdataset's `tar_file_expander`, one shard at a time: counts shards opened, empty and broken ones."""
     for source in data:
         url = source.get('url')
@@ -119,23 +140,29 @@ def tar_file_expander(data: Iterable[Dict], handler=reraise_exception, select_fi
             log.shards[url] += 1
             log.flush()
         state = {'failed': False, 'go_on': True}
-
-        def shard_handler(exn, url=url, log=log, state=state):
-            state['failed'] = True
-            if log is not None:
-                log.skip('unreadable_shard', url, None)
-            state['go_on'] = handler(exn)
-            return state['go_on']
-
         files = 0
-        for sample in _webdataset_tar_file_expander([source], handler=shard_handler, select_files=select_files,
-                                                    rename_files=rename_files):
+        shard_handler = _counting_shard_errors(handler, url, log, state)
+        for sample in _webdataset_tar_file_expander([source], handler=shard_handler):
             files += 1
             yield sample
         if log is not None and files == 0 and not state['failed']:
             log.skip('empty_shard', url, None)
         if not state['go_on']:
             return
+
+
+def tarfile_to_samples_nothrow(src, handler=_open_clip_log_and_continue):
+    """open_clip_train's shard reader (open, expand, group members into samples), counting shards
+    opened, empty, and unreadable or missing."""
+    def open_failed(exn) -> bool:
+        log = _log()
+        if log is not None:
+            log.skip('unreadable_shard', _shard_url(exn), None)
+        return handler(exn)
+
+    streams = url_opener(src, handler=open_failed)
+    files = _tar_file_expander(streams, handler=handler)
+    return group_by_keys_nothrow(files, handler=handler)
 
 
 def collect(directory) -> Dict:

@@ -9,8 +9,9 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
 - `open_clip_train.main.train_one_epoch`: around each epoch, logs λ and loss
   (`diffzoo.train.metrics`) and, at its end, gathers what the data pipeline skipped from every
   rank and reports it (`RUN_DIR/data.jsonl` and the log).
-- `open_clip_train.data.filter_no_caption_or_no_image`, `.log_and_continue`, `.tar_file_expander`:
-  the same skipping as open_clip's, counted (`diffzoo.train.data_events`).
+- `open_clip_train.data.filter_no_caption_or_no_image`, `.log_and_continue`,
+  `.tarfile_to_samples_nothrow`: open_clip's skipping, counted, and blank captions skipped too
+  (`diffzoo.train.data_events`).
 - torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back.
 """
 import contextlib
@@ -87,7 +88,8 @@ def installed():
         (data_mod, 'filter_no_caption_or_no_image'): expect_function(data_mod, 'filter_no_caption_or_no_image',
                                                                      ('sample',)),
         (data_mod, 'log_and_continue'): expect_function(data_mod, 'log_and_continue', ('exn',)),
-        (data_mod, 'tar_file_expander'): expect_function(data_mod, 'tar_file_expander', ('data', 'handler')),
+        (data_mod, 'tarfile_to_samples_nothrow'): expect_function(data_mod, 'tarfile_to_samples_nothrow',
+                                                                  ('src', 'handler')),
         (main_mod, 'train_one_epoch'): expect_function(
             main_mod, 'train_one_epoch',
             ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
@@ -101,7 +103,7 @@ def installed():
     try:
         data_mod.filter_no_caption_or_no_image = data_events.filter_no_caption_or_no_image
         data_mod.log_and_continue = data_events.log_and_continue
-        data_mod.tar_file_expander = data_events.tar_file_expander
+        data_mod.tarfile_to_samples_nothrow = data_events.tarfile_to_samples_nothrow
         main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
         parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
         yield

@@ -1,5 +1,6 @@
 """`python -m diffzoo.train` in real processes, on shards with bad samples in them."""
 import json
+import os
 import sys
 
 import pytest
@@ -11,9 +12,12 @@ TRAIN = [sys.executable, '-m', 'diffzoo.train']
 
 @pytest.fixture(scope='module')
 def damaged_run(tmp_path_factory):
-    """One epoch of diffclip-tiny on shards with a corrupt JPEG, a sample without caption, an empty shard."""
+    """One epoch of diffclip-tiny on shards with a corrupt JPEG, a sample without caption, an empty
+    shard and a truncated one."""
     root = tmp_path_factory.mktemp('launch')
-    write_shards(root / 'shards', 4, 12, corrupt={(0, 3)}, no_caption={(1, 5)}, empty={2})
+    write_shards(root / 'shards', 5, 12, corrupt={(0, 3)}, no_caption={(1, 5)}, empty={2})
+    truncated = root / 'shards' / '00004.tar'
+    truncated.write_bytes(truncated.read_bytes()[:truncated.stat().st_size // 2])
     cmd = TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8',
                    '--report_to', 'tensorboard']
     result = run(cmd, cwd=root)
@@ -27,12 +31,19 @@ def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
     report = json.loads((run_dir / 'data.jsonl').read_text().splitlines()[0])
     skipped = report['ranks'][0]['skipped']
     assert skipped['undecodable_image'] >= 1 and skipped['no_caption'] >= 1 and skipped['empty_shard'] >= 1
-    assert report['samples_trained'] == 40  # ceil(36 / 8) batches of 8, as open_clip counts
+    assert 'undecodable_text' not in skipped
+    # the loader cycles through the shards until the epoch is full: once each time the shard is read
+    opened = {os.path.basename(url): n for url, n in report['ranks'][0]['shards'].items()}
+    assert 1 <= skipped['unreadable_shard'] <= opened['00004.tar']
+    assert report['samples_trained'] == 48  # ceil(48 / 8) batches of 8 (sizes.json: 4 × 12), as open_clip counts
     examples = {(reason, key) for reason, _, key in report['ranks'][0]['examples']}
     assert ('undecodable_image', '000000003') in examples and ('no_caption', '000010005') in examples
     log = (run_dir / 'out.log').read_text()
-    assert 'undecodable image (00000.tar/000000003)' in log and 'without caption (00001.tar/000010005)' in log
-    assert 'empty shards (00002.tar)' in log
+    reported = {line.strip().split(' (')[0].split(' ', 2)[2]: line for line in log.splitlines()
+                if line.startswith('  skipped ')}
+    assert '00000.tar/000000003' in reported['undecodable image']
+    assert '00001.tar/000010005' in reported['without caption']  # (and the sample the truncation cut in two)
+    assert '00002.tar' in reported['empty shards'] and '00004.tar' in reported['unreadable shards']
     assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
 
 
@@ -40,7 +51,7 @@ def test_resolved_configuration_is_printed_first(damaged_run):
     _, _, result = damaged_run
     out = result.stdout
     assert out.startswith('diffzoo.train: recipe diffclip-tiny')
-    assert 'derived for 1 process(es): shards 4, samples 36' in out
+    assert 'derived for 1 process(es): shards 5, samples 48' in out
     assert 'open_clip_train --model diffclip-tiny' in out
 
 
@@ -48,7 +59,7 @@ def test_lambda_log_and_plot(damaged_run):
     root, _, _ = damaged_run
     run_dir = root / 'runs' / 'diffclip-tiny'
     records = [json.loads(line) for line in (run_dir / 'lambda.jsonl').read_text().splitlines()]
-    assert [r['step'] for r in records] == list(range(6))  # initial λ + 5 steps
+    assert [r['step'] for r in records] == list(range(7))  # initial λ + 6 steps
     assert records[0]['loss'] is None and all(r['loss'] > 0 for r in records[1:])
     layers = records[-1]['lambda']
     assert len(layers) == 8 and sum(n.startswith('visual.trunk.blocks.') for n in layers) == 4
@@ -58,7 +69,7 @@ def test_lambda_log_and_plot(damaged_run):
     events.Reload()
     for name, value in records[-1]['lambda'].items():
         scalars = events.Scalars(f'lambda/{name}')
-        assert [s.step for s in scalars] == list(range(6)) and scalars[-1].value == pytest.approx(value)
+        assert [s.step for s in scalars] == list(range(7)) and scalars[-1].value == pytest.approx(value)
     result = run(TRAIN + ['plot-lambda', str(run_dir)], cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     png = run_dir / 'lambda.png'

@@ -10,7 +10,7 @@ from diffzoo.train import data_events, seams
 
 
 def _current():
-    return (open_clip_train.main.train_one_epoch, open_clip_train.data.tar_file_expander,
+    return (open_clip_train.main.train_one_epoch, open_clip_train.data.tarfile_to_samples_nothrow,
             open_clip_train.data.filter_no_caption_or_no_image, open_clip_train.data.log_and_continue,
             torch.nn.parallel.DistributedDataParallel)
 
