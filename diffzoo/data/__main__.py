@@ -79,6 +79,9 @@ def _cmd_retry(a, _) -> int:
           + (f', {report.excluded:,} excluded' if report.excluded else ''))
     for error, n in report.errors.most_common(8):
         print(f'  {n:>10,}  {error}')
+    if report.unfinished:
+        print(f'{len(report.unfinished)} shards are unfinished (no _stats.json; {", ".join(report.unfinished[:3])}): '
+              f're-run the download script first, it finishes them')
     print(f'download them into the same directory: scripts/download_<dataset>.sh {a.out} {a.directory} --extend')
     return 0
 

@@ -96,16 +96,32 @@ class SizesReport:
         return sum(self.sizes.values())
 
 
+def _rerun_download(directory) -> str:
+    return (f're-run the download script into {directory} (it redoes shards without _stats.json), '
+            f'or delete the shard to go on without it')
+
+
 def write_sizes(directory, recount: bool = False) -> SizesReport:
-    """Write open_clip's sizes.json for every shard of `directory`."""
+    """Write open_clip's sizes.json for every shard of `directory`.
+
+    Where img2dataset wrote stats for some shards, a shard without them is one it did not finish
+    (a crash, a kill): refused, unless `recount` counts every tar as it is."""
     shards = list_shards(directory)
     stats = {} if recount else read_stats(directory)
+    unfinished = [s.name for s in shards if stats and s.name not in stats]
+    if unfinished:
+        raise DataError(f'{len(unfinished)} shards in {directory} have no _stats.json, so img2dataset did not '
+                        f'finish them ({", ".join(unfinished[:3])}); {_rerun_download(directory)}, '
+                        f'or pass --recount to count them as they are')
     sizes, counted = {}, []
     for shard in shards:
         if shard.name in stats and 'successes' in stats[shard.name]:
             sizes[shard.name] = int(stats[shard.name]['successes'])
         else:
-            sizes[shard.name] = count_samples(shard)
+            try:
+                sizes[shard.name] = count_samples(shard)
+            except (tarfile.TarError, OSError, EOFError) as exc:
+                raise DataError(f'{shard}: unreadable ({exc}); {_rerun_download(directory)}') from exc
             counted.append(shard.name)
     tmp = Path(directory) / (SIZES_FILE + '.tmp')
     tmp.write_text(json.dumps(sizes, indent=1) + '\n')
@@ -230,18 +246,25 @@ class RetryReport:
     written: int
     excluded: int
     errors: Counter
+    unfinished: List[str] = field(default_factory=list)  # shards img2dataset did not finish
 
 
-def failed_urls(directory) -> Iterator[dict]:
+def finished_parquets(directory) -> Tuple[List[Path], List[Path]]:
+    """img2dataset's NNNNN.parquet files of finished shards (with NNNNN_stats.json), and the others."""
+    parquets = sorted(Path(directory).glob('*.parquet'))
+    if not parquets:
+        raise DataError(f'no NNNNN.parquet files in {directory}; img2dataset writes them next to the shards '
+                        f'(is this the download OUT_DIR?)')
+    finished = [p for p in parquets if p.with_name(f'{p.stem}_stats.json').exists()]
+    return finished, [p for p in parquets if p not in finished]
+
+
+def failed_urls(parquets: List[Path]) -> Iterator[dict]:
     """Rows of img2dataset's NNNNN.parquet files whose status is not 'success'.
 
     A URL that later succeeded (a retry downloaded with --extend) is left out."""
     import pyarrow.parquet as pq
 
-    parquets = sorted(Path(directory).glob('*.parquet'))
-    if not parquets:
-        raise DataError(f'no NNNNN.parquet files in {directory}; img2dataset writes them next to the shards '
-                        f'(is this the download OUT_DIR?)')
     columns = ['url', 'caption', 'status', 'error_message']
     failed, succeeded = [], set()
     for path in parquets:
@@ -260,14 +283,16 @@ def failed_urls(directory) -> Iterator[dict]:
 
 def write_retry(directory, out, exclude: Iterable[str] = ()) -> RetryReport:
     """Write failed URLs as a TSV with a `url<TAB>caption` header (the download script reads it).
+    Shards img2dataset did not finish are left out: re-running the download finishes them.
 
     `exclude`: substrings of error messages to leave out (e.g. 'HTTP Error 404')."""
     exclude = list(exclude)
-    report = RetryReport(0, 0, 0, Counter())
+    finished, unfinished = finished_parquets(directory)
+    report = RetryReport(0, 0, 0, Counter(), [p.stem + '.tar' for p in unfinished])
     tmp = Path(str(out) + '.tmp')
     with open(tmp, 'w', encoding='utf-8') as f:
         f.write('url\tcaption\n')
-        for row in failed_urls(directory):
+        for row in failed_urls(finished):
             report.failed += 1
             error = row.get('error_message') or row.get('status') or 'unknown'
             report.errors[error] += 1

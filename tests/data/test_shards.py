@@ -11,14 +11,20 @@ from diffzoo.data.shards import DataError, check_dataset, list_shards, write_ret
 from tests.factory import write_shards
 
 
-def test_sizes_from_img2dataset_stats_and_from_tars_without_stats(tmp_path):
-    write_shards(tmp_path, 3, 5, sizes=False)
+def test_sizes_from_img2dataset_stats(tmp_path):
+    write_shards(tmp_path, 2, 5, sizes=False)
     (tmp_path / '00000_stats.json').write_text(json.dumps({'count': 9, 'successes': 5}))
     (tmp_path / '00001_stats.json').write_text(json.dumps({'count': 8, 'successes': 5}))
     report = write_sizes(tmp_path)
-    assert report.sizes == {'00000.tar': 5, '00001.tar': 5, '00002.tar': 5}
-    assert report.counted == ['00002.tar']
+    assert report.sizes == {'00000.tar': 5, '00001.tar': 5} and report.counted == []
     assert json.loads((tmp_path / 'sizes.json').read_text()) == report.sizes
+
+
+def test_sizes_of_shards_made_without_img2dataset_are_counted(tmp_path):
+    write_shards(tmp_path, 3, 5, corrupt={(1, 0)}, no_caption={(2, 1)}, sizes=False)
+    report = write_sizes(tmp_path)
+    assert report.sizes == {'00000.tar': 5, '00001.tar': 5, '00002.tar': 5}
+    assert report.counted == ['00000.tar', '00001.tar', '00002.tar']
 
 
 def test_open_clip_reads_the_sizes_we_write(tmp_path):
@@ -70,8 +76,10 @@ def test_unusable_directories_name_the_fix(tmp_path, make, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _parquet(path, rows):
+def _parquet(path, rows, finished=True):
     pq.write_table(pa.Table.from_pylist(rows), path)
+    if finished:  # img2dataset writes a shard's stats when it has finished it
+        path.with_name(f'{path.stem}_stats.json').write_text(json.dumps({'count': len(rows)}))
 
 
 def test_retry_lists_failures_once_and_skips_urls_that_succeeded_later(tmp_path, capsys):
@@ -90,6 +98,34 @@ def test_retry_lists_failures_once_and_skips_urls_that_succeeded_later(tmp_path,
     assert data_main(['retry', str(tmp_path), str(out)]) == 0
     assert '2 failed URLs' in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_retry_leaves_unfinished_shards_to_the_download_script(tmp_path, capsys):
+    row = {'url': 'http://a/1', 'caption': 'a', 'status': 'failed_to_download', 'error_message': 'timeout'}
+    _parquet(tmp_path / '00000.parquet', [row])
+    (tmp_path / '00001.parquet').write_bytes(b'PAR1 cut short')  # img2dataset was killed while writing it
+    assert data_main(['retry', str(tmp_path), str(tmp_path / 'failed.tsv')]) == 0
+    out = capsys.readouterr().out
+    assert '1 failed URLs' in out and '1 shards are unfinished (no _stats.json; 00001.tar)' in out
+
+
+def test_sizes_refuses_shards_img2dataset_did_not_finish(tmp_path, capsys):
+    write_shards(tmp_path, 2, 4, sizes=False)
+    (tmp_path / '00000_stats.json').write_text(json.dumps({'successes': 4}))
+    assert data_main(['sizes', str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert 'no _stats.json, so img2dataset did not finish them (00001.tar)' in err and 're-run the download' in err
+    assert not (tmp_path / 'sizes.json').exists()
+    assert data_main(['sizes', str(tmp_path), '--recount']) == 0
+    assert json.loads((tmp_path / 'sizes.json').read_text()) == {'00000.tar': 4, '00001.tar': 4}
+
+
+def test_sizes_names_a_truncated_shard(tmp_path, capsys):
+    write_shards(tmp_path, 2, 4, sizes=False)
+    data = (tmp_path / '00001.tar').read_bytes()
+    (tmp_path / '00001.tar').write_bytes(data[:len(data) // 2 + 100])
+    assert data_main(['sizes', str(tmp_path)]) == 2
+    assert '00001.tar: unreadable' in capsys.readouterr().err
 
 
 def test_shards_of_img2dataset_layout_read_with_webdataset_keys(tmp_path):
