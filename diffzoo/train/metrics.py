@@ -44,10 +44,14 @@ def lambda_values(layers: Dict[str, DifferentialAttention]) -> Dict[str, float]:
 class LambdaLog:
     """Follows one epoch of open_clip_train's loop through its scheduler calls and loss outputs."""
 
-    def __init__(self, run_dir: Optional[str], model, optimizer, epoch: int, every: int, tb_writer=None):
+    def __init__(self, run_dir: Optional[str], model, optimizer, epoch: int, steps_per_epoch: int, every: int,
+                 tb_writer=None):
         self.path = os.path.join(run_dir, LAMBDA_FILE) if run_dir else None
         self.layers = lambda_layers(model) if run_dir else {}
         self.optimizer, self.epoch, self.every, self.tb_writer = optimizer, epoch, max(1, every), tb_writer
+        # micro-batches left over when accum_freq does not divide the batches are scheduled with the
+        # next epoch's first step, but no optimizer step follows them
+        self.end_step = (epoch + 1) * steps_per_epoch
         self.step: Optional[int] = None  # the step in progress (0-based, as open_clip counts)
         self.loss_sum: Optional[torch.Tensor] = None
         self.loss_count = 0
@@ -67,7 +71,7 @@ class LambdaLog:
         self.loss_count += 1
 
     def on_step(self, step: int) -> None:
-        if self.path is None or step == self.step:
+        if self.path is None or step == self.step or step >= self.end_step:
             return  # gradient accumulation calls the scheduler once per micro-batch
         if self.step is None:
             if step == 0:

@@ -57,7 +57,8 @@ def _epoch_wrapper(original, events_dir: str):
         _quiet_torch_loggers()
         master = args.rank == 0
         run_dir = os.path.join(args.logs, args.name) if master and args.logs else None
-        log = LambdaLog(run_dir, model, optimizer, epoch, args.log_every_n_steps, tb_writer)
+        steps = data['train'].dataloader.num_batches // args.accum_freq  # as train_one_epoch counts them
+        log = LambdaLog(run_dir, model, optimizer, epoch, steps, args.log_every_n_steps, tb_writer)
         hook = loss.register_forward_hook(log.on_loss)
         before = data_events.collect(events_dir)
         try:

@@ -118,3 +118,16 @@ def test_open_clip_train_flags_alone_describe_a_run(tmp_path):
     assert (tmp_path / 'runs' / 'raw' / 'checkpoints' / 'epoch_1.pt').exists()
     records = [json.loads(line) for line in (tmp_path / 'runs' / 'raw' / 'lambda.jsonl').read_text().splitlines()]
     assert records[-1]['lambda'] == {} and records[-1]['loss'] > 0  # the baseline has no λ; loss is logged
+
+
+def test_lambda_log_with_gradient_accumulation_that_leaves_micro_batches_over(tmp_path):
+    """9 batches of 4 with accum_freq 2: 4 optimizer steps, and one micro-batch open_clip drops."""
+    write_shards(tmp_path / 'shards', 3, 12)
+    result = run(TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1',
+                          '--global_batch_size', '8', '--max_batch_per_gpu', '4'], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert 'batch_per_gpu 4, accum_freq 2' in result.stdout
+    records = [json.loads(line) for line in (tmp_path / 'runs' / 'diffclip-tiny' / 'lambda.jsonl').read_text()
+               .splitlines()]
+    assert [r['step'] for r in records] == [0, 1, 2, 3, 4]
+    assert all(r['loss'] > 0 for r in records[1:])
