@@ -11,6 +11,8 @@ other settings is refused, one with the same settings is resumed from its latest
 (recipes set `--resume latest --save-most-recent`). Flags after `--` are appended last, so they
 win over the recipe. Under torchrun every process runs this; only rank 0 prints and writes.
 """
+import difflib
+import glob
 import json
 import os
 import sys
@@ -43,13 +45,14 @@ def _jsonable(args) -> Dict:
 
 
 def check_run_dir(args, rank: int) -> Optional[str]:
-    """Refuse a run directory holding a run with other settings; record the settings of a new one."""
+    """Refuse a run directory whose checkpoints come from other settings; record the settings of a new run
+    (or of one that stopped before its first checkpoint, e.g. on a typo: nothing of it is lost)."""
     if args.name is None:
         return None  # open_clip names a new directory by date
     run_dir = os.path.join(args.logs, args.name)
     path = os.path.join(run_dir, RUN_CONFIG)
     config = _jsonable(args)
-    if os.path.exists(path):
+    if os.path.exists(path) and glob.glob(os.path.join(run_dir, 'checkpoints', '*.pt')):
         with open(path) as f:
             stored = json.load(f)
         changed = sorted(k for k in set(stored) | set(config)
@@ -68,9 +71,16 @@ def check_run_dir(args, rank: int) -> Optional[str]:
 
 
 def preflight(argv: List[str], world_size: int):
-    """open_clip_train's parsed args for `argv`, after the data checks open_clip would do later."""
+    """open_clip_train's parsed args for `argv`, after the model and data checks open_clip would do later."""
+    import open_clip
     from open_clip_train.params import parse_args
     args = parse_args(list(argv))
+    known = open_clip.list_models()
+    if args.model not in known and not args.model.startswith(('hf-hub:', 'local-dir:')):
+        close = difflib.get_close_matches(args.model, known, n=3)
+        raise RecipeError(f'model {args.model!r} is not an open_clip model'
+                          + (f'; did you mean {", ".join(close)}?' if close else '')
+                          + ' (the diffzoo models: python -c "import diffzoo, open_clip; print(open_clip.list_models())")')
     if args.train_data and args.dataset_type in ('webdataset', 'auto') and '.tar' in args.train_data:
         _, shards = expand_shards(args.train_data)
         if args.train_num_samples is None:

@@ -99,6 +99,8 @@ def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(damaged_ru
     (['--train_data', 'missing/{00000..00009}.tar'], 'matches no shard (missing does not exist)'),
     (['--train_data', 'no_sizes'], 'no sizes.json in no_sizes and no train_num_samples'),
     (['--train_data', 'no_sizes', '--train_num_samples', '10', '--learning_rate', '1'], 'unknown recipe keys'),
+    (['--train_data', 'no_sizes', '--train_num_samples', '10', '--model', 'diffclip-tyni'],
+     "model 'diffclip-tyni' is not an open_clip model; did you mean diffclip-tiny"),
 ])
 def test_bad_data_fails_before_any_model_is_built(tmp_path, args, message):
     write_shards(tmp_path / 'no_sizes', 2, 2, sizes=False)
@@ -106,6 +108,19 @@ def test_bad_data_fails_before_any_model_is_built(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / 'runs').exists()
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_with_new_settings(tmp_path):
+    write_shards(tmp_path / 'shards', 2, 4)
+    cmd = TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
+                   '--global_batch_size', '4']
+    failed = run(cmd + ['--', '--pretrained', 'missing.pt'], cwd=tmp_path)
+    run_dir = tmp_path / 'runs' / 'clip-tiny-baseline'
+    assert failed.returncode != 0 and (run_dir / 'diffzoo-run.json').exists()
+    fixed = run(cmd, cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+    assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
+    assert json.loads((run_dir / 'diffzoo-run.json').read_text())['pretrained'] == ''  # the settings that trained
 
 
 def test_open_clip_train_flags_alone_describe_a_run(tmp_path):
