@@ -48,15 +48,15 @@ class _ProcessLog:
         self.shards: Counter = Counter()  # shard url -> times opened
         self.samples: Counter = Counter()  # shard url -> samples read
         self.skipped: Counter = Counter()  # reason -> count
-        self.examples = []  # [reason, shard url, key]
+        self.examples: Counter = Counter()  # (reason, shard url, key) -> times skipped
         self.last_sample = (None, None)
         self._flushed = 0.0
 
     def skip(self, reason: str, url: Optional[str], key: Optional[str]) -> None:
         self.skipped[reason] += 1
-        example = [reason, url, key]
-        if len(self.examples) < MAX_EXAMPLES and example not in self.examples:
-            self.examples.append(example)
+        example = (reason, url, key)
+        if example in self.examples or len(self.examples) < MAX_EXAMPLES:
+            self.examples[example] += 1  # counted again when a later epoch meets it again
         self.flush()
 
     def flush(self, every: float = 0.0) -> None:
@@ -66,7 +66,8 @@ class _ProcessLog:
         self._flushed = now
         tmp = self.path.with_suffix('.tmp')
         tmp.write_text(json.dumps({'shards': self.shards, 'samples': self.samples,
-                                   'skipped': self.skipped, 'examples': self.examples}))
+                                   'skipped': self.skipped,
+                                   'examples': [[*e, n] for e, n in self.examples.items()]}))
         os.replace(tmp, self.path)
 
 
@@ -167,7 +168,7 @@ def tarfile_to_samples_nothrow(src, handler=_open_clip_log_and_continue):
 
 def collect(directory) -> Dict:
     """Sum of every process file in `directory`."""
-    total = {'shards': Counter(), 'samples': Counter(), 'skipped': Counter(), 'examples': []}
+    total = {'shards': Counter(), 'samples': Counter(), 'skipped': Counter(), 'examples': Counter()}
     for path in sorted(Path(directory).glob('*.json')):
         try:
             data = json.loads(path.read_text())
@@ -175,18 +176,18 @@ def collect(directory) -> Dict:
             continue  # being replaced right now; the next collect sees it
         for name in ('shards', 'samples', 'skipped'):
             total[name].update(data.get(name, {}))
-        total['examples'] += data.get('examples', [])
+        for reason, url, key, n in data.get('examples', []):
+            total['examples'][reason, url, key] += n
     return total
 
 
 def delta(before: Dict, after: Dict) -> Dict:
     """What happened between two `collect` results."""
-    seen = {tuple(e) for e in before['examples']}
     return {
         'shards': dict(after['shards'] - before['shards']),
         'samples_read': sum((after['samples'] - before['samples']).values()),  # as last flushed
         'skipped': dict(after['skipped'] - before['skipped']),
-        'examples': [e for e in after['examples'] if tuple(e) not in seen][:MAX_EXAMPLES],
+        'examples': [list(e) for e, n in after['examples'].items() if n > before['examples'][e]][:MAX_EXAMPLES],
     }
 
 
