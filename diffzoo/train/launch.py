@@ -20,8 +20,8 @@ from typing import Dict, List, Optional
 
 from diffzoo.data.shards import DataError
 from .recipe import (
-    DIFFZOO_KEYS, Plan, RecipeError, dataset_size, expand_shards, find_recipe, load_recipe, parse_overrides,
-    recipe_names, resolve,
+    DIFFZOO_KEYS, Plan, RecipeError, check_shard_count, dataset_size, expand_shards, find_recipe, load_recipe,
+    parse_overrides, recipe_names, resolve,
 )
 
 RUN_CONFIG = 'diffzoo-run.json'
@@ -80,14 +80,13 @@ def preflight(argv: List[str], world_size: int):
         close = difflib.get_close_matches(args.model, known, n=3)
         raise RecipeError(f'model {args.model!r} is not an open_clip model'
                           + (f'; did you mean {", ".join(close)}?' if close else '')
-                          + ' (the diffzoo models: python -c "import diffzoo, open_clip; print(open_clip.list_models())")')
+                          + ' (all of them: python -c "import diffzoo, open_clip; print(open_clip.list_models())")')
     if args.train_data and args.dataset_type in ('webdataset', 'auto') and '.tar' in args.train_data:
         _, shards = expand_shards(args.train_data)
         if args.train_num_samples is None:
             dataset_size(shards)
-        if not args.dataset_resampled and len(shards) < max(1, args.workers) * world_size:
-            raise RecipeError(f'{len(shards)} shards cannot feed {args.workers} data workers on each of '
-                              f'{world_size} processes; lower --workers or pass --dataset-resampled')
+        if not args.dataset_resampled:
+            check_shard_count(len(shards), args.workers, world_size)
     return args
 
 

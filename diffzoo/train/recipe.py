@@ -204,6 +204,13 @@ def dataset_size(shards: List[str]) -> int:
     return sum(int(sizes[os.path.basename(s)]) for s in shards)
 
 
+def check_shard_count(shards: int, workers: int, world_size: int) -> None:
+    """Without resampling webdataset gives every data worker of every process shards of its own."""
+    if shards < max(1, workers) * world_size:
+        raise RecipeError(f'{shards} shards cannot feed {workers} data workers on each of {world_size} '
+                          f'processes; pass --workers {max(1, shards // world_size)} or --dataset-resampled')
+
+
 def split_batch(global_batch: int, world_size: int, max_per_gpu: Optional[int]) -> Tuple[int, int]:
     """(per-GPU batch, accumulation steps) with per_gpu * world_size * accum == global_batch."""
     if global_batch % world_size:
@@ -278,10 +285,8 @@ def resolve(recipe: Dict, name: str, world_size: int) -> Plan:
         num_samples = options.get('train_num_samples') or dataset_size(shards)
         derived.update(shards=len(shards), samples=num_samples)
         workers = int(options.get('workers', open_clip_defaults()['workers']))
-        if not options.get('dataset_resampled') and len(shards) < max(1, workers) * world_size:
-            raise RecipeError(f'{len(shards)} shards cannot feed {workers} data workers on each of {world_size} '
-                              f'processes; pass --workers {max(1, len(shards) // world_size)} or '
-                              f'--dataset_resampled true')
+        if not options.get('dataset_resampled'):
+            check_shard_count(len(shards), workers, world_size)
         global_batch = recipe.get('global_batch_size')
         if global_batch:
             per_gpu, accum = split_batch(int(global_batch), world_size, recipe.get('max_batch_per_gpu'))
