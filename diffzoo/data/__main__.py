@@ -1,4 +1,4 @@
-"""python -m diffzoo.data {download,sizes,check,retry} — see `python -m diffzoo.data -h`."""
+"""python -m diffzoo.data {download,sizes,check,retry,synthetic} — see `python -m diffzoo.data -h`."""
 import argparse
 import os
 import sys
@@ -86,6 +86,16 @@ def _cmd_retry(a, _) -> int:
     return 0
 
 
+def _cmd_synthetic(a, _) -> int:
+    from .synthetic import CorpusConfig, write_corpus
+    config = CorpusConfig(train=a.train, val=a.val, image_size=a.image_size, per_shard=a.per_shard, seed=a.seed)
+    manifest = write_corpus(a.out_dir, config, fresh=a.fresh)
+    for split, n in manifest['samples'].items():
+        print(f'  {a.out_dir}/{split}: {n:,} scenes')
+    print('  classes: ' + '; '.join(f'{task} ({", ".join(names)})' for task, names in manifest['classes'].items()))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.data', description=__doc__)
     sub = p.add_subparsers(dest='command', required=True)
@@ -120,6 +130,16 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument('--exclude-error', action='append', default=[], metavar='TEXT',
                    help="leave out failures whose message contains TEXT (e.g. 'HTTP Error 404'); repeatable")
     r.set_defaults(run=_cmd_retry)
+
+    g = sub.add_parser('synthetic', help='generate the shapes-and-captions corpus (train/val shards, no download)')
+    g.add_argument('out_dir')
+    g.add_argument('--train', type=int, default=4000, help='training scenes')
+    g.add_argument('--val', type=int, default=500, help='validation scenes')
+    g.add_argument('--image-size', type=int, default=96)
+    g.add_argument('--per-shard', type=int, default=500)
+    g.add_argument('--seed', type=int, default=0)
+    g.add_argument('--fresh', action='store_true', help='write it again even if a finished one is there')
+    g.set_defaults(run=_cmd_synthetic)
     return p
 
 

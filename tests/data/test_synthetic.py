@@ -1,0 +1,64 @@
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from diffzoo.data.__main__ import main as data_main
+from diffzoo.data.shards import check_dataset, iter_samples, read_sizes
+from diffzoo.data.synthetic import COLOURS, RELATIONS, SHAPES, CorpusConfig, make_scene, write_corpus
+
+
+def test_a_scene_depends_only_on_seed_split_and_index():
+    a_image, a = make_scene(0, 'train', 7)
+    b_image, b = make_scene(0, 'train', 7)
+    assert a == b and np.array_equal(np.asarray(a_image), np.asarray(b_image))
+    for other in (make_scene(1, 'train', 7), make_scene(0, 'val', 7), make_scene(0, 'train', 8)):
+        assert not np.array_equal(np.asarray(a_image), np.asarray(other[0]))
+
+
+@pytest.mark.parametrize('index', range(40))
+def test_the_picture_shows_what_the_caption_says(index):
+    image, scene = make_scene(3, 'train', index)
+    pixels = np.asarray(image).astype(int)
+    objects = scene['objects']
+    subject = objects[0]
+    assert scene['caption'].startswith(f"a {subject['size']} {subject['colour']} {subject['shape']}")
+    assert (scene['shape'], scene['colour']) == (subject['shape'], subject['colour'])
+    for obj in objects:
+        x, y = (int(round(c)) for c in obj['centre'])
+        assert np.abs(pixels[y, x] - COLOURS[obj['colour']]).max() <= 30, obj  # drawn last, nothing covers it
+    if scene['relation'] is None:
+        assert len(objects) == 1 and scene['caption'] == f"a {subject['size']} {subject['colour']} {subject['shape']}"
+    else:
+        other = objects[1]
+        assert scene['caption'].endswith(f"{scene['relation']} a {other['size']} {other['colour']} {other['shape']}")
+        dx, dy = RELATIONS[scene['relation']]
+        gap = np.subtract(subject['centre'], other['centre'])
+        assert (gap[0] * dx > 0 if dx else gap[1] * dy > 0)  # "left of": the subject's x is smaller …
+
+
+def test_classes_are_all_used():
+    scenes = [make_scene(0, 'train', i)[1] for i in range(300)]
+    assert set(Counter(s['shape'] for s in scenes)) == set(SHAPES)
+    assert set(Counter(s['colour'] for s in scenes)) == set(COLOURS)
+    assert 0.45 < sum(s['relation'] is not None for s in scenes) / len(scenes) < 0.75
+
+
+def test_corpus_is_written_as_checked_shards_and_reused(tmp_path, capsys):
+    config = CorpusConfig(train=50, val=20, per_shard=20, image_size=64)
+    manifest = write_corpus(tmp_path, config, progress=None)
+    assert manifest['samples'] == {'train': 50, 'val': 20}
+    assert read_sizes(tmp_path / 'train') == {'00000.tar': 20, '00001.tar': 20, '00002.tar': 10}
+    for split in ('train', 'val'):
+        report = check_dataset(tmp_path / split, workers=1, progress=None)
+        assert report.problems() == [] and report.samples == manifest['samples'][split]
+    key, members = next(iter_samples(tmp_path / 'val' / '00000.tar'))
+    assert json.loads(members['json'])['caption'] == members['txt'].decode()
+    stamp = (tmp_path / 'train' / '00000.tar').stat().st_mtime_ns
+    assert data_main(['synthetic', str(tmp_path), '--train', '50', '--val', '20', '--per-shard', '20',
+                      '--image-size', '64']) == 0
+    assert 'reusing it (train 50, val 20 scenes)' in capsys.readouterr().out
+    assert (tmp_path / 'train' / '00000.tar').stat().st_mtime_ns == stamp
+    write_corpus(tmp_path, CorpusConfig(train=30, val=20, per_shard=20, image_size=64), progress=None)
+    assert read_sizes(tmp_path / 'train') == {'00000.tar': 20, '00001.tar': 10}  # other settings: written anew
