@@ -18,7 +18,7 @@ def test_wheel_carries_configs_recipes_and_dataset_cards(tmp_path):
     assert recipes == {p.name for p in (ROOT / 'recipes').glob('*.yaml')}
     cards = {Path(n).name for n in names if n.startswith('diffzoo/data/cards/')}
     assert cards == {'cc3m.yaml', 'cc12m.yaml'}
-    assert {'diffzoo/train/launch.py', 'diffzoo/data/shards.py'} <= set(names)
+    assert {'diffzoo/train/launch.py', 'diffzoo/data/shards.py', 'diffzoo/eval/synthetic.py'} <= set(names)
 
 
 def test_ci_runs_the_readme_test_command():

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .shards import DataError, write_sizes
+
 SHAPES = ('circle', 'square', 'triangle')
 COLOURS = {  # saturated, so no clutter speck (grey) reads as one of them
     'red': (215, 40, 40), 'green': (40, 165, 60), 'blue': (40, 80, 215),
@@ -44,6 +46,13 @@ class CorpusConfig:
     per_shard: int = 500
     seed: int = 0
     two_object_fraction: float = 0.6
+
+    def __post_init__(self):
+        for name in ('train', 'val', 'per_shard'):
+            if getattr(self, name) < 1:
+                raise DataError(f'--{name.replace("_", "-")} {getattr(self, name)}: the corpus needs at least 1')
+        if self.image_size < 32:
+            raise DataError(f'--image-size {self.image_size}: shapes and clutter need at least 32 px')
 
 
 @dataclass
@@ -142,7 +151,6 @@ def write_split(out_dir, split: str, config: CorpusConfig, progress=print) -> in
 
     import webdataset as wds
 
-    from .shards import write_sizes
 
     directory = Path(out_dir) / split
     directory.mkdir(parents=True, exist_ok=True)

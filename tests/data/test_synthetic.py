@@ -62,3 +62,10 @@ def test_corpus_is_written_as_checked_shards_and_reused(tmp_path, capsys):
     assert (tmp_path / 'train' / '00000.tar').stat().st_mtime_ns == stamp
     write_corpus(tmp_path, CorpusConfig(train=30, val=20, per_shard=20, image_size=64), progress=None)
     assert read_sizes(tmp_path / 'train') == {'00000.tar': 20, '00001.tar': 10}  # other settings: written anew
+
+
+def test_an_empty_split_or_a_tiny_image_is_refused(tmp_path, capsys):
+    assert data_main(['synthetic', str(tmp_path), '--val', '0']) == 2
+    assert '--val 0: the corpus needs at least 1' in capsys.readouterr().err
+    assert data_main(['synthetic', str(tmp_path), '--image-size', '16']) == 2
+    assert not (tmp_path / 'train').exists()

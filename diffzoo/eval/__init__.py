@@ -1,0 +1,1 @@
+"""Evaluation of open_clip models, diffzoo's and any other: the synthetic corpus (`synthetic`)."""

@@ -1,0 +1,99 @@
+"""Zero-shot classification and retrieval on the synthetic corpus's validation split.
+
+Zero-shot: for each class of a task (the subject's shape, or its colour) the text embedding is the
+mean of the normalised embeddings of every caption-style prompt that names it, over every value of
+the attributes the task does not ask about — "a small red circle", "a large red circle", "a small
+blue circle", … for *circle* — then normalised again (CLIP's prompt ensembling, with the other
+attributes marginalised). The prediction is the class of highest cosine similarity; top-1 accuracy.
+
+Retrieval: many scenes share a caption ("a small red circle"), so captions are deduplicated. Image →
+text: the gallery is the distinct captions and a hit is the image's own caption in the top k.
+Text → image: each distinct caption queries all images and a hit is any image with that caption
+in the top k. Both are reported as R@1, R@5, R@10 in percent.
+"""
+import io
+import json
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from diffzoo.data.shards import iter_samples, list_shards
+from diffzoo.data.synthetic import COLOURS, SHAPES, SIZES
+
+RECALL_AT = (1, 5, 10)
+
+
+def prompts(task: str) -> Dict[str, List[str]]:
+    """Caption-style prompts for every class of `task` ('shape' or 'colour')."""
+    if task == 'shape':
+        return {s: [f'a {size} {c} {s}' for size in SIZES for c in COLOURS] for s in SHAPES}
+    if task == 'colour':
+        return {c: [f'a {size} {c} {s}' for size in SIZES for s in SHAPES] for c in COLOURS}
+    raise ValueError(f'unknown task {task!r}; the synthetic corpus has shape and colour')
+
+
+def load_split(directory, preprocess, limit: int = 0) -> Tuple[torch.Tensor, List[Dict]]:
+    """Preprocessed images (N, 3, H, W) and the scene descriptions of a split's shards, in key order."""
+    from PIL import Image
+
+    images, scenes = [], []
+    for shard in list_shards(directory):
+        for _, members in iter_samples(shard):
+            images.append(preprocess(Image.open(io.BytesIO(members['jpg'])).convert('RGB')))
+            scenes.append(json.loads(members['json']))
+            if limit and len(scenes) == limit:
+                return torch.stack(images), scenes
+    return torch.stack(images), scenes
+
+
+@torch.no_grad()
+def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    out = [model.encode_text(tokenizer(list(texts[i:i + batch_size])), normalize=True)
+           for i in range(0, len(texts), batch_size)]
+    return torch.cat(out).float()
+
+
+@torch.no_grad()
+def encode_images(model, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    out = [model.encode_image(images[i:i + batch_size], normalize=True) for i in range(0, len(images), batch_size)]
+    return torch.cat(out).float()
+
+
+def zero_shot_accuracy(image_features: torch.Tensor, scenes: List[Dict], model, tokenizer, task: str) -> float:
+    classes = prompts(task)
+    weights = torch.stack([encode_texts(model, tokenizer, texts).mean(0) for texts in classes.values()])
+    weights = torch.nn.functional.normalize(weights, dim=-1)  # (classes, D)
+    predicted = (image_features @ weights.T).argmax(dim=1)
+    truth = torch.tensor([list(classes).index(s[task]) for s in scenes])
+    return 100.0 * (predicted == truth).float().mean().item()
+
+
+def recall_at_k(similarity: torch.Tensor, own: torch.Tensor, ks: Sequence[int] = RECALL_AT) -> Dict[str, float]:
+    """R@k both ways from `similarity` (N images, C distinct captions) and `own` (N,), each image's caption."""
+    n_images, n_captions = similarity.shape
+    metrics = {}
+    for k in ks:
+        top_texts = similarity.topk(min(k, n_captions), dim=1).indices  # (N, k)
+        metrics[f'image_to_text_R@{k}'] = 100.0 * (top_texts == own[:, None]).any(1).float().mean().item()
+        top_images = similarity.T.topk(min(k, n_images), dim=1).indices  # (C, k)
+        hits = (own[top_images] == torch.arange(n_captions)[:, None]).any(1)
+        metrics[f'text_to_image_R@{k}'] = 100.0 * hits.float().mean().item()
+    return metrics
+
+
+def retrieval_recall(image_features: torch.Tensor, scenes: List[Dict], model, tokenizer) -> Dict[str, float]:
+    captions = sorted({s['caption'] for s in scenes})
+    own = torch.tensor([captions.index(s['caption']) for s in scenes])
+    return recall_at_k(image_features @ encode_texts(model, tokenizer, captions).T, own)
+
+
+def evaluate(model, preprocess, tokenizer, val_dir, limit: int = 0) -> Dict[str, float]:
+    """Every metric of the corpus for one model: zero-shot shape and colour accuracy, retrieval recall."""
+    model.eval()
+    images, scenes = load_split(Path(val_dir), preprocess, limit)
+    image_features = encode_images(model, images)
+    metrics = {f'zero_shot_{task}': zero_shot_accuracy(image_features, scenes, model, tokenizer, task)
+               for task in ('shape', 'colour')}
+    metrics.update(retrieval_recall(image_features, scenes, model, tokenizer))
+    return metrics
