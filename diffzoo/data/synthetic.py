@@ -151,7 +151,6 @@ def write_split(out_dir, split: str, config: CorpusConfig, progress=print) -> in
 
     import webdataset as wds
 
-
     directory = Path(out_dir) / split
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob('*.tar'):

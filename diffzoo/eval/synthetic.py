@@ -12,6 +12,7 @@ Text → image: each distinct caption queries all images and a hit is any image 
 in the top k. Both are reported as R@1, R@5, R@10 in percent.
 """
 import io
+import itertools
 import json
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -19,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from diffzoo.data.shards import iter_samples, list_shards
-from diffzoo.data.synthetic import COLOURS, SHAPES, SIZES
+from diffzoo.data.synthetic import COLOURS, SHAPES, SIZES, class_names
 
 RECALL_AT = (1, 5, 10)
 
@@ -37,13 +38,11 @@ def load_split(directory, preprocess, limit: int = 0) -> Tuple[torch.Tensor, Lis
     """Preprocessed images (N, 3, H, W) and the scene descriptions of a split's shards, in key order."""
     from PIL import Image
 
+    samples = (members for shard in list_shards(directory) for _, members in iter_samples(shard))
     images, scenes = [], []
-    for shard in list_shards(directory):
-        for _, members in iter_samples(shard):
-            images.append(preprocess(Image.open(io.BytesIO(members['jpg'])).convert('RGB')))
-            scenes.append(json.loads(members['json']))
-            if limit and len(scenes) == limit:
-                return torch.stack(images), scenes
+    for members in itertools.islice(samples, limit or None):
+        images.append(preprocess(Image.open(io.BytesIO(members['jpg'])).convert('RGB')))
+        scenes.append(json.loads(members['json']))
     return torch.stack(images), scenes
 
 
@@ -94,6 +93,6 @@ def evaluate(model, preprocess, tokenizer, val_dir, limit: int = 0) -> Dict[str,
     images, scenes = load_split(Path(val_dir), preprocess, limit)
     image_features = encode_images(model, images)
     metrics = {f'zero_shot_{task}': zero_shot_accuracy(image_features, scenes, model, tokenizer, task)
-               for task in ('shape', 'colour')}
+               for task in class_names()}
     metrics.update(retrieval_recall(image_features, scenes, model, tokenizer))
     return metrics

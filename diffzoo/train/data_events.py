@@ -27,8 +27,9 @@ from open_clip_train.data import log_and_continue as _open_clip_log_and_continue
 from webdataset.tariterators import tar_file_expander as _webdataset_tar_file_expander
 from webdataset.tariterators import url_opener
 
+from diffzoo.data.shards import IMAGE_EXTS  # what open_clip_train renames to `image`
+
 ENV = 'DIFFZOO_DATA_EVENTS'
-IMAGE_EXTS = ('png', 'jpg', 'jpeg', 'webp')  # what open_clip_train renames to `image`
 REASONS = {
     'undecodable_image': 'undecodable image',
     'undecodable_text': 'undecodable caption or json',

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
-from diffzoo.data.shards import SIZES_FILE, DataError, list_shards
+from diffzoo.data.shards import SIZES_FILE, list_shards
 from diffzoo.flags import FlagError, YamlLoader, parse_pairs
 
 DIFFZOO_KEYS = {

@@ -1,5 +1,4 @@
 import json
-import sys
 import tarfile
 
 import pyarrow as pa
