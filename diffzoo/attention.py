@@ -1,7 +1,7 @@
 """Where the vision tower attends, and how diffuse its attention is: CLIP against DiffCLIP.
 
-    python -m diffzoo.attention IMAGE [IMAGE ...] --model NAME [--pretrained TAG_OR_PATH] \\
-        [--model NAME2 [--pretrained ...]] [--query mug --query lamp] [--layer -1] [--out attention.png] [--entropy]
+    python -m diffzoo.attention IMAGE [IMAGE ...] --model NAME[,PRETRAINED] [--model NAME2[,PRETRAINED] …]
+        [--query mug --query lamp] [--layer -1] [--out attention.png] [--entropy]
 
 Attention maps. Every block of a timm ViT vision tower is read on its explicit attention path, at
 the point where the map enters the value product, so the map is the one the model used:
@@ -43,7 +43,6 @@ tokens (less diffuse, less "noise").
 """
 import argparse
 import contextlib
-import difflib
 import math
 import sys
 import time
@@ -292,37 +291,19 @@ def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapp
     return '\n'.join(lines)
 
 
-class _ModelSpec(argparse.Action):
-    """--model starts a new model; --pretrained sets the weights of the --model before it."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        specs = [list(s) for s in getattr(namespace, self.dest) or []]
-        if option_string == '--model':
-            specs.append([value, None])
-        elif not specs:
-            parser.error(f'--pretrained {value}: put it after the --model it belongs to')
-        elif specs[-1][1] is not None:
-            parser.error(f'--model {specs[-1][0]}: two --pretrained ({specs[-1][1]}, {value}); give one per model')
-        else:
-            specs[-1][1] = value
-        setattr(namespace, self.dest, specs)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='python -m diffzoo.attention', formatter_class=argparse.RawDescriptionHelpFormatter,
         description='Attention maps of each model\'s vision tower overlaid on images (one column per model),\n'
                     'and attention entropy per block and head (--entropy). The method is in the module docstring:\n'
                     '  python -c "import diffzoo.attention as a; print(a.__doc__)"',
-        epilog='Each --pretrained applies to the --model just before it; a --model without one is randomly\n'
-               'initialised. Example:\n'
-               '  python -m diffzoo.attention office.jpg --model diffclip-b16 --pretrained cc3m \\\n'
-               '      --model clip-b16-baseline --pretrained cc3m --query mug --query lamp --entropy')
+        epilog='Models are spelled as in python -m diffzoo.eval and CLIP_benchmark: NAME,PRETRAINED with\n'
+               'PRETRAINED a tag (cc3m) or a checkpoint file; NAME alone is randomly initialised. Example:\n'
+               '  python -m diffzoo.attention office.jpg --model diffclip-b16,cc3m \\\n'
+               '      --model clip-b16-baseline,cc3m --query mug --query lamp --entropy')
     parser.add_argument('images', nargs='+', metavar='IMAGE', help='image files (anything PIL opens)')
-    parser.add_argument('--model', dest='models', action=_ModelSpec, metavar='NAME',
-                        help='open_clip model name (repeat for more columns), e.g. diffclip-b16')
-    parser.add_argument('--pretrained', dest='models', action=_ModelSpec, metavar='TAG_OR_PATH',
-                        help='weights for the preceding --model: an open_clip tag (cc3m) or a checkpoint path')
+    parser.add_argument('--model', dest='models', action='append', default=[], metavar='NAME[,PRETRAINED]',
+                        help='an open_clip model and its weights (tag or file); repeat for more columns')
     parser.add_argument('--query', action='append', default=[], metavar='TEXT',
                         help='text query (repeatable); without one, CLS attention is shown')
     parser.add_argument('--layer', type=int, default=-1, help='vision block of the CLS map (default -1, the last)')
@@ -348,17 +329,6 @@ def _load_images(paths: Sequence[str]) -> List:
     return images
 
 
-def _check_model_name(name: str) -> None:
-    import open_clip
-    known = open_clip.list_models()
-    if name in known or name.startswith(('hf-hub:', 'local-dir:')):
-        return
-    close = difflib.get_close_matches(name, known, n=3)
-    hint = f'did you mean {", ".join(close)}? ' if close else ''
-    raise SystemExit(f'error: --model {name}: not an open_clip model; {hint}diffzoo registers '
-                     f'{", ".join(n for n in known if n.startswith(("diffclip", "clip-")))}')
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -366,15 +336,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error('give at least one --model NAME (e.g. --model diffclip-tiny --model clip-tiny-baseline)')
     import open_clip  # the models are registered by importing diffzoo (this package)
 
+    from diffzoo.eval.models import EvalError, parse_model
     t0 = time.time()
     pil = _load_images(args.images)
-    for name, _ in args.models:
-        _check_model_name(name)
+    try:
+        specs = [parse_model(text) for text in args.models]
+    except EvalError as exc:
+        raise SystemExit(f'error: {exc}')
     steps = 2 + len(args.models)
     print(f'[1/{steps}] {len(pil)} image(s): {", ".join(args.images)}', flush=True)
 
     maps, entropies, n_tokens = {}, {}, {}
-    for step, (name, pretrained) in enumerate(args.models, start=2):
+    for step, (name, pretrained) in enumerate(((s.name, s.pretrained) for s in specs), start=2):
         column = f'{name} ({Path(pretrained).name})' if pretrained else name
         print(f'[{step}/{steps}] {column}: building' + ('' if pretrained else ' (random init: no --pretrained)'),
               flush=True)
