@@ -48,15 +48,23 @@ def load_split(directory, preprocess, limit: int = 0) -> Tuple[torch.Tensor, Lis
 
 @torch.no_grad()
 def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    out = [model.encode_text(tokenizer(list(texts[i:i + batch_size])), normalize=True)
+    device = _device(model)
+    out = [model.encode_text(tokenizer(list(texts[i:i + batch_size])).to(device), normalize=True)
            for i in range(0, len(texts), batch_size)]
-    return torch.cat(out).float()
+    return torch.cat(out).float().cpu()
 
 
 @torch.no_grad()
 def encode_images(model, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
-    out = [model.encode_image(images[i:i + batch_size], normalize=True) for i in range(0, len(images), batch_size)]
-    return torch.cat(out).float()
+    device = _device(model)
+    out = [model.encode_image(images[i:i + batch_size].to(device), normalize=True)
+           for i in range(0, len(images), batch_size)]
+    return torch.cat(out).float().cpu()
+
+
+def _device(model) -> torch.device:
+    """Where the model's weights are (inputs go there, features come back to the CPU)."""
+    return next(model.parameters()).device
 
 
 def zero_shot_accuracy(image_features: torch.Tensor, scenes: List[Dict], model, tokenizer, task: str) -> float:

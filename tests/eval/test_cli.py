@@ -1,0 +1,76 @@
+import hashlib
+import json
+
+import open_clip
+import torch
+
+from diffzoo.eval.__main__ import main
+from diffzoo.eval.results import read_json
+
+
+def _training_run(run_dir, epochs=(1, 2)):
+    """A run directory as diffzoo.train leaves it: diffzoo-run.json and open_clip_train checkpoints."""
+    (run_dir / 'checkpoints').mkdir(parents=True)
+    (run_dir / 'diffzoo-run.json').write_text(json.dumps({'model': 'diffclip-tiny', 'image_mean': [0.485, 0.456, 0.406],
+                                                          'image_std': [0.229, 0.224, 0.225]}))
+    for epoch in epochs:
+        torch.manual_seed(epoch)
+        model = open_clip.create_model('diffclip-tiny')
+        torch.save({'epoch': epoch, 'name': run_dir.name, 'optimizer': {},
+                    'state_dict': {f'module.{k}': v for k, v in model.state_dict().items()}},
+                   run_dir / 'checkpoints' / f'epoch_{epoch}.pt')
+    torch.save({}, run_dir / 'checkpoints' / 'epoch_latest.pt')  # not an epoch of its own
+
+
+def test_every_checkpoint_of_a_run_gives_a_table_json_and_plot(corpus, tmp_path, capsys):
+    run_dir = tmp_path / 'runs' / 'tiny'
+    _training_run(run_dir)
+    assert main(['--run-dir', str(run_dir), '--every-checkpoint', '--dataset', 'synthetic', '--dataset-root',
+                 str(corpus), '--workers', '0']) == 0
+    out = capsys.readouterr().out
+    rows = read_json(run_dir / 'eval' / 'results.json')  # the default output of a run
+    assert {r.epoch for r in rows} == {1, 2} and {r.model for r in rows} == {'diffclip-tiny'}
+    for epoch in (1, 2):
+        path = run_dir / 'checkpoints' / f'epoch_{epoch}.pt'
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+        assert {(r.pretrained, r.checkpoint_sha256) for r in rows if r.epoch == epoch} == {(str(path), sha)}
+    assert {r.task for r in rows} == {'zeroshot_classification', 'zeroshot_retrieval'}
+    by_epoch = [{r.metric: r.value for r in rows if r.epoch == e} for e in (1, 2)]
+    assert by_epoch[0].keys() == by_epoch[1].keys() and by_epoch[0] != by_epoch[1]  # other weights, other results
+    header = next(line for line in out.splitlines() if line.startswith('dataset'))
+    assert header.split()[-4:] == ['epoch', '1', 'epoch', '2']
+    assert (run_dir / 'eval' / 'results_vs_epoch.png').stat().st_size > 0
+    assert f'plot: {run_dir / "eval" / "results_vs_epoch.png"}' in out
+
+
+def test_models_side_by_side_with_few_shot(corpus, tmp_path, capsys):
+    checkpoint = tmp_path / 'baseline.pt'
+    torch.save({'state_dict': open_clip.create_model('clip-tiny-baseline').state_dict()}, checkpoint)
+    out = tmp_path / 'r.json'
+    assert main(['--model', 'diffclip-tiny', '--model', f'clip-tiny-baseline,{checkpoint}', '--dataset', 'synthetic',
+                 '--dataset-root', str(corpus), '--task', 'fewshot', '--fewshot-shot', '1', '--fewshot-query', '2',
+                 '--fewshot-episodes', '5', '--workers', '0', '--output', str(out)]) == 0
+    rows = read_json(out)
+    assert {(r.column, r.checkpoint_sha256) for r in rows} == {
+        ('diffclip-tiny (random)', None),
+        ('clip-tiny-baseline,baseline.pt', hashlib.sha256(checkpoint.read_bytes()).hexdigest()[:12])}
+    assert {r.metric for r in rows} == {'shape_3way_1shot_acc', 'shape_3way_1shot_ci95',
+                                        'colour_5way_1shot_acc', 'colour_5way_1shot_ci95'}
+    assert 'diffclip-tiny (random)  clip-tiny-baseline,baseline.pt' in capsys.readouterr().out
+
+
+def test_bad_inputs_name_the_fix(corpus, tmp_path, capsys):
+    def error(*argv):
+        assert main(list(argv)) == 2
+        return capsys.readouterr().err
+
+    assert 'did you mean diffclip-tiny' in error('--model', 'diffclip-tiyn', '--dataset', 'dummy')
+    assert 'neither a checkpoint file nor a pretrained tag' in error('--model', 'diffclip-b16,cc4m',
+                                                                     '--dataset', 'dummy')
+    assert '--every-checkpoint needs --run-dir' in error('--model', 'diffclip-tiny', '--every-checkpoint',
+                                                          '--dataset', 'dummy')
+    assert 'no checkpoints/epoch_K.pt' in error('--run-dir', str(tmp_path), '--dataset', 'dummy')
+    assert 'python -m diffzoo.data synthetic' in error('--model', 'diffclip-tiny', '--dataset', 'synthetic',
+                                                       '--dataset-root', str(tmp_path))
+    assert '--task mmvp: none of the datasets has it' in error('--model', 'diffclip-tiny', '--dataset', 'synthetic',
+                                                               '--dataset-root', str(corpus), '--task', 'mmvp')
