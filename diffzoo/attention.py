@@ -193,9 +193,11 @@ def _display(heat: torch.Tensor, side: int = DISPLAY_PX) -> torch.Tensor:
 
 
 def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_png,
-                  queries: Optional[Sequence[str]] = None) -> Path:
+                  queries: Optional[Sequence] = None) -> Path:
     """A PNG grid: one row per image (per image and query for (B, Q, gh, gw) maps), the image and then
-    one column per model (`maps`: model name → (B, gh, gw) or (B, Q, gh, gw)) with its map overlaid."""
+    one column per model (`maps`: model name → (B, gh, gw) or (B, Q, gh, gw)) with its map overlaid.
+
+    `queries` labels the rows: Q strings shared by every image, or one list of Q strings per image."""
     from matplotlib.figure import Figure
 
     if not maps:
@@ -207,10 +209,13 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
         if b != len(pil_images) or q != n_queries:
             raise ValueError(f'plot_overlays: maps[{name!r}] covers {b} images × {q} queries, expected '
                              f'{len(pil_images)} images (one per PIL image) × {n_queries} queries')
-    if queries is not None and len(queries) != n_queries:
-        raise ValueError(f'plot_overlays: {len(queries)} queries given for maps with {n_queries}')
-    labels = list(queries) if queries is not None else ([None] if n_queries == 1 else
-                                                        [f'query {q}' for q in range(n_queries)])
+    if queries is None:
+        queries = [None] if n_queries == 1 else [f'query {q}' for q in range(n_queries)]
+    labels = [list(queries)] * len(pil_images) if not queries or isinstance(queries[0], (str, type(None))) \
+        else [list(q) for q in queries]  # per image
+    if len(labels) != len(pil_images) or any(len(q) != n_queries for q in labels):
+        raise ValueError(f'plot_overlays: queries {list(queries)} do not label {n_queries} queries per image '
+                         f'for {len(pil_images)} images')
 
     rows = [(b, q) for b in range(len(pil_images)) for q in range(n_queries)]
     cols = 1 + len(per_query)
@@ -219,7 +224,7 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
     crops = [_square(image) for image in pil_images]
     for r, (b, q) in enumerate(rows):
         axes[r, 0].imshow(crops[b])
-        axes[r, 0].set_ylabel(f'image {b}' + (f'\n"{labels[q]}"' if labels[q] is not None else ''))
+        axes[r, 0].set_ylabel(f'image {b}' + (f'\n"{labels[b][q]}"' if labels[b][q] is not None else ''))
         for c, (name, m) in enumerate(per_query.items(), start=1):
             axes[r, c].imshow(crops[b])
             axes[r, c].imshow(_display(m[b, q]).numpy(), cmap='jet', alpha=0.5, vmin=0, vmax=1)
@@ -228,10 +233,10 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
             ax.set_yticks([])
     for c, name in enumerate(['image (centre crop)', *per_query], start=0):
         axes[0, c].set_title(name, fontsize=9)
-    kind = 'gradient-weighted attention relevance per query' if queries is not None or n_queries > 1 \
+    kind = 'gradient-weighted attention relevance per query' if labels[0][0] is not None \
         else 'CLS attention to patches, mean over heads (clipped at 0)'
     fig.suptitle(kind, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100)

@@ -1,97 +1,260 @@
-"""`make demo`: build DiffCLIP ViT-B/16 through open_clip and show what differs from CLIP.
+"""`make demo`: CLIP against DiffCLIP, from data to attention maps, in a few minutes on a CPU.
 
-    python -m diffzoo.demo [--model diffclip-b16] [--baseline clip-b16-baseline]
+    python -m diffzoo.demo [--out demo] [--fresh] [--epochs 4] [--train 4000] [--val 500]
+                           [--model diffclip-tiny] [--baseline clip-tiny-baseline]
 
-Builds both models with `open_clip.create_model_and_transforms`, runs one image/text pair (an
-image drawn here, no download) through DiffCLIP, and prints embedding shapes, parameter counts
-against the baseline, and λ per layer of both towers.
+1. data      a synthetic corpus (`diffzoo.data.synthetic`): coloured shapes with captions on
+             cluttered backgrounds, as train/val webdataset shards with a fixed seed.
+2. train     the model and its baseline with one recipe each (the shipped recipes of the same
+             names, identical but for the model), through `python -m diffzoo.train`.
+3. evaluate  both the same way on the val split (`diffzoo.eval.synthetic`): zero-shot accuracy
+             on the subject's shape and colour, image→text and text→image R@1/5/10.
+4. figures   attention maps of both vision towers for a few val images (`diffzoo.attention`),
+             attention entropy per layer, λ per layer of the differential model, loss curves.
+
+Everything goes under OUT: `data/`, `runs/<model>-<scenes>x<epochs>/` (open_clip_train's run
+directories, with `train.log`), `results.json` and the PNGs. A re-run reuses the corpus and every finished training
+run (an interrupted one resumes from its last checkpoint); `--fresh` starts over. The numbers are
+whatever this seed gives: nothing is tuned for either model.
 """
 import argparse
-import logging
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Dict, List, Tuple
 
-import numpy as np
-import open_clip
-import torch
-from PIL import Image, ImageDraw
-
-import diffzoo  # noqa: F401  registers the models
-from diffzoo.layers import DifferentialAttention
-
-
-def demo_image(size: int = 256) -> Image.Image:
-    """A small red circle left of a blue square on a textured background."""
-    rng = np.random.default_rng(0)
-    background = (rng.integers(180, 230, (size, size, 3))).astype(np.uint8)
-    img = Image.fromarray(background)
-    draw = ImageDraw.Draw(img)
-    draw.ellipse((30, 100, 100, 170), fill=(220, 30, 30))
-    draw.rectangle((150, 95, 225, 170), fill=(30, 60, 220))
-    return img
+METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('image_to_text', 'text_to_image')
+                                                       for k in (1, 5, 10)))
+PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
+ATTENTION_IMAGES = 3
 
 
-@torch.no_grad()
-def lambdas(tower: torch.nn.Module):
-    """(λ_init, current λ) of each differential layer of a tower, in block order."""
-    out = []
-    for m in tower.modules():
-        if isinstance(m, DifferentialAttention):
-            out.append((m.lambda_init, float(m.compute_lambda(torch.zeros(1, 1, m.qkv.in_features)).mean())))
-    return out
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
-def count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def make_data(out: Path, args) -> Dict:
+    from diffzoo.data.synthetic import CorpusConfig, write_corpus
+    per_shard = max(1, min(500, args.train // 8))
+    config = CorpusConfig(train=args.train, val=args.val, per_shard=per_shard)
+    return write_corpus(out / 'data', config, progress=lambda msg: print(f'      {msg}', flush=True))
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog='python -m diffzoo.demo', description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', default='diffclip-b16')
-    parser.add_argument('--baseline', default='clip-b16-baseline')
+def train(model: str, out: Path, args) -> Path:
+    """Train `model` with its shipped recipe; skip a finished run. Returns the last checkpoint."""
+    run_dir = out / 'runs' / f'{model}-{args.train}x{args.epochs}'
+    last = run_dir / 'checkpoints' / f'epoch_{args.epochs}.pt'
+    if last.exists():
+        print(f'      {model}: reusing {last}', flush=True)
+        return last
+    shards = sorted((out / 'data' / 'train').glob('*.tar'))
+    pattern = str(out / 'data' / 'train' / f'{{{shards[0].stem}..{shards[-1].stem}}}.tar')
+    cmd = [sys.executable, '-m', 'diffzoo.train', '--recipe', model, '--train-data', pattern,
+           '--epochs', str(args.epochs), '--seed', '0', '--logs', str(out / 'runs'), '--name', run_dir.name]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / 'train.log'
+    start, interactive = time.time(), sys.stdout.isatty()
+    with open(log_path, 'a') as log:
+        log.write('$ ' + ' '.join(cmd) + '\n')
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            match = PROGRESS.search(line)
+            if match:
+                epoch, done, total, loss = match.groups()
+                status = (f'      {model}: epoch {int(epoch) + 1}/{args.epochs} {int(done):>6,}/{int(total):,} '
+                          f'loss {float(loss):.3f}  {time.time() - start:5.0f}s')
+                if interactive:
+                    print('\r' + status, end='', flush=True)
+                elif done == total:
+                    print(status, flush=True)
+        code = proc.wait()
+    if interactive:
+        print(flush=True)
+    if code != 0 or not last.exists():
+        tail = ''.join(open(log_path).readlines()[-15:])
+        raise SystemExit(f'training {model} failed (exit {code}); the log is {log_path}:\n{tail}\n'
+                         f'Re-running the demo resumes from the last finished epoch.')
+    return last
+
+
+def evaluate(models: Dict[str, Path], out: Path) -> Dict[str, Dict[str, float]]:
+    import open_clip
+    from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
+    results = {}
+    for name, checkpoint in models.items():
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=str(checkpoint))
+        results[name] = evaluate_synthetic(model, preprocess, open_clip.get_tokenizer(name), out / 'data' / 'val')
+    return results
+
+
+def chance() -> Dict[str, float]:
+    """Accuracy of guessing: 1/classes for zero-shot; retrieval chance needs no row of its own."""
+    from diffzoo.data.synthetic import class_names
+    return {f'zero_shot_{task}': 100.0 / len(names) for task, names in class_names().items()}
+
+
+def table(results: Dict[str, Dict[str, float]], baseline: str, model: str, reference: Dict[str, float]) -> str:
+    head = f'  {"metric (val split, %)":<24}{baseline:>20}{model:>16}{"Δ":>8}{"chance":>9}'
+    lines = [head, '  ' + '─' * (len(head) - 2)]
+    for metric in METRICS:
+        a, b = results[baseline][metric], results[model][metric]
+        ref = f'{reference[metric]:>9.1f}' if metric in reference else f'{"":>9}'
+        lines.append(f'  {metric:<24}{a:>20.1f}{b:>16.1f}{b - a:>+8.1f}{ref}')
+    return '\n'.join(lines)
+
+
+def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
+    """Training loss against optimizer step for every run, raw and smoothed."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from diffzoo.train.metrics import read_lambda_log
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, run_dir), colour in zip(runs.items(), ('tab:blue', 'tab:red', 'tab:green')):
+        by_step = {r['step']: r['loss'] for r in read_lambda_log(str(run_dir)) if r.get('loss') is not None}
+        steps = sorted(by_step)
+        losses = [by_step[s] for s in steps]
+        window = max(1, len(losses) // 25)
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, losses, color=colour, alpha=0.2, linewidth=0.8)
+        ax.plot(steps, smooth, color=colour, label=f'{name} (mean of {window} steps)')
+    ax.set_xlabel('optimizer step')
+    ax.set_ylabel('contrastive loss')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
+
+
+def figures(models: Dict[str, Path], out: Path, model_name: str) -> Tuple[Dict[str, str], Dict[str, list]]:
+    """Attention overlays and entropy for both models, λ and loss plots. Returns PNG paths, entropies."""
+    import io
+
+    import open_clip
+    import torch
+    from PIL import Image
+
+    from diffzoo import attention
+    from diffzoo.data.shards import iter_samples, list_shards
+    from diffzoo.train.metrics import plot_lambda
+
+    samples = [members for shard in list_shards(out / 'data' / 'val') for _, members in iter_samples(shard)]
+    pil = [Image.open(io.BytesIO(m['jpg'])).convert('RGB') for m in samples]
+    scenes = [json.loads(m['json']) for m in samples]
+    # two-object scenes, each queried with its own objects ("blue square", "purple triangle")
+    shown = [i for i, s in enumerate(scenes) if len(s['objects']) == 2][:ATTENTION_IMAGES]
+    queries = [[f'{o["colour"]} {o["shape"]}' for o in scenes[i]['objects']] for i in shown]
+
+    cls_maps, query_maps, entropies, n_tokens = {}, {}, {}, {}
+    for name, checkpoint in models.items():
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=str(checkpoint))
+        model.eval()
+        tokenizer = open_clip.get_tokenizer(name)
+        images = torch.stack([preprocess(pil[i]) for i in shown])
+        query_maps[name] = torch.cat([attention.query_attention(model, tokenizer, image[None], texts)
+                                      for image, texts in zip(images, queries)])  # (B, 2, gh, gw)
+        with torch.no_grad():
+            cls_maps[name] = attention.cls_attention(model, images)
+            entropies[name] = attention.attention_entropy(model, torch.stack([preprocess(p) for p in pil[:64]]))
+        trunk = attention.vision_trunk(model)
+        n_tokens[name] = trunk.patch_embed.num_patches + trunk.num_prefix_tokens
+    captions = [scenes[i]['caption'] for i in shown]
+    paths = {
+        'attention_maps': attention.plot_overlays([pil[i] for i in shown], cls_maps, out / 'attention_maps.png'),
+        'attention_queries': attention.plot_overlays([pil[i] for i in shown], query_maps,
+                                                     out / 'attention_queries.png', queries=queries),
+        'attention_entropy': attention.plot_entropy(entropies, out / 'attention_entropy.png', n_tokens),
+        'lambda': plot_lambda(str(models[model_name].parents[1]), str(out / 'lambda.png')),
+        'loss': loss_curves({n: p.parents[1] for n, p in models.items()}, out / 'loss.png'),
+    }
+    print('\n      val images in the attention figures: ' + '; '.join(f'"{c}"' for c in captions))
+    print('\n' + attention.entropy_table(entropies, n_tokens))
+    return {k: str(v) for k, v in paths.items()}, {n: e.tolist() for n, e in entropies.items()}
+
+
+def main(argv: List[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m diffzoo.demo', description=__doc__.split('\n\n')[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split('\n\n', 2)[2])
+    parser.add_argument('--out', default='demo', help='output directory (default ./demo)')
+    parser.add_argument('--fresh', action='store_true', help='delete OUT/data and OUT/runs and start over')
+    parser.add_argument('--epochs', type=int, default=4)
+    parser.add_argument('--train', type=int, default=4000, help='training scenes')
+    parser.add_argument('--val', type=int, default=500, help='validation scenes')
+    parser.add_argument('--model', default='diffclip-tiny', help='a model with a shipped recipe of its name')
+    parser.add_argument('--baseline', default='clip-tiny-baseline')
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    logging.getLogger().setLevel(logging.ERROR)  # open_clip warns that no weights were loaded
+    if args.train < 64 or args.val < 32 or args.epochs < 1:
+        parser.error(f'--train {args.train} --val {args.val} --epochs {args.epochs}: the demo needs at least '
+                     f'64 train and 32 val scenes (a batch of 32, two-object scenes to show) and 1 epoch')
 
-    t0 = time.time()
-    print(f'[1/3] building {args.model} and {args.baseline} with open_clip …', flush=True)
-    model, _, preprocess = open_clip.create_model_and_transforms(args.model)
-    baseline = open_clip.create_model(args.baseline)
-    tokenizer = open_clip.get_tokenizer(args.model)
-    model.eval()
+    import logging
+    logging.getLogger().setLevel(logging.ERROR)  # open_clip logs every checkpoint it loads
+    import diffzoo  # noqa: F401  registers the models
+    from diffzoo.train.recipe import RecipeError, find_recipe
+    for name in (args.model, args.baseline):
+        try:
+            find_recipe(name)
+        except RecipeError as exc:
+            parser.error(f'--model/--baseline {name}: {exc}')
 
-    print('[2/3] encoding one image/text pair …', flush=True)
-    caption = 'a small red circle left of a blue square'
-    image = preprocess(demo_image()).unsqueeze(0)
-    with torch.no_grad():
-        image_features = model.encode_image(image, normalize=True)
-        text_features = model.encode_text(tokenizer([caption]), normalize=True)
-    similarity = (image_features @ text_features.T).item()
+    out = Path(args.out)
+    if args.fresh:
+        for sub in ('data', 'runs'):
+            shutil.rmtree(out / sub, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    timings = {}
 
-    print('[3/3] summary\n', flush=True)
-    print(f'  image {tuple(image.shape)} → image embedding {tuple(image_features.shape)}')
-    print(f'  "{caption}" → text embedding {tuple(text_features.shape)}')
-    print(f'  cosine similarity (random init, untrained): {similarity:+.4f}\n')
+    print(f'[1/4] data: {args.train:,} train and {args.val:,} val scenes in {out / "data"}', flush=True)
+    make_data(out, args)
+    timings['data_s'] = time.time() - start
 
-    rows = [
-        ('vision tower', count(model.visual), count(baseline.visual)),
-        ('text tower', count(model) - count(model.visual), count(baseline) - count(baseline.visual)),
-        ('total', count(model), count(baseline)),
-    ]
-    print(f'  {"parameters":<14}{args.model:>18}{args.baseline:>22}{"difference":>14}')
-    for name, a, b in rows:
-        print(f'  {name:<14}{a:>18,}{b:>22,}{a - b:>+14,}')
+    print(f'[2/4] training {args.baseline} and {args.model}, {args.epochs} epochs each, same recipe', flush=True)
+    models = {}
+    for name in (args.baseline, args.model):
+        models[name] = train(name, out, args)
+    timings['train_s'] = time.time() - start - timings['data_s']
 
-    print(f'\n  λ per layer of {args.model} (λ_init, λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init)')
-    towers = {'vision': lambdas(model.visual), 'text': lambdas(model.transformer)}
-    depth = max(len(v) for v in towers.values())
-    print(f'  {"layer":<7}' + ''.join(f'{t + " λ_init":>14}{t + " λ":>12}' for t in towers))
-    for i in range(depth):
-        cells = ''
-        for t, values in towers.items():
-            cells += f'{values[i][0]:>14.4f}{values[i][1]:>12.4f}' if i < len(values) else f'{"—":>14}{"—":>12}'
-        print(f'  {i:<7}{cells}')
-    print(f'\n  done in {time.time() - t0:.1f}s')
+    print('[3/4] evaluating both on the val split', flush=True)
+    results = evaluate(models, out)
+    reference = chance()
+
+    print('[4/4] figures', flush=True)
+    pngs, entropies = figures(models, out, args.model)
+    timings['total_s'] = time.time() - start
+
+    report = {
+        'models': {n: {'checkpoint': str(p), 'sha256': sha256(p)} for n, p in models.items()},
+        'data': str(out / 'data'), 'epochs': args.epochs, 'train_scenes': args.train, 'val_scenes': args.val,
+        'metrics': results, 'chance': reference, 'attention_entropy': entropies, 'figures': pngs,
+        'timings': {k: round(v, 1) for k, v in timings.items()},
+    }
+    with open(out / 'results.json', 'w') as f:
+        json.dump(report, f, indent=2)
+
+    print('\n' + table(results, args.baseline, args.model, reference))
+    print(f'\n  results: {out / "results.json"}')
+    for png in pngs.values():
+        print(f'  figure:  {png}')
+    print(f'  done in {timings["total_s"]:.0f}s')
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

@@ -191,8 +191,14 @@ def test_plot_overlays_grid_and_shape_checks(tmp_path):
         assert img.size == (720, 990)  # 3 columns × 4 rows (2 images × 2 queries) of 240 px, + title
     with pytest.raises(ValueError, match=r"maps\['diffclip-tiny'\] covers 2 images .* expected 3 images"):
         attention.plot_overlays(pil + pil[:1], maps, tmp_path / 'x.png')
-    with pytest.raises(ValueError, match='1 queries given for maps with 2'):
+    with pytest.raises(ValueError, match=r"queries \['circle'\] do not label 2 queries per image for 2 images"):
         attention.plot_overlays(pil, maps, tmp_path / 'x.png', queries=['circle'])
+    per_image = [['red circle', 'blue square'], ['green square', 'red triangle']]
+    png = attention.plot_overlays(pil, maps, tmp_path / 'per_image.png', queries=per_image)
+    with Image.open(png) as img:
+        assert img.size == (720, 990)
+    with pytest.raises(ValueError, match='do not label 2 queries per image'):
+        attention.plot_overlays(pil, maps, tmp_path / 'x.png', queries=per_image[:1])
 
 
 def test_a_vision_tower_that_is_not_a_timm_vit_is_refused():

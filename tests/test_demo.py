@@ -1,16 +1,96 @@
+"""`python -m diffzoo.demo` end to end on a small corpus: data, two trainings, evaluation, figures, reuse."""
+import hashlib
+import json
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+from PIL import Image
 
-def test_demo_prints_shapes_parameter_table_and_lambdas():
-    proc = subprocess.run(
-        [sys.executable, '-m', 'diffzoo.demo', '--model', 'diffclip-tiny-dynamic', '--baseline', 'clip-tiny-baseline'],
-        capture_output=True, text=True, check=True)
-    out = proc.stdout
-    assert 'image embedding (1, 128)' in out and 'text embedding (1, 128)' in out
-    total = next(line for line in out.splitlines() if line.strip().startswith('total')).split()
-    assert int(total[-1].replace(',', '')) > 0  # differential model has the λ and sub-norm parameters
-    lam_rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 5]
-    assert [float(r[1]) for r in lam_rows] == sorted(float(r[1]) for r in lam_rows)  # λ_init grows with depth
-    assert float(lam_rows[0][1]) == 0.2
-    assert 'Traceback' not in proc.stderr
+from diffzoo.demo import METRICS
+
+SMALL = ['--train', '128', '--val', '32', '--epochs', '1']
+MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
+
+
+def demo(out, *extra):
+    return subprocess.run([sys.executable, '-m', 'diffzoo.demo', '--out', str(out), *SMALL, *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope='module')
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('demo')
+    proc = demo(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_trains_both_models_with_one_recipe_and_prints_the_table(first_run):
+    out, proc = first_run
+    for step in ('[1/4] data', '[2/4] training', '[3/4] evaluating', '[4/4] figures'):
+        assert step in proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if line.strip().startswith('metric'))
+    assert header.split()[-4:-2] == list(MODELS)
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
+            if line.strip().split()[:1] and line.split()[0] in METRICS}
+    assert set(rows) == set(METRICS)
+    report = json.loads((out / 'results.json').read_text())
+    for metric, cells in rows.items():
+        baseline, model, delta = (float(c) for c in cells[:3])
+        assert baseline == pytest.approx(report['metrics'][MODELS[0]][metric], abs=0.05)
+        assert model == pytest.approx(report['metrics'][MODELS[1]][metric], abs=0.05)
+        assert delta == pytest.approx(model - baseline, abs=0.11)
+    assert rows['zero_shot_shape'][3] == '33.3' and rows['zero_shot_colour'][3] == '16.7'  # chance column
+
+    # the two runs differ only in the model
+    settings = {}
+    for name in MODELS:
+        run = out / 'runs' / f'{name}-128x1'
+        params = dict(line.split(': ', 1) for line in (run / 'params.txt').read_text().splitlines() if ': ' in line)
+        assert params.pop('model') == name
+        for key in ('name', 'logs', 'checkpoint_path', 'log_path', 'tensorboard_path', 'wandb_notes'):
+            params.pop(key, None)
+        settings[name] = params
+    assert settings[MODELS[0]] == settings[MODELS[1]]
+    for name, entry in report['models'].items():
+        digest = hashlib.sha256(open(entry['checkpoint'], 'rb').read()).hexdigest()
+        assert entry['sha256'] == digest[:16]
+
+
+def test_writes_the_figures(first_run):
+    out, proc = first_run
+    report = json.loads((out / 'results.json').read_text())
+    assert set(report['figures']) == {'attention_maps', 'attention_queries', 'attention_entropy', 'lambda', 'loss'}
+    for png in report['figures'].values():
+        assert f'figure:  {png}' in proc.stdout
+        with Image.open(png) as image:
+            assert image.size[0] > 300 and image.size[1] > 200
+            assert len(np.unique(np.asarray(image.convert('L')))) > 20  # not a blank canvas
+    entropy = report['attention_entropy']
+    assert set(entropy) == set(MODELS)
+    assert [len(layer) for layer in entropy[MODELS[0]]] == [4] * 4  # 4 blocks of 4 heads
+    assert [len(layer) for layer in entropy[MODELS[1]]] == [2] * 4  # 4 blocks of 2 differential heads
+
+
+def test_rerun_reuses_data_and_checkpoints(first_run):
+    out, _ = first_run
+    before = {p: p.stat().st_mtime_ns for p in (out / 'runs').rglob('*.pt')}
+    shards = {p: p.stat().st_mtime_ns for p in (out / 'data').rglob('*.tar')}
+    first = json.loads((out / 'results.json').read_text())
+    proc = demo(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'reusing it' in proc.stdout  # the corpus
+    for name in MODELS:
+        assert f'{name}: reusing {out}/runs/{name}-128x1/checkpoints/epoch_1.pt' in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in (out / 'runs').rglob('*.pt')} == before
+    assert {p: p.stat().st_mtime_ns for p in (out / 'data').rglob('*.tar')} == shards
+    assert json.loads((out / 'results.json').read_text())['metrics'] == first['metrics']
+
+
+def test_unknown_model_is_refused_before_any_work(tmp_path):
+    proc = demo(tmp_path / 'out', '--model', 'diffclip-tiny-typo')
+    assert proc.returncode == 2
+    assert 'diffclip-tiny-typo' in proc.stderr and 'recipe' in proc.stderr
+    assert not (tmp_path / 'out').exists()
