@@ -20,7 +20,6 @@ whatever this seed gives: nothing is tuned for either model.
 import argparse
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
