@@ -7,7 +7,8 @@
              cluttered backgrounds, as train/val webdataset shards with a fixed seed.
 2. train     the model and its baseline with one recipe each (the shipped recipes of the same
              names, identical but for the model), through `python -m diffzoo.train`.
-3. evaluate  both the same way on the val split (`diffzoo.eval.synthetic`): zero-shot accuracy
+3. evaluate  both the same way on the val split (`diffzoo.eval.synthetic`), each with the image
+             transforms its run trained with: zero-shot accuracy
              on the subject's shape and colour, image→text and text→image R@1/5/10.
 4. figures   attention maps of both vision towers for a few val images (`diffzoo.attention`),
              attention entropy per layer, λ per layer of the differential model, loss curves.
@@ -18,7 +19,6 @@ run (an interrupted one resumes from its last checkpoint); `--fresh` starts over
 whatever this seed gives: nothing is tuned for either model.
 """
 import argparse
-import hashlib
 import json
 import re
 import shutil
@@ -34,12 +34,11 @@ PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
 ATTENTION_IMAGES = 3
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(1 << 20), b''):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+def load(checkpoint: Path):
+    """The trained model with the transforms of its run (the recipe's image mean, std, interpolation)."""
+    from diffzoo.eval.models import load as load_model, run_checkpoints
+    spec = next(s for s in run_checkpoints(checkpoint.parents[1]) if s.pretrained == str(checkpoint))
+    return load_model(spec)
 
 
 def make_data(out: Path, args) -> Dict:
@@ -88,12 +87,11 @@ def train(model: str, out: Path, args) -> Path:
 
 
 def evaluate(models: Dict[str, Path], out: Path) -> Dict[str, Dict[str, float]]:
-    import open_clip
     from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
     results = {}
     for name, checkpoint in models.items():
-        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=str(checkpoint))
-        results[name] = evaluate_synthetic(model, preprocess, open_clip.get_tokenizer(name), out / 'data' / 'val')
+        loaded = load(checkpoint)
+        results[name] = evaluate_synthetic(loaded.model, loaded.preprocess, loaded.tokenizer, out / 'data' / 'val')
     return results
 
 
@@ -144,7 +142,6 @@ def figures(models: Dict[str, Path], out: Path, model_name: str) -> Tuple[Dict[s
     """Attention overlays and entropy for both models, λ and loss plots. Returns PNG paths, entropies."""
     import io
 
-    import open_clip
     import torch
     from PIL import Image
 
@@ -161,9 +158,8 @@ def figures(models: Dict[str, Path], out: Path, model_name: str) -> Tuple[Dict[s
 
     cls_maps, query_maps, entropies, n_tokens = {}, {}, {}, {}
     for name, checkpoint in models.items():
-        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=str(checkpoint))
-        model.eval()
-        tokenizer = open_clip.get_tokenizer(name)
+        loaded = load(checkpoint)
+        model, preprocess, tokenizer = loaded.model, loaded.preprocess, loaded.tokenizer
         images = torch.stack([preprocess(pil[i]) for i in shown])
         query_maps[name] = torch.cat([attention.query_attention(model, tokenizer, image[None], texts)
                                       for image, texts in zip(images, queries)])  # (B, 2, gh, gw)
@@ -205,6 +201,7 @@ def main(argv: List[str] = None) -> int:
     import logging
     logging.getLogger().setLevel(logging.ERROR)  # open_clip logs every checkpoint it loads
     import diffzoo  # noqa: F401  registers the models
+    from diffzoo.eval.models import file_sha256
     from diffzoo.train.recipe import RecipeError, find_recipe
     for name in (args.model, args.baseline):
         try:
@@ -239,7 +236,7 @@ def main(argv: List[str] = None) -> int:
     timings['total_s'] = time.time() - start
 
     report = {
-        'models': {n: {'checkpoint': str(p), 'sha256': sha256(p)} for n, p in models.items()},
+        'models': {n: {'checkpoint': str(p), 'sha256': file_sha256(p)} for n, p in models.items()},
         'data': str(out / 'data'), 'epochs': args.epochs, 'train_scenes': args.train, 'val_scenes': args.val,
         'metrics': results, 'chance': reference, 'attention_entropy': entropies, 'figures': pngs,
         'timings': {k: round(v, 1) for k, v in timings.items()},

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from diffzoo.demo import METRICS
+from diffzoo.eval.models import HASH_CHARS
 
 SMALL = ['--train', '128', '--val', '32', '--epochs', '1']
 MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
@@ -56,7 +57,7 @@ def test_trains_both_models_with_one_recipe_and_prints_the_table(first_run):
     assert settings[MODELS[0]] == settings[MODELS[1]]
     for name, entry in report['models'].items():
         digest = hashlib.sha256(open(entry['checkpoint'], 'rb').read()).hexdigest()
-        assert entry['sha256'] == digest[:16]
+        assert entry['sha256'] == digest[:HASH_CHARS]
 
 
 def test_writes_the_figures(first_run):
