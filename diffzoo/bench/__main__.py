@@ -1,0 +1,176 @@
+"""python -m diffzoo.bench: speed and memory of differential attention against the same run's baseline.
+
+Sections (each module's docstring says how it measures):
+  model    training step (forward, ClipLoss, backward, AdamW) samples/s and peak memory, and
+           encode_image images/s, per open_clip model; with --compile, both towers compiled:
+           speed-up and graph breaks (diffzoo.bench.whole_model)
+  layer    each attention variant alone vs timm's SDPA Attention at 77/197/577/4096 tokens:
+           fwd+bwd and fwd time, peak memory against the N×N bytes, SDPA backend (diffzoo.bench.attention)
+  data     webdataset decode + preprocess images/s for 1 and --workers workers (diffzoo.bench.data)
+Peak memory: CUDA allocator counters; on CPU the torch.profiler memory events (diffzoo.bench.measure).
+
+Results go to bench/results/<device>-<YYYY-MM-DD>.json (environment included, rewritten after each
+section) and a table with the ratios and PASS/MISS lines for the project's targets is printed.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SECTIONS = ('model', 'layer', 'data')
+FULL_MODELS = ['diffclip-b16', 'clip-b16-baseline', 'ViT-B-16', 'diffclip-b16-vision', 'diffclip-b16-dynamic']
+# per setting: models, baseline, target model, batch, precision, reps, warm-up, tokens, tokens per layer
+# batch, data samples, data batch, workers, synthetic image size, seconds per timed layer repeat, layer width
+DEFAULTS = {
+    'cuda': dict(models=FULL_MODELS, baseline='clip-b16-baseline', target_model='diffclip-b16', batch=256,
+                 precision='bf16', reps=10, warmup=3, tokens=[77, 197, 577, 4096], tokens_per_batch=256 * 197,
+                 data_samples=4096, data_batch=32, workers=min(8, os.cpu_count() or 1), image_size=256,
+                 layer_target_s=0.05, layer_dim=768),
+    # 3 models: five B/16 models with AdamW state would hold ~12 GB of RAM at once
+    'cpu': dict(models=FULL_MODELS[:3], baseline='clip-b16-baseline', target_model='diffclip-b16', batch=16,
+                precision='fp32', reps=3, warmup=1, tokens=[77, 197, 577, 4096], tokens_per_batch=16 * 197,
+                data_samples=1024, data_batch=32, workers=min(4, os.cpu_count() or 1), image_size=256,
+                layer_target_s=0.2, layer_dim=768),
+    'smoke': dict(models=['diffclip-tiny', 'clip-tiny-baseline'], baseline='clip-tiny-baseline',
+                  target_model='diffclip-tiny', batch=4, precision=None, reps=2, warmup=1, tokens=[32, 1024],
+                  tokens_per_batch=1024, data_samples=64, data_batch=4, workers=2, image_size=64,
+                  layer_target_s=0.002, layer_dim=128),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m diffzoo.bench', description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--device', default=None, help='cpu, cuda or cuda:N (default: cuda if available)')
+    p.add_argument('--models', nargs='+', default=None,
+                   help='open_clip model names (default cuda: all five B/16; cpu: diffclip-b16 clip-b16-baseline '
+                        'ViT-B-16; smoke: diffclip-tiny clip-tiny-baseline)')
+    p.add_argument('--baseline', default=None, help='the model every ratio divides by (default clip-b16-baseline)')
+    p.add_argument('--batch', type=int, default=None, help='model batch (default cuda 256, cpu 16)')
+    p.add_argument('--precision', choices=('fp32', 'bf16'), default=None,
+                   help='fp32, or bf16 autocast as open_clip_train --precision amp_bf16 (default cuda bf16, cpu fp32)')
+    p.add_argument('--reps', type=int, default=None, help='timed repeats per measurement (default cuda 10, cpu 3)')
+    p.add_argument('--warmup', type=int, default=None, help='untimed calls before timing (default cuda 3, cpu 1)')
+    p.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument('--compile', action='store_true', help='also time torch.compile of both towers, count graph breaks')
+    p.add_argument('--tokens', type=int, nargs='+', default=None, help='layer token counts (default 77 197 577 4096)')
+    p.add_argument('--tokens-per-batch', type=int, default=None,
+                   help='layer batch = max(1, this // tokens) (default cuda 256*197, cpu 16*197)')
+    p.add_argument('--data', default=None, help='webdataset shard directory (default: a generated synthetic corpus)')
+    p.add_argument('--data-samples', type=int, default=None, help='synthetic corpus size (default cuda 4096, cpu 1024)')
+    p.add_argument('--data-batch', type=int, default=None, help='data loader batch (default 32)')
+    p.add_argument('--workers', type=int, default=None, help='data loader workers besides 1 (default min(8|4, CPUs))')
+    p.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (default: torch default)')
+    p.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
+                   help='allow TF32 matmul/cuDNN on CUDA, as open_clip_train does (default on)')
+    p.add_argument('--smoke', action='store_true', help='tiny models, small token counts, 2 repeats: seconds')
+    p.add_argument('--out', default=None, help='JSON path (default bench/results/<device>-<date>[-smoke].json)')
+    return p
+
+
+def resolve(args: argparse.Namespace) -> Dict:
+    """Fill unset options from the per-device defaults (smoke overrides them) and check them."""
+    import torch
+
+    from .measure import BenchError, resolve_device
+    device = resolve_device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    defaults = dict(DEFAULTS[device.type])
+    if args.smoke:
+        defaults.update({k: v for k, v in DEFAULTS['smoke'].items() if v is not None})
+    cfg = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
+    cfg['target_model'] = defaults['target_model']
+    cfg.update(device=device.type, device_index=device.index, sections=args.sections, compile=args.compile,
+               data=args.data, smoke=args.smoke, tf32=args.tf32, threads=args.threads)
+    for name in ('batch', 'reps', 'data_samples', 'data_batch', 'workers', 'tokens_per_batch'):
+        if cfg[name] < 1:
+            raise BenchError(f'--{name.replace("_", "-")} {cfg[name]}: must be at least 1')
+    if cfg['warmup'] < 0:
+        raise BenchError(f'--warmup {cfg["warmup"]}: must be 0 or more')
+    bad = [n for n in cfg['tokens'] if n < 1]
+    if bad:
+        raise BenchError(f'--tokens {" ".join(map(str, bad))}: token counts must be at least 1')
+    if 'model' in cfg['sections']:
+        import open_clip
+        known = set(open_clip.list_models())
+        unknown = [m for m in cfg['models'] + [cfg['baseline']] if m not in known]
+        if unknown:
+            raise BenchError(f'--models/--baseline {" ".join(unknown)}: not open_clip models; diffzoo registers '
+                             f'{", ".join(sorted(m for m in known if "diff" in m or "baseline" in m))}')
+        if cfg['baseline'] not in cfg['models']:
+            cfg['models'] = [cfg['baseline']] + list(cfg['models'])
+            print(f'baseline {cfg["baseline"]} added to --models: ratios need it measured in the same run')
+    elif args.compile:
+        raise BenchError('--compile times whole models: keep "model" in --sections')
+    return cfg
+
+
+def default_out(device_slug: str, smoke: bool) -> Path:
+    stem = f'{device_slug}-{datetime.date.today().isoformat()}' + ('-smoke' if smoke else '')
+    path = Path('bench/results') / f'{stem}.json'
+    n = 2
+    while path.exists():  # never overwrite an earlier run of the same day
+        path = Path('bench/results') / f'{stem}-{n}.json'
+        n += 1
+    return path
+
+
+def write(results: Dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix('.json.tmp')
+    tmp.write_text(json.dumps(results, indent=1) + '\n')
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
+    args = parser().parse_args(argv)
+    import torch
+
+    import diffzoo  # noqa: F401  registers the models
+
+    from . import attention, data, report, whole_model
+    from .measure import BenchError, device_slug, environment
+    try:
+        cfg = resolve(args)
+        device = torch.device(cfg['device'], cfg['device_index']) if cfg['device_index'] is not None \
+            else torch.device(cfg['device'])
+        if cfg['threads']:
+            torch.set_num_threads(cfg['threads'])
+        if device.type == 'cuda':
+            torch.backends.cuda.matmul.allow_tf32 = cfg['tf32']
+            torch.backends.cudnn.allow_tf32 = cfg['tf32']
+            torch.backends.cudnn.benchmark = True  # as open_clip_train
+        out = Path(args.out) if args.out else default_out(device_slug(device), cfg['smoke'])
+        results = {'environment': environment(device), 'config': cfg}
+        print(f'diffzoo.bench: {results["environment"]["device"]}, {cfg["precision"]}, batch {cfg["batch"]}, '
+              f'sections {" ".join(cfg["sections"])}{" + compile" if cfg["compile"] else ""} -> {out}', flush=True)
+        torch.manual_seed(0)
+        steps = [s for s in SECTIONS if s in cfg['sections']]
+        for i, section in enumerate(steps, 1):
+            print(f'[{i}/{len(steps)}] {section}', flush=True)
+            if section == 'model':
+                results['models'] = whole_model.run(cfg['models'], cfg['batch'], cfg['precision'], cfg['reps'],
+                                                    cfg['warmup'], device, compile_models=cfg['compile'])
+                report.add_model_ratios(results['models'], cfg['baseline'])
+            elif section == 'layer':
+                results['layers'] = attention.run(cfg['tokens'], cfg['tokens_per_batch'], cfg['precision'],
+                                                  cfg['reps'], cfg['warmup'], device, cfg['layer_target_s'],
+                                                  cfg['layer_dim'])
+            else:
+                results['data'] = data.run(cfg['data'], cfg['models'][0], cfg['data_batch'], cfg['workers'],
+                                           cfg['data_samples'], cfg['image_size'])
+            results['targets'] = report.evaluate_targets(results, cfg['target_model'])
+            write(results, out)
+    except BenchError as exc:
+        print(f'error: {exc}', file=sys.stderr)
+        return 2
+    print('\n' + report.render(results))
+    print(f'\nresults: {out}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Ratios against the same run's baseline, the project's performance targets, and the printed tables.
+
+Every ratio is model / baseline of medians measured in this run, as time or bytes: above 1 is
+slower or larger. A target is PASS or MISS with the measured ratio, or n/a with what it needs.
+"""
+from typing import Dict, List, Optional
+
+from .measure import fmt_mb
+
+# (name, section, measured quantity, limit, needs): `needs` are run settings the target is defined for
+TARGETS = (
+    ('CPU fp32 training step time', 'model', 'train_time', 1.10, {'device': 'cpu', 'precision': 'fp32'}),
+    ('CPU fp32 training peak memory', 'model', 'train_memory', 1.05, {'device': 'cpu', 'precision': 'fp32'}),
+    ('GPU bf16 b256 training step time', 'model', 'train_time', 1.05,
+     {'device': 'cuda', 'precision': 'bf16', 'batch': 256}),
+    ('GPU bf16 b256 training peak memory', 'model', 'train_memory', 1.05,
+     {'device': 'cuda', 'precision': 'bf16', 'batch': 256}),
+    ('GPU bf16 b256 inference time', 'model', 'infer_time', 1.05,
+     {'device': 'cuda', 'precision': 'bf16', 'batch': 256}),
+    ('attention layer fwd+bwd at 197 tokens vs SDPA', 'layer', 'layer_197', 1.6, {}),
+    ('no N×N matrix on the default path at 4096 tokens', 'layer', 'no_nn_4096', None, {}),
+)
+
+
+def add_model_ratios(section: Dict, baseline: str) -> None:
+    """ratios = model / baseline for training step time, training peak memory, inference time."""
+    rows = {r['model']: r for r in section['rows']}
+    b = rows[baseline]
+    section['baseline'] = baseline
+    for r in section['rows']:
+        r['ratios'] = {
+            'train_time': r['train']['step_s']['median'] / b['train']['step_s']['median'],
+            'train_memory': r['train']['peak_bytes'] / b['train']['peak_bytes'],
+            'infer_time': r['infer']['call_s']['median'] / b['infer']['call_s']['median'],
+            'infer_memory': r['infer']['peak_bytes'] / b['infer']['peak_bytes'],
+        }
+
+
+def evaluate_targets(results: Dict, target_model: str) -> List[Dict]:
+    cfg = results['config']
+    out = []
+    for name, section, quantity, limit, needs in TARGETS:
+        row = {'target': name, 'limit': limit, 'model': target_model if section == 'model' else 'split-fused'}
+        unmet = [f'{k} {v}' for k, v in needs.items() if str(cfg[k]) != str(v)]
+        data = results.get('models' if section == 'model' else 'layers')
+        measured: Optional[float] = None
+        detail = ''
+        if unmet:
+            detail = f'needs {", ".join(unmet)}'
+        elif data is None:
+            detail = f'needs the {section} section'
+        elif section == 'model':
+            rows = {r['model']: r for r in data['rows']}
+            if target_model not in rows:
+                detail = f'needs {target_model} in --models'
+            else:
+                measured = rows[target_model]['ratios'][quantity]
+                detail = f'{target_model} / {data["baseline"]}'
+        elif quantity == 'layer_197':
+            rows = [r for r in data['rows'] if r['variant'] == 'split-fused' and r['tokens'] == 197]
+            if not rows:
+                detail = 'needs 197 in --tokens'
+            else:
+                measured = rows[0]['ratios']['fwd_bwd_time']
+                detail = 'split-fused / sdpa'
+        else:
+            rows = [r for r in data['rows'] if r['variant'] == 'split-fused' and r['tokens'] == 4096]
+            if not rows:
+                detail = 'needs 4096 in --tokens'
+            else:
+                r = rows[0]
+                measured = r['peak_bytes'] / r['nn_bytes']
+                detail = (f'peak {fmt_mb(r["peak_bytes"])} MB vs one N×N set {fmt_mb(r["nn_bytes"])} MB, '
+                          f'{"/".join(r["sdpa_backends"]) or "no SDPA"}')
+                limit = 1.0
+        if measured is None:
+            status = 'n/a'
+        else:
+            passed = measured < 1.0 if quantity == 'no_nn_4096' else measured <= limit
+            status = 'PASS' if passed else 'MISS'
+        out.append({**row, 'limit': limit, 'ratio': measured, 'status': status, 'detail': detail})
+    return out
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ['  '.join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines.append('  '.join('-' * w for w in widths))
+    for r in rows:
+        lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return '\n'.join(lines)
+
+
+def _spread(stats: Dict, fmt: str = '{:,.1f}') -> str:
+    return f'{fmt.format(stats["median"])} [{fmt.format(stats["min"])}-{fmt.format(stats["max"])}]'
+
+
+def _ms(seconds: Dict) -> str:
+    return _spread({k: seconds[k] * 1e3 for k in ('median', 'min', 'max')}, '{:,.2f}')
+
+
+def _ratio(x: Optional[float]) -> str:
+    return '-' if x is None else f'{x:.2f}x'
+
+
+def render(results: Dict) -> str:
+    out = []
+    env, cfg = results['environment'], results['config']
+    out.append(f'diffzoo.bench on {env["device"]} ({cfg["device"]}, {cfg["precision"]}, batch {cfg["batch"]}, '
+               f'torch {env["torch"]}, {env["torch_threads"]} threads'
+               + (f', TF32 {"on" if env.get("tf32_matmul") else "off"}' if cfg['device'] == 'cuda' else '') + ')')
+    models = results.get('models')
+    if models:
+        out.append(f'\nWhole model (median [min-max] of {cfg["reps"]} interleaved repeats; ratios vs '
+                   f'{models["baseline"]}, time or bytes, >1 = slower/larger)')
+        rows = [[r['model'], f'{r["params"] / 1e6:.1f}M', _spread(r['train']['samples_per_s']),
+                 _ratio(r['ratios']['train_time']), fmt_mb(r['train']['peak_bytes']), _ratio(r['ratios']['train_memory']),
+                 _spread(r['infer']['images_per_s']), _ratio(r['ratios']['infer_time']),
+                 '/'.join(r['train']['sdpa_backends']) or '-']
+                for r in models['rows']]
+        out.append(_table(['model', 'params', 'train samples/s', 'x time', 'train peak MB', 'x mem',
+                           'infer images/s', 'x time', 'SDPA backends (train)'], rows))
+        comp = models.get('compile')
+        if comp:
+            out.append('\ntorch.compile (both towers; speed-up = eager median / compiled median)')
+            rows = [[r['model'], _spread(r['train']['samples_per_s']), f'{r["train"]["speedup"]:.2f}x',
+                     _spread(r['infer']['images_per_s']), f'{r["infer"]["speedup"]:.2f}x',
+                     str(r['graph_breaks']), str(r['graph_breaks_in_attention'])] for r in comp['rows']]
+            out.append(_table(['model', 'train samples/s', 'speed-up', 'infer images/s', 'speed-up',
+                               'graph breaks', 'in attention'], rows))
+    layers = results.get('layers')
+    if layers:
+        out.append(f'\nAttention layer alone, width {layers["dim"]} (ms median [min-max]; ratios vs sdpa at the same N; '
+                   f'N×N = B·maps·N²·bytes; N×N? yes/no/? = held / not held / inconclusive)')
+        rows = [[r['variant'], str(r['tokens']), str(r['batch']), _ms(r['fwd_bwd_s']),
+                 _ratio(r['ratios']['fwd_bwd_time']), _ms(r['fwd_s']),
+                 _ratio(r['ratios']['fwd_time']), fmt_mb(r['peak_bytes']), fmt_mb(r['nn_bytes']),
+                 {True: 'yes', False: 'no', None: '?'}[r['materialises_nn']], '/'.join(r['sdpa_backends']) or '-']
+                for r in layers['rows']]
+        out.append(_table(['variant', 'N', 'B', 'fwd+bwd ms', 'x', 'fwd ms', 'x', 'peak MB', 'N×N MB',
+                           'N×N?', 'SDPA backend'], rows))
+    data = results.get('data')
+    if data:
+        out.append(f'\nData pipeline ({data["source"]}; {data["shards"]} shards; preprocess of {data["model"]})')
+        rows = [[str(r['workers']), f'{r["images_per_s"]:,.1f}', f'{r["images_per_s_per_worker"]:,.1f}',
+                 str(r['images_timed'])] for r in data['rows']]
+        out.append(_table(['workers', 'images/s', 'images/s per worker', 'images timed'], rows))
+    targets = results.get('targets')
+    if targets:
+        out.append('\nTargets')
+        for t in targets:
+            limit = '' if t['limit'] is None else f' (limit {t["limit"]:.2f}x)'
+            ratio = '' if t['ratio'] is None else f' {t["ratio"]:.2f}x'
+            out.append(f'  {t["status"]:<4}  {t["target"]}:{ratio}{limit}  {t["detail"]}')
+    return '\n'.join(out)

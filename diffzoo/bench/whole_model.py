@@ -1,0 +1,181 @@
+"""Whole CLIP models: a training step and `encode_image`, eager and (optionally) torch.compile'd.
+
+Training step, as open_clip_train's `train_one_epoch` does it: `zero_grad(set_to_none=True)`, the
+model's forward (both towers) under the precision's autocast, `open_clip.ClipLoss`, backward,
+`AdamW.step()`, `logit_scale.clamp_(0, ln 100)`. Inference: `encode_image` under `inference_mode`.
+Inputs are a fixed random image batch (B, 3, S, S) and tokenized captions (B, context_length).
+
+Repeats are interleaved across models (model A rep 1, model B rep 1, …, A rep 2, …) after
+`warmup` untimed calls of each, so drift in clocks or load hits every model alike. Peak memory is
+the model's own state (parameters, plus AdamW's moments for training) plus the transient peak of
+one profiled call (see `measure`), so models held side by side do not count against each other.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import torch
+
+from .measure import BenchError, Probe, autocast, rate, summarize, tensor_bytes, time_call
+
+CAPTIONS = ('a small red circle left of a large blue square', 'a large yellow triangle',
+            'a photo of a dog on a beach at sunset', 'a diagram of differential attention')
+
+
+@dataclass
+class Subject:
+    """One model under test with its optimizer, loss and inputs."""
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: torch.nn.Module
+    images: torch.Tensor  # (B, 3, S, S)
+    texts: torch.Tensor  # (B, context_length)
+    params: int = 0
+    results: Dict = field(default_factory=dict)
+
+
+def build(name: str, batch: int, device: torch.device) -> Subject:
+    import open_clip
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        raise BenchError(f'--models {name}: not an open_clip model config; '
+                         f'choose from {", ".join(m for m in open_clip.list_models() if "diff" in m or "B-16" in m)}')
+    model = open_clip.create_model(name, device=device, output_dict=True)
+    size = cfg['vision_cfg'].get('image_size', 224)
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    tokenizer = open_clip.get_tokenizer(name)
+    texts = tokenizer([CAPTIONS[i % len(CAPTIONS)] for i in range(batch)]).to(device)  # (B, L)
+    images = torch.randn(batch, 3, *size, device=device)  # (B, 3, S, S)
+    # open_clip_train's recipe (diffzoo's recipes: lr 5e-4, weight decay 0.5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.5)
+    return Subject(name, model, optimizer, open_clip.ClipLoss(), images, texts,
+                   params=sum(p.numel() for p in model.parameters()))
+
+
+def train_step(s: Subject, precision: str) -> None:
+    s.optimizer.zero_grad(set_to_none=True)
+    with autocast(s.images.device, precision):
+        out = s.model(s.images, s.texts)
+        loss = s.loss(out['image_features'], out['text_features'], out['logit_scale'])
+    loss.backward()
+    s.optimizer.step()
+    with torch.no_grad():
+        s.model.logit_scale.clamp_(0, math.log(100))
+
+
+def infer_step(s: Subject, precision: str) -> None:
+    with torch.inference_mode(), autocast(s.images.device, precision):
+        s.model.encode_image(s.images)
+
+
+def _state_bytes(s: Subject, training: bool) -> int:
+    state = [p for p in s.model.parameters()] + [b for b in s.model.buffers()]
+    if training:
+        state += [t for st in s.optimizer.state.values() for t in st.values()]
+    return tensor_bytes(state)
+
+
+def time_round_robin(subjects: List[Subject], kind: str, precision: str, reps: int, warmup: int,
+                     device: torch.device, tag: str = '') -> Dict[str, Dict]:
+    """{model: seconds-per-call summary} for `kind` ('train' or 'infer'), repeats interleaved."""
+    step = train_step if kind == 'train' else infer_step
+    for s in subjects:
+        s.model.train(kind == 'train')
+        print(f'  {tag}{kind} warm-up {s.name} ({warmup} calls)', flush=True)
+        for _ in range(warmup):
+            step(s, precision)
+    times = {s.name: [] for s in subjects}
+    for rep in range(reps):
+        for s in subjects:
+            s.model.train(kind == 'train')
+            times[s.name].append(time_call(lambda: step(s, precision), device))
+        line = ', '.join(f'{s.name} {times[s.name][-1] * 1e3:,.0f} ms' for s in subjects)
+        print(f'  {tag}{kind} rep {rep + 1}/{reps}: {line}', flush=True)
+    return {name: summarize(values) for name, values in times.items()}
+
+
+def probe(s: Subject, kind: str, precision: str, device: torch.device) -> Dict:
+    """Peak memory (state + transient) and SDPA backends of one profiled call."""
+    s.model.train(kind == 'train')
+    s.optimizer.zero_grad(set_to_none=True)  # the step starts from parameters + optimizer state
+    state = _state_bytes(s, kind == 'train')
+    with Probe(device) as p:
+        (train_step if kind == 'train' else infer_step)(s, precision)
+    return {'state_bytes': state, 'transient_bytes': p.peak_bytes, 'peak_bytes': state + p.peak_bytes,
+            'sdpa_backends': p.backends, 'attention_kernels': p.kernels}
+
+
+def run(names: List[str], batch: int, precision: str, reps: int, warmup: int, device: torch.device,
+        compile_models: bool = False) -> Dict:
+    """The whole-model section: rows per model, and the compile section when asked."""
+    subjects = []
+    for name in names:
+        print(f'  building {name} (batch {batch}, {device.type}, {precision})', flush=True)
+        subjects.append(build(name, batch, device))
+    train = time_round_robin(subjects, 'train', precision, reps, warmup, device)
+    infer = time_round_robin(subjects, 'infer', precision, reps, warmup, device)
+    rows = []
+    for s in subjects:
+        print(f'  profiling {s.name}: one training step and one inference call', flush=True)
+        rows.append({
+            'model': s.name, 'params': s.params, 'batch': batch,
+            'train': {'step_s': train[s.name], 'samples_per_s': rate(train[s.name], batch),
+                      **probe(s, 'train', precision, device)},
+            'infer': {'call_s': infer[s.name], 'images_per_s': rate(infer[s.name], batch),
+                      **probe(s, 'infer', precision, device)},
+        })
+    section = {'rows': rows}
+    if compile_models:
+        section['compile'] = run_compiled(subjects, rows, precision, reps, warmup, device)
+    return section
+
+
+def text_tower(model: torch.nn.Module) -> torch.nn.Module:
+    """The module holding the text blocks: `model.text` (custom text CLIP) or `model.transformer`."""
+    text = getattr(model, 'text', None)
+    return text if text is not None else model.transformer
+
+
+def graph_breaks(s: Subject, precision: str) -> Dict:
+    """`torch._dynamo.explain` over the training forward (both towers): graph breaks, and those in attention."""
+    import torch._dynamo
+    s.model.train()
+    with autocast(s.images.device, precision):
+        explained = torch._dynamo.explain(s.model)(s.images, s.texts)
+    torch._dynamo.reset()
+    reasons = []
+    for br in explained.break_reasons:
+        frames = [f'{f.filename.rsplit("/", 1)[-1]}:{f.lineno} {f.name}' for f in (br.user_stack or [])]
+        reasons.append({'reason': str(br.reason).splitlines()[0][:300], 'where': frames[-3:]})
+    in_attention = [r for r in reasons if any('attention' in w.lower() or 'attn' in w.lower() for w in r['where'])]
+    return {'graphs': explained.graph_count, 'graph_breaks': explained.graph_break_count,
+            'graph_breaks_in_attention': len(in_attention), 'break_reasons': reasons[:20]}
+
+
+def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str, reps: int, warmup: int,
+                 device: torch.device) -> Dict:
+    """Compile both towers of every model in place (`module.compile()`), time them as the eager
+    models were, and report speed-up against the eager medians and the graph breaks."""
+    from torch._dynamo.utils import counters
+    breaks = {}
+    for s in subjects:
+        print(f'  torch._dynamo.explain {s.name}', flush=True)
+        breaks[s.name] = graph_breaks(s, precision)
+        s.model.visual.compile()
+        text_tower(s.model).compile()
+    counters.clear()
+    # warm-up includes compilation (train and eval modes compile separately); at least 2 calls each
+    train = time_round_robin(subjects, 'train', precision, reps, max(warmup, 2), device, tag='compiled ')
+    infer = time_round_robin(subjects, 'infer', precision, reps, max(warmup, 2), device, tag='compiled ')
+    runtime_breaks = sum(counters['graph_break'].values())
+    rows = []
+    for s, eager in zip(subjects, eager_rows):
+        rows.append({
+            'model': s.name, **breaks[s.name],
+            'train': {'step_s': train[s.name], 'samples_per_s': rate(train[s.name], s.images.shape[0]),
+                      'speedup': eager['train']['step_s']['median'] / train[s.name]['median']},
+            'infer': {'call_s': infer[s.name], 'images_per_s': rate(infer[s.name], s.images.shape[0]),
+                      'speedup': eager['infer']['call_s']['median'] / infer[s.name]['median']},
+        })
+    return {'rows': rows, 'graph_breaks_while_running_all_models': runtime_breaks}

@@ -1,0 +1,141 @@
+"""`python -m diffzoo.bench --smoke`: one CLI run on CPU, checked for structure and arithmetic, never for speed."""
+import contextlib
+import io
+import json
+
+import pytest
+
+from diffzoo.bench import attention
+from diffzoo.bench.__main__ import main
+from diffzoo.bench.report import evaluate_targets
+
+SMOKE_MODELS = ('diffclip-tiny', 'clip-tiny-baseline')
+
+
+@pytest.fixture(scope='module')
+def smoke(tmp_path_factory):
+    """The CLI's `main` run once in this process (a subprocess would import torch and open_clip again)."""
+    out = tmp_path_factory.mktemp('bench') / 'smoke.json'
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(['--smoke', '--device', 'cpu', '--out', str(out)])
+    assert code == 0, stderr.getvalue()[-3000:]
+    return json.loads(out.read_text()), stdout.getvalue()
+
+
+def _positive_stats(stats):
+    assert stats['n'] == len(stats['values']) >= 1
+    assert 0 < stats['min'] <= stats['q1'] <= stats['median'] <= stats['q3'] <= stats['max']
+
+
+def test_json_has_every_section_and_the_environment(smoke):
+    results, _ = smoke
+    assert {'environment', 'config', 'models', 'layers', 'data', 'targets'} <= results.keys()
+    env = results['environment']
+    for key in ('torch', 'timm', 'open_clip', 'device', 'torch_threads'):
+        assert env[key]
+    assert results['config']['device'] == 'cpu' and results['config']['smoke']
+
+
+def test_model_rows_are_positive_and_ratios_use_the_same_run_baseline(smoke):
+    results, _ = smoke
+    models = results['models']
+    rows = {r['model']: r for r in models['rows']}
+    assert tuple(rows) == SMOKE_MODELS and models['baseline'] == 'clip-tiny-baseline'
+    base = rows['clip-tiny-baseline']
+    for r in rows.values():
+        for stats in (r['train']['step_s'], r['train']['samples_per_s'], r['infer']['call_s'],
+                      r['infer']['images_per_s']):
+            _positive_stats(stats)
+            assert stats['n'] == results['config']['reps']
+        assert r['train']['peak_bytes'] == r['train']['state_bytes'] + r['train']['transient_bytes']
+        assert r['train']['transient_bytes'] > 0 and r['infer']['transient_bytes'] > 0
+        # AdamW's two moments make training state about 3x the parameters alone
+        assert r['train']['state_bytes'] > 2.5 * r['infer']['state_bytes']
+        assert r['ratios']['train_time'] == pytest.approx(
+            r['train']['step_s']['median'] / base['train']['step_s']['median'])
+        assert r['ratios']['train_memory'] == pytest.approx(r['train']['peak_bytes'] / base['train']['peak_bytes'])
+        assert r['ratios']['infer_time'] == pytest.approx(
+            r['infer']['call_s']['median'] / base['infer']['call_s']['median'])
+        assert r['train']['sdpa_backends'], 'the profiled step names an SDPA backend'
+    assert base['ratios'] == {k: pytest.approx(1.0) for k in base['ratios']}
+
+
+def test_layer_rows_exist_for_every_variant_and_token_count(smoke):
+    results, _ = smoke
+    layers = results['layers']
+    tokens = results['config']['tokens']
+    assert {(r['variant'], r['tokens']) for r in layers['rows']} == {
+        (v, n) for v in attention.VARIANTS for n in tokens}
+    by = {(r['variant'], r['tokens']): r for r in layers['rows']}
+    for r in layers['rows']:
+        _positive_stats(r['fwd_bwd_s'])
+        _positive_stats(r['fwd_s'])
+        assert r['peak_bytes'] > 0
+        assert r['nn_bytes'] == r['batch'] * r['score_maps'] * r['tokens'] ** 2 * 4  # fp32
+        base = by['sdpa', r['tokens']]
+        assert r['ratios']['fwd_bwd_time'] == pytest.approx(r['fwd_bwd_s']['median'] / base['fwd_bwd_s']['median'])
+    assert by['split-explicit', tokens[0]]['sdpa_backends'] == ['explicit matmul + softmax']
+    assert by['sdpa', tokens[0]]['sdpa_backends'], 'the fused baseline names an SDPA backend'
+    # at the larger token count the explicit path holds fp32 N×N maps: more memory than the fused path
+    n = max(tokens)
+    assert by['split-explicit', n]['peak_bytes'] > by['split-fused', n]['peak_bytes']
+    assert by['split-explicit', n]['materialises_nn'] is True
+
+
+def test_materialises_verdict():
+    assert attention.materialises(peak=10, nn_bytes=100, baseline_peak=50) is False
+    assert attention.materialises(peak=200, nn_bytes=100, baseline_peak=50) is True
+    assert attention.materialises(peak=120, nn_bytes=100, baseline_peak=50) is None
+    # N×N smaller than the baseline's activations: an excess may be linear-size copies
+    assert attention.materialises(peak=500, nn_bytes=100, baseline_peak=300) is None
+
+
+def test_data_rows_report_per_worker_throughput(smoke):
+    results, _ = smoke
+    rows = {r['workers']: r for r in results['data']['rows']}
+    assert set(rows) == {1, results['config']['workers']}
+    for w, r in rows.items():
+        assert r['images_timed'] > 0 and r['images_per_s'] > 0
+        assert r['images_per_s_per_worker'] == pytest.approx(r['images_per_s'] / w)
+
+
+def test_targets_follow_the_run_settings(smoke):
+    results, _ = smoke
+    targets = {t['target']: t for t in results['targets']}
+    cpu_time = targets['CPU fp32 training step time']
+    assert cpu_time['status'] in ('PASS', 'MISS')
+    assert cpu_time['ratio'] == pytest.approx(
+        {r['model']: r for r in results['models']['rows']}['diffclip-tiny']['ratios']['train_time'])
+    assert cpu_time['status'] == ('PASS' if cpu_time['ratio'] <= 1.10 else 'MISS')
+    assert targets['GPU bf16 b256 training step time']['status'] == 'n/a'
+    assert 'needs 197' in targets['attention layer fwd+bwd at 197 tokens vs SDPA']['detail']
+    # the same results at 4096 tokens: PASS only when the peak stays under one N×N set
+    row = dict(results['layers']['rows'][0], variant='split-fused', tokens=4096, peak_bytes=10, nn_bytes=100)
+    fake = dict(results, layers=dict(results['layers'], rows=[row]))
+    no_nn = {t['target']: t for t in evaluate_targets(fake, 'diffclip-tiny')}[
+        'no N×N matrix on the default path at 4096 tokens']
+    assert no_nn['status'] == 'PASS' and no_nn['ratio'] == pytest.approx(0.1)
+
+
+def test_cli_prints_the_tables_and_target_lines(smoke):
+    _, stdout = smoke
+    for heading in ('Whole model', 'Attention layer alone', 'Data pipeline', 'Targets'):
+        assert heading in stdout
+    for model in SMOKE_MODELS:
+        assert model in stdout
+    assert 'split-explicit' in stdout and 'results: ' in stdout
+    assert any(line.strip().startswith(('PASS', 'MISS')) for line in stdout.splitlines())
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--models', 'no-such-model'], 'no-such-model'),
+    (['--batch', '0'], '--batch 0'),
+    (['--device', 'tpu'], '--device tpu'),
+    (['--sections', 'layer', '--compile'], '--compile'),
+])
+def test_bad_input_is_named(argv, message, capsys, tmp_path):
+    assert main(['--smoke', '--out', str(tmp_path / 'x.json')] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and message in err
+    assert not (tmp_path / 'x.json').exists()
