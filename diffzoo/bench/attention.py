@@ -5,7 +5,9 @@ At ViT-B width (768) the baseline has 12 heads and the differential layers 6 dif
 another width (`--smoke` uses 128) the baseline has width / 64 heads and the differential half that:
 
     sdpa            timm.layers.Attention(768, 12 heads), fused_attn=True
-    split-fused     DifferentialAttention(768, 6, variant='split'), fused_attn=True (the default path)
+    split-fused     DifferentialAttention(768, 6, variant='split'), fused_attn=True (the default path,
+                    split_kernel='auto': the device's choice in SPLIT_KERNEL_AUTO)
+    split-<kernel>  the same with each split_kernel: two_calls, one_call, padded, four_calls
     split-explicit  the same layer with fused_attn=False (explicit A1 − λ·A2)
     duplicate       variant='duplicate', fused
     v2              variant='v2', fused
@@ -27,12 +29,13 @@ import torch
 from timm.layers import Attention
 
 from diffzoo.layers import DifferentialAttention
+from diffzoo.layers.diff_attention import SPLIT_KERNELS
 
 from .measure import BenchError, Probe, autocast, calibrate, summarize, time_call
 
 DIM = 768  # ViT-B
 HEAD_DIM = 64  # baseline head width: 768 → 12 heads, differential 6
-VARIANTS = ('sdpa', 'split-fused', 'split-explicit', 'duplicate', 'v2')
+VARIANTS = ('sdpa', 'split-fused', *(f'split-{k}' for k in SPLIT_KERNELS), 'split-explicit', 'duplicate', 'v2')
 BASELINE = 'sdpa'
 DEFAULT_PATH = 'split-fused'  # what diffclip-* train with
 
@@ -51,6 +54,9 @@ def build(variant: str, dim: int, device: torch.device) -> torch.nn.Module:
         layer = DifferentialAttention(dim, num_heads=heads(variant, dim), qkv_bias=True, variant=kind,
                                       lambda_init=0.8)
         layer.fused_attn = variant != 'split-explicit'
+        kernel = variant.partition('-')[2]
+        if kernel in SPLIT_KERNELS:
+            layer.split_kernel = kernel
     return layer.to(device)
 
 

@@ -36,6 +36,21 @@ attention call; λ is per token and head, projected from the input; no sub-norm,
 `fused_attn=True` (default) uses `F.scaled_dot_product_attention`; `False` uses explicit math and
 passes each differential map (B, h, N, N) through `self.diff_map` (an identity), where forward
 hooks or `capture_attention_maps` can read it.
+
+Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need
+one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` picks per
+device the fastest measured by `python -m diffzoo.bench`, see SPLIT_KERNEL_AUTO):
+
+    two_calls    SDPA(Q1, K1, V) and SDPA(Q2, K2, V): cuDNN / memory-efficient kernels (unequal widths)
+    one_call     one SDPA over the 2h query heads, V repeated for each pair: same kernels, one launch
+    padded       one SDPA over 2h heads with Q, K zero-padded to 2d (Q·K unchanged, scale 1/√d):
+                 equal widths, so flash kernels (CUDA and CPU) apply
+    four_calls   one SDPA over 4h heads of width d: (Q1|Q2) × (V[:d]|V[d:]), flash-eligible
+
+The fused path keeps activations in their dtype: SDPA's softmax is fp32 inside its kernel, λ is
+computed in fp32, A1V − λ·A2V is one fused multiply-add and the sub-norm statistics are fp32 (the
+RMSNorm kernel's accumulation), with (1 − λ_init) folded into the norm weight. The explicit path
+computes the maps, the product and the sub-norm in fp32.
 """
 import functools
 import math
@@ -49,6 +64,8 @@ from timm.layers.attention import resolve_self_attn_mask
 
 LambdaInit = Union[float, str]
 VARIANTS = ('split', 'duplicate', 'v2')
+SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls')
+SPLIT_KERNEL_AUTO = {'cuda': 'two_calls', 'cpu': 'padded'}  # measured by python -m diffzoo.bench
 
 
 def resolve_lambda_init(lambda_init: LambdaInit, depth: int) -> float:
@@ -81,11 +98,14 @@ class DifferentialAttention(DiffAttention):
             dual_lambda: bool = False,
             lambda_init: LambdaInit = 'depth',
             variant: str = 'split',
+            split_kernel: str = 'auto',
             device=None,
             dtype=None,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
+        if split_kernel != 'auto' and split_kernel not in SPLIT_KERNELS:
+            raise ValueError(f'split_kernel={split_kernel!r}: expected "auto" or one of {SPLIT_KERNELS}')
         if num_heads < 1 or dim % (2 * num_heads):
             raise ValueError(
                 f'num_heads={num_heads} differential heads do not divide dim={dim} into pairs of '
@@ -102,6 +122,7 @@ class DifferentialAttention(DiffAttention):
         dd = {'device': device, 'dtype': dtype}
         self.depth = depth
         self.diff_map = nn.Identity()
+        self.split_kernel = split_kernel
 
         if variant != 'split':
             # duplicate and v2 attend with the undivided head: q/k/v head dim C / h
@@ -162,7 +183,36 @@ class DifferentialAttention(DiffAttention):
         v = v.reshape(B, N, h, C // h).transpose(1, 2)  # (B, h, N, C/h)
         return self.q_norm(q), self.k_norm(k), v
 
+    def _split_maps(self, q, k, v, sdpa, attn_mask):
+        """A1·V and A2·V of the split variant, (B, h, N, 2d) each, by `split_kernel` (module docstring)."""
+        B, h, N, dv = v.shape
+        kernel = self.split_kernel if self.split_kernel != 'auto' else SPLIT_KERNEL_AUTO.get(v.device.type, 'two_calls')
+        if kernel != 'two_calls' and attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] == h > 1:
+            # a per-head mask onto the 2h (4h) heads of one call
+            sdpa = functools.partial(sdpa, attn_mask=attn_mask.repeat_interleave(4 if kernel == 'four_calls' else 2, 1))
+        if kernel == 'two_calls':
+            q1, q2 = q.view(B, h, 2, N, -1).unbind(2)  # (B, h, N, d) each
+            k1, k2 = k.view(B, h, 2, N, -1).unbind(2)
+            return sdpa(q1, k1, v), sdpa(q2, k2, v)
+        if kernel == 'four_calls':
+            d = dv // 2
+            q4 = q.view(B, h, 2, 1, N, d).expand(B, h, 2, 2, N, d).reshape(B, 4 * h, N, d)  # (Q1,Q1,Q2,Q2) per head
+            k4 = k.view(B, h, 2, 1, N, d).expand(B, h, 2, 2, N, d).reshape(B, 4 * h, N, d)
+            v4 = v.view(B, h, 1, N, 2, d).permute(0, 1, 2, 4, 3, 5)  # (B, h, 1, 2, N, d): V[:d], V[d:]
+            v4 = v4.expand(B, h, 2, 2, N, d).reshape(B, 4 * h, N, d)
+            o = sdpa(q4, k4, v4).view(B, h, 2, 2, N, d)  # (B, h, map, half, N, d)
+            o = o.permute(0, 1, 2, 4, 3, 5).reshape(B, h, 2, N, dv)  # (B, h, map, N, 2d)
+            return o.unbind(2)
+        v2 = v.unsqueeze(2).expand(B, h, 2, N, dv).reshape(B, 2 * h, N, dv)  # V for both maps of a pair
+        if kernel == 'padded':
+            q, k = F.pad(q, (0, dv - q.shape[-1])), F.pad(k, (0, dv - k.shape[-1]))  # (B, 2h, N, 2d)
+            o = sdpa(q, k, v2, scale=self.scale)
+        else:  # one_call
+            o = sdpa(q, k, v2)
+        return o.view(B, h, 2, N, dv).unbind(2)  # (B, h, N, 2d) each
+
     def _fused(self, q, k, v, lam, attn_mask, is_causal) -> torch.Tensor:
+        """(B, h, N, C/h): A1V − λ·A2V in the activation dtype (fp32 for v2, whose λ varies per token)."""
         B, h, N, _ = v.shape
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(q.dtype)
@@ -175,10 +225,9 @@ class DifferentialAttention(DiffAttention):
             o = sdpa(q, k, v, enable_gqa=True).view(B, h, 2, N, -1).float()  # (B, h, 2, N, d)
             return o[:, :, 0] - lam * o[:, :, 1]
         if self.variant == 'duplicate':
-            return (1 - lam) * sdpa(q, k, v).float()
-        q1, q2 = q.view(B, h, 2, N, -1).unbind(2)  # (B, h, N, d) each
-        k1, k2 = k.view(B, h, 2, N, -1).unbind(2)
-        return sdpa(q1, k1, v).float() - lam * sdpa(q2, k2, v).float()
+            return sdpa(q, k, v) * (1 - lam)
+        o1, o2 = self._split_maps(q, k, v, sdpa, attn_mask)
+        return torch.addcmul(o1, o2, lam, value=-1)  # o1 − λ·o2, λ a 0-dim fp32 tensor: keeps o1's dtype
 
     def differential_maps(self, q, k, lam, attn_mask=None, is_causal=False) -> torch.Tensor:
         """Explicit A1 − λ·A2 in fp32, (B, h, N, N); softmax in fp32, dropout on A1 and A2."""
@@ -201,12 +250,15 @@ class DifferentialAttention(DiffAttention):
             a1, a2 = attn.unbind(2)  # (B, h, N, N) each
         return a1 - lam * a2
 
-    def _sub_norm_fp32(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm in fp32 whatever the weight dtype or autocast state."""
+    def _scaled_sub_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """(1 − λ_init) · RMSNorm(x) per head, in x's dtype; the statistics are fp32 (rms_norm accumulates in
+        fp32 for reduced-precision inputs), the weight × (1 − λ_init) is formed in fp32, autocast is off."""
         norm = self.sub_norm
-        weight = norm.weight.float() if norm.weight is not None else None
         with torch.autocast(x.device.type, enabled=False):
-            return F.rms_norm(x.float(), norm.normalized_shape, weight, norm.eps)
+            if norm.weight is None:
+                return F.rms_norm(x, norm.normalized_shape, None, norm.eps) * (1 - self.lambda_init)
+            weight = (norm.weight.float() * (1 - self.lambda_init)).to(x.dtype)
+            return F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
 
     def forward(
             self,
@@ -218,14 +270,17 @@ class DifferentialAttention(DiffAttention):
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)
         if self.fused_attn:
-            out = self._fused(q, k, v, lam, attn_mask, is_causal)  # (B, h, N, C/h) fp32
+            out = self._fused(q, k, v, lam, attn_mask, is_causal)  # (B, h, N, C/h)
         else:
             attn = self.diff_map(self.differential_maps(q, k, lam, attn_mask, is_causal))
             with torch.autocast(x.device.type, enabled=False):
                 out = attn @ v.float()  # (B, h, N, C/h) fp32
+        # (B, N, h, C/h): SDPA kernels return this memory layout, so the transpose, the per-head
+        # sub-norm and the reshape to (B, N, C) copy nothing on the fused path
+        out = out.transpose(1, 2)
         if self.variant != 'v2':
-            out = self._sub_norm_fp32(out) * (1 - self.lambda_init)
-        out = out.type_as(x).transpose(1, 2).reshape(B, N, C)  # (B, N, C)
+            out = self._scaled_sub_norm(out)
+        out = out.type_as(x).reshape(B, N, C)  # (B, N, C)
         out = self.norm(out)
         out = self.proj(out)
         return self.proj_drop(out)

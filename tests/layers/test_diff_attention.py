@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from diffzoo.layers import VARIANTS, DifferentialAttention, capture_attention_maps, diff_attn_layer, resolve_lambda_init
+from diffzoo.layers.diff_attention import SPLIT_KERNELS
 
 B, N, DIM, HEADS = 2, 9, 64, 4
 
@@ -54,6 +55,21 @@ def test_fused_and_explicit_agree(variant, mask, lambda_init):
     torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx_f, gx_e, rtol=1e-5, atol=1e-5)
     assert g_f.keys() == g_e.keys()
+    for name in g_f:
+        torch.testing.assert_close(g_f[name], g_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize('kernel', SPLIT_KERNELS)
+@pytest.mark.parametrize('mask', list(_masks()))
+def test_every_split_kernel_matches_the_explicit_path(kernel, mask):
+    m = _layer('split', split_kernel=kernel)
+    assert m.split_kernel == kernel
+    x = torch.randn(B, N, DIM)
+    mask_kw = _masks()[mask]
+    out_f, gx_f, g_f = _run(m, x, True, mask_kw)
+    out_e, gx_e, g_e = _run(m, x, False, mask_kw)
+    torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_f, gx_e, rtol=1e-5, atol=1e-5)
     for name in g_f:
         torch.testing.assert_close(g_f[name], g_e[name], rtol=1e-5, atol=1e-5, msg=name)
 
@@ -140,6 +156,8 @@ def test_bad_configuration_is_named():
         DifferentialAttention(64, num_heads=3)
     with pytest.raises(ValueError, match="variant='diff2'"):
         DifferentialAttention(64, num_heads=4, variant='diff2')
+    with pytest.raises(ValueError, match="split_kernel='flash'"):
+        DifferentialAttention(64, num_heads=4, split_kernel='flash')
 
 
 @pytest.mark.parametrize('variant', VARIANTS)
