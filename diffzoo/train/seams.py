@@ -12,6 +12,8 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
 - `open_clip_train.data.filter_no_caption_or_no_image`, `.log_and_continue`,
   `.tarfile_to_samples_nothrow`: open_clip's skipping, counted, and blank captions skipped too
   (`diffzoo.train.data_events`).
+- `open_clip_train.data.wds`: webdataset with a seeded `shuffle` (`diffzoo.train.shuffle`), so the
+  same `--seed` trains on the same batches (webdataset seeds its sample shuffle from the clock).
 - torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back.
 """
 import contextlib
@@ -31,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from diffzoo.clip.seams import expect_function
 from . import data_events
 from .metrics import LambdaLog
+from .shuffle import WebdatasetSeededShuffle
 
 DATA_REPORT_FILE = 'data.jsonl'
 
@@ -95,6 +98,10 @@ def installed():
             main_mod, 'train_one_epoch',
             ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
     }
+    if not callable(getattr(getattr(data_mod, 'wds', None), 'shuffle', None)):
+        raise RuntimeError('open_clip_train.data no longer uses webdataset as `wds` with a `shuffle` stage; '
+                           'diffzoo.train.seams needs updating for this open_clip_train version')
+    webdataset_module = data_mod.wds
     parallel = main_mod.torch.nn.parallel
     ddp = parallel.DistributedDataParallel
     events_dir = tempfile.mkdtemp(prefix='diffzoo-data-')
@@ -105,6 +112,7 @@ def installed():
         data_mod.filter_no_caption_or_no_image = data_events.filter_no_caption_or_no_image
         data_mod.log_and_continue = data_events.log_and_continue
         data_mod.tarfile_to_samples_nothrow = data_events.tarfile_to_samples_nothrow
+        data_mod.wds = WebdatasetSeededShuffle(webdataset_module)
         main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
         parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
         yield
@@ -112,6 +120,7 @@ def installed():
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
         parallel.DistributedDataParallel = ddp
+        data_mod.wds = webdataset_module
         if previous_env is None:
             os.environ.pop(data_events.ENV, None)
         else:

@@ -146,3 +146,19 @@ def test_lambda_log_with_gradient_accumulation_that_leaves_micro_batches_over(tm
                .splitlines()]
     assert [r['step'] for r in records] == [0, 1, 2, 3, 4]
     assert all(r['loss'] > 0 for r in records[1:])
+
+
+def test_the_same_seed_trains_on_the_same_batches(tmp_path):
+    """webdataset seeds its sample shuffle from the clock; the launcher's seeded shuffle makes --seed hold."""
+    write_shards(tmp_path / 'shards', 4, 16)
+    losses = {}
+    for name, seed in (('a', 0), ('b', 0), ('c', 1)):
+        cmd = TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
+                       '--global_batch_size', '8', '--seed', str(seed), '--name', name]
+        result = run(cmd, cwd=tmp_path)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        log = (tmp_path / 'runs' / name / 'lambda.jsonl').read_text().splitlines()
+        losses[name] = [json.loads(line)['loss'] for line in log[1:]]
+    assert len(losses['a']) == 8
+    assert losses['a'] == losses['b']
+    assert losses['a'] != losses['c']

@@ -7,12 +7,13 @@ import torch
 
 from diffzoo.clip.seams import OpenClipChanged
 from diffzoo.train import data_events, seams
+from diffzoo.train.shuffle import SeededShuffle
 
 
 def _current():
     return (open_clip_train.main.train_one_epoch, open_clip_train.data.tarfile_to_samples_nothrow,
             open_clip_train.data.filter_no_caption_or_no_image, open_clip_train.data.log_and_continue,
-            torch.nn.parallel.DistributedDataParallel)
+            torch.nn.parallel.DistributedDataParallel, open_clip_train.data.wds)
 
 
 def test_seams_hold_for_one_run_and_are_undone_after_it():
@@ -21,6 +22,8 @@ def test_seams_hold_for_one_run_and_are_undone_after_it():
         during = _current()
         assert all(a is not b for a, b in zip(before, during))
         assert torch.nn.parallel.DistributedDataParallel is seams.CpuAwareDistributedDataParallel
+        assert open_clip_train.data.wds.shuffle is SeededShuffle
+        assert open_clip_train.data.wds.DataPipeline is before[-1].DataPipeline  # the rest is webdataset's
         assert os.path.isdir(os.environ[data_events.ENV])
         events = os.environ[data_events.ENV]
     assert _current() == before
