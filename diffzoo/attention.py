@@ -42,23 +42,19 @@ how spread out the map's mass is, whatever its sign. Lower means attention conce
 tokens (less diffuse, less "noise").
 """
 import argparse
-import contextlib
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 
-from diffzoo.layers import DifferentialAttention
+from diffzoo.layers.maps import capture_attention_maps, map_tap
 
-# attention class → the module its explicit path passes the (B, h, N, N) map through
-MAP_TAPS = {DifferentialAttention: 'diff_map', Attention: 'attn_drop'}
 DISPLAY_PX = 224  # side of each panel in the overlay figure
 
 
@@ -74,47 +70,18 @@ def vision_trunk(model: nn.Module) -> VisionTransformer:
     if trunk.cls_token is None:
         raise ValueError(f'{type(trunk).__name__} has no class token to read CLS attention from; '
                          f'use a ViT built with class_token=True (every diffzoo model is)')
+    for i, block in enumerate(trunk.blocks):
+        try:
+            map_tap(block.attn)
+        except ValueError as exc:
+            raise ValueError(f'vision block {i}: {exc}') from None
     return trunk
-
-
-def _tap_name(module: nn.Module) -> str:
-    for cls, tap in MAP_TAPS.items():
-        if isinstance(module, cls):
-            return tap
-    raise ValueError(
-        f'vision block attention {type(module).__name__} has no explicit-path map to read; supported are '
-        f'timm.layers.Attention and diffzoo DifferentialAttention')
-
-
-@contextlib.contextmanager
-def explicit_attention(trunk: VisionTransformer) -> Iterator[Dict[str, torch.Tensor]]:
-    """Run every block's attention on its explicit path and collect the maps of the latest forward.
-
-    Yields block attention name ('blocks.11.attn') → (B, h, N, N) map as used in the forward, still
-    in the autograd graph and in the model's dtype. Fused flags are restored and hooks removed on exit.
-    """
-    layers = {f'blocks.{i}.attn': block.attn for i, block in enumerate(trunk.blocks)}
-    taps = {name: getattr(attn, _tap_name(attn)) for name, attn in layers.items()}
-    fused = {name: attn.fused_attn for name, attn in layers.items()}
-    maps: Dict[str, torch.Tensor] = {}
-    handles = []
-    try:
-        for name, attn in layers.items():
-            attn.fused_attn = False
-            handles.append(taps[name].register_forward_hook(
-                lambda _mod, inp, _out, name=name: maps.__setitem__(name, inp[0])))
-        yield maps
-    finally:
-        for handle in handles:
-            handle.remove()
-        for name, attn in layers.items():
-            attn.fused_attn = fused[name]
 
 
 def attention_maps(model: nn.Module, images: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Block name → (B, heads, N, N) fp32 attention map of the vision tower (see the module docstring)."""
     trunk = vision_trunk(model)
-    with torch.no_grad(), explicit_attention(trunk) as maps:
+    with torch.no_grad(), capture_attention_maps(trunk, detach=False) as maps:
         trunk.forward_features(images)
         return {name: a.detach().float() for name, a in maps.items()}
 
@@ -145,7 +112,7 @@ def query_attention(model: nn.Module, tokenizer, images: torch.Tensor, queries: 
     with torch.no_grad():
         text = F.normalize(model.encode_text(tokenizer(list(queries)).to(device)).float(), dim=-1)  # (Q, D)
     images = images.detach().requires_grad_(True)  # a graph even when every parameter is frozen
-    with torch.enable_grad(), explicit_attention(trunk) as maps:
+    with torch.enable_grad(), capture_attention_maps(trunk, detach=False) as maps:
         image = F.normalize(model.encode_image(images).float(), dim=-1)  # (B, D)
         scores = image @ text.T  # (B, Q)
         layers = list(maps.values())

@@ -183,3 +183,20 @@ def test_bound_classes_are_cached_named_and_pickle():
     x = torch.randn(1, N, DIM)
     torch.testing.assert_close(m(x), m2(x))
     assert diff_attn_layer('v2', 'depth')(DIM, num_heads=HEADS).variant == 'v2'
+
+
+def test_capture_reads_timm_attention_too_and_can_keep_the_graph():
+    from timm.layers import Attention
+    model = torch.nn.Sequential(_layer('split'), Attention(DIM, num_heads=HEADS))
+    x = torch.randn(B, N, DIM)
+    with capture_attention_maps(model, detach=False) as maps:
+        model(x)
+    assert all(m.fused_attn for m in model), 'fused paths restored after capture'
+    assert set(maps) == {'0', '1'} and maps['1'].shape == (B, HEADS, N, N)
+    torch.testing.assert_close(maps['1'].sum(-1), torch.ones(B, HEADS, N))  # softmax rows
+    assert maps['0'].requires_grad and maps['1'].requires_grad
+    maps['1'].sum().backward()  # reaches the parameters that made the map
+    assert model[1].qkv.weight.grad is not None
+    with pytest.raises(ValueError, match='no DifferentialAttention or timm Attention layer'):
+        with capture_attention_maps(torch.nn.Linear(2, 2)):
+            pass
