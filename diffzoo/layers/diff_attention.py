@@ -38,8 +38,10 @@ passes each differential map (B, h, N, N) through `self.diff_map` (an identity),
 hooks or `capture_attention_maps` can read it.
 
 Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need
-one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` picks per
-device the fastest measured by `python -m diffzoo.bench`, see SPLIT_KERNEL_AUTO):
+one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` follows
+SPLIT_KERNEL_AUTO, chosen with `python -m diffzoo.bench`: two_calls was fastest on an H100 (cuDNN
+takes the unequal widths), padded on CPU keeps the flash kernel, where the others fall back to
+the math kernel and hold the N×N matrices):
 
     two_calls    SDPA(Q1, K1, V) and SDPA(Q2, K2, V): cuDNN / memory-efficient kernels (unequal widths)
     one_call     one SDPA over the 2h query heads, V repeated for each pair: same kernels, one launch
