@@ -41,6 +41,11 @@ def load(checkpoint: Path):
     return load_model(spec)
 
 
+def run_dir(loaded) -> Path:
+    """The training run a loaded model's checkpoint belongs to (RUN/checkpoints/epoch_K.pt)."""
+    return Path(loaded.spec.pretrained).parents[1]
+
+
 def make_data(out: Path, args) -> Dict:
     from diffzoo.data.synthetic import CorpusConfig, write_corpus
     per_shard = max(1, min(500, args.train // 8))
@@ -86,13 +91,10 @@ def train(model: str, out: Path, args) -> Path:
     return last
 
 
-def evaluate(models: Dict[str, Path], out: Path) -> Dict[str, Dict[str, float]]:
+def evaluate(models: Dict, out: Path) -> Dict[str, Dict[str, float]]:
     from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
-    results = {}
-    for name, checkpoint in models.items():
-        loaded = load(checkpoint)
-        results[name] = evaluate_synthetic(loaded.model, loaded.preprocess, loaded.tokenizer, out / 'data' / 'val')
-    return results
+    return {name: evaluate_synthetic(m.model, m.preprocess, m.tokenizer, out / 'data' / 'val')
+            for name, m in models.items()}
 
 
 def chance() -> Dict[str, float]:
@@ -138,7 +140,7 @@ def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
     return out_png
 
 
-def figures(models: Dict[str, Path], out: Path, model_name: str) -> Tuple[Dict[str, str], Dict[str, list]]:
+def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], Dict[str, list]]:
     """Attention overlays and entropy for both models, λ and loss plots. Returns PNG paths, entropies."""
     import io
 
@@ -157,8 +159,7 @@ def figures(models: Dict[str, Path], out: Path, model_name: str) -> Tuple[Dict[s
     queries = [[f'{o["colour"]} {o["shape"]}' for o in scenes[i]['objects']] for i in shown]
 
     cls_maps, query_maps, entropies, n_tokens = {}, {}, {}, {}
-    for name, checkpoint in models.items():
-        loaded = load(checkpoint)
+    for name, loaded in models.items():
         model, preprocess, tokenizer = loaded.model, loaded.preprocess, loaded.tokenizer
         images = torch.stack([preprocess(pil[i]) for i in shown])
         query_maps[name] = torch.cat([attention.query_attention(model, tokenizer, image[None], texts)
@@ -174,8 +175,8 @@ def figures(models: Dict[str, Path], out: Path, model_name: str) -> Tuple[Dict[s
         'attention_queries': attention.plot_overlays([pil[i] for i in shown], query_maps,
                                                      out / 'attention_queries.png', queries=queries),
         'attention_entropy': attention.plot_entropy(entropies, out / 'attention_entropy.png', n_tokens),
-        'lambda': plot_lambda(str(models[model_name].parents[1]), str(out / 'lambda.png')),
-        'loss': loss_curves({n: p.parents[1] for n, p in models.items()}, out / 'loss.png'),
+        'lambda': plot_lambda(str(run_dir(models[model_name])), str(out / 'lambda.png')),
+        'loss': loss_curves({n: run_dir(m) for n, m in models.items()}, out / 'loss.png'),
     }
     print('\n      val images in the attention figures: ' + '; '.join(f'"{c}"' for c in captions))
     print('\n' + attention.entropy_table(entropies, n_tokens))
@@ -201,7 +202,6 @@ def main(argv: List[str] = None) -> int:
     import logging
     logging.getLogger().setLevel(logging.ERROR)  # open_clip logs every checkpoint it loads
     import diffzoo  # noqa: F401  registers the models
-    from diffzoo.eval.models import file_sha256
     from diffzoo.train.recipe import RecipeError, find_recipe
     for name in (args.model, args.baseline):
         try:
@@ -222,12 +222,11 @@ def main(argv: List[str] = None) -> int:
     timings['data_s'] = time.time() - start
 
     print(f'[2/4] training {args.baseline} and {args.model}, {args.epochs} epochs each, same recipe', flush=True)
-    models = {}
-    for name in (args.baseline, args.model):
-        models[name] = train(name, out, args)
+    checkpoints = {name: train(name, out, args) for name in (args.baseline, args.model)}
     timings['train_s'] = time.time() - start - timings['data_s']
 
     print('[3/4] evaluating both on the val split', flush=True)
+    models = {name: load(checkpoint) for name, checkpoint in checkpoints.items()}  # with their runs' transforms
     results = evaluate(models, out)
     reference = chance()
 
@@ -236,7 +235,7 @@ def main(argv: List[str] = None) -> int:
     timings['total_s'] = time.time() - start
 
     report = {
-        'models': {n: {'checkpoint': str(p), 'sha256': file_sha256(p)} for n, p in models.items()},
+        'models': {n: {'checkpoint': m.spec.pretrained, 'sha256': m.checkpoint_sha256} for n, m in models.items()},
         'data': str(out / 'data'), 'epochs': args.epochs, 'train_scenes': args.train, 'val_scenes': args.val,
         'metrics': results, 'chance': reference, 'attention_entropy': entropies, 'figures': pngs,
         'timings': {k: round(v, 1) for k, v in timings.items()},
