@@ -43,13 +43,9 @@ def _run(m, x, fused, mask_kw):
     return out.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize('variant', VARIANTS)
-@pytest.mark.parametrize('mask', list(_masks()))
-@pytest.mark.parametrize('lambda_init', [0.8, 'depth'])
-def test_fused_and_explicit_agree(variant, mask, lambda_init):
-    m = _layer(variant, lambda_init)
+def _assert_fused_matches_explicit(m, mask_kw):
+    """Output, input gradient and every parameter gradient agree between the fused and explicit paths."""
     x = torch.randn(B, N, DIM)
-    mask_kw = _masks()[mask]
     out_f, gx_f, g_f = _run(m, x, True, mask_kw)
     out_e, gx_e, g_e = _run(m, x, False, mask_kw)
     torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
@@ -59,19 +55,19 @@ def test_fused_and_explicit_agree(variant, mask, lambda_init):
         torch.testing.assert_close(g_f[name], g_e[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize('variant', VARIANTS)
+@pytest.mark.parametrize('mask', list(_masks()))
+@pytest.mark.parametrize('lambda_init', [0.8, 'depth'])
+def test_fused_and_explicit_agree(variant, mask, lambda_init):
+    _assert_fused_matches_explicit(_layer(variant, lambda_init), _masks()[mask])
+
+
 @pytest.mark.parametrize('kernel', SPLIT_KERNELS)
 @pytest.mark.parametrize('mask', list(_masks()))
 def test_every_split_kernel_matches_the_explicit_path(kernel, mask):
     m = _layer('split', split_kernel=kernel)
     assert m.split_kernel == kernel
-    x = torch.randn(B, N, DIM)
-    mask_kw = _masks()[mask]
-    out_f, gx_f, g_f = _run(m, x, True, mask_kw)
-    out_e, gx_e, g_e = _run(m, x, False, mask_kw)
-    torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gx_f, gx_e, rtol=1e-5, atol=1e-5)
-    for name in g_f:
-        torch.testing.assert_close(g_f[name], g_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    _assert_fused_matches_explicit(m, _masks()[mask])
 
 
 def test_split_matches_formula_written_out():
