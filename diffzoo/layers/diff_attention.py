@@ -40,19 +40,24 @@ hooks or `capture_attention_maps` can read it.
 Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need
 one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` follows
 SPLIT_KERNEL_AUTO, chosen with `python -m diffzoo.bench`: two_calls was fastest on an H100 (cuDNN
-takes the unequal widths), padded on CPU keeps the flash kernel, where the others fall back to
-the math kernel and hold the N×N matrices):
+takes the unequal widths); on CPU four_calls keeps the flash kernel without copying q, k or v,
+where two_calls / one_call fall back to the math kernel and hold the N×N matrices):
 
     two_calls    SDPA(Q1, K1, V) and SDPA(Q2, K2, V): cuDNN / memory-efficient kernels (unequal widths)
     one_call     one SDPA over the 2h query heads, V repeated for each pair: same kernels, one launch
     padded       one SDPA over 2h heads with Q, K zero-padded to 2d (Q·K unchanged, scale 1/√d):
-                 equal widths, so flash kernels (CUDA and CPU) apply
-    four_calls   one SDPA over 4h heads of width d: (Q1|Q2) × (V[:d]|V[d:]), flash-eligible
+                 equal widths, so flash kernels (CUDA and CPU) apply; the padded copies are saved
+    four_calls   SDPA(Qm, Km, V[:d]) and SDPA(Qm, Km, V[d:]) for m = 1, 2: four flash-eligible calls
+                 of width d on views of the qkv projection (Q·K computed twice, nothing copied)
 
 The fused path keeps activations in their dtype: SDPA's softmax is fp32 inside its kernel, λ is
-computed in fp32, A1V − λ·A2V is one fused multiply-add and the sub-norm statistics are fp32 (the
-RMSNorm kernel's accumulation), with (1 − λ_init) folded into the norm weight. The explicit path
-computes the maps, the product and the sub-norm in fp32.
+computed in fp32, and `sub_normed_difference` forms A1V − λ·A2V (one multiply-add), the sub-norm
+with fp32 statistics and (1 − λ_init) folded into the norm weight, and, when `proj` is a plain
+`nn.Linear` with no scale norm before it, the output projection. It saves only the SDPA outputs
+(which SDPA's backward holds anyway) and recomputes the difference and the normed heads in its
+backward, so a differential layer keeps one (B, N, C) activation more than plain attention (A1V and
+A2V where plain attention keeps AV), not four. The explicit path computes the maps, the product and
+the sub-norm in fp32.
 """
 import functools
 import math
@@ -67,7 +72,7 @@ from timm.layers.attention import resolve_self_attn_mask
 LambdaInit = Union[float, str]
 VARIANTS = ('split', 'duplicate', 'v2')
 SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls')
-SPLIT_KERNEL_AUTO = {'cuda': 'two_calls', 'cpu': 'padded'}  # measured by python -m diffzoo.bench
+SPLIT_KERNEL_AUTO = {'cuda': 'two_calls', 'cpu': 'four_calls'}  # measured by python -m diffzoo.bench
 
 
 def resolve_lambda_init(lambda_init: LambdaInit, depth: int) -> float:
@@ -77,6 +82,96 @@ def resolve_lambda_init(lambda_init: LambdaInit, depth: int) -> float:
     if isinstance(lambda_init, str):
         raise ValueError(f'lambda_init={lambda_init!r}: expected a float or "depth"')
     return float(lambda_init)
+
+
+def _difference(o1, o2, lam):
+    """A1V − λ·A2V over parts that tile the last dim, as one new tensor (B, N, h, C/h)."""
+    if len(o1) == 1:
+        return torch.addcmul(o1[0], o2[0], lam, value=-1)  # keeps the parts' dtype
+    if torch.compiler.is_compiling():  # dynamo refuses the strided out= below; inductor fuses the cat
+        return torch.cat([torch.addcmul(a, b, lam, value=-1) for a, b in zip(o1, o2)], dim=-1)
+    widths = [a.shape[-1] for a in o1]  # eager: each part written in place, no concatenation copy
+    diff = o1[0].new_empty(*o1[0].shape[:-1], sum(widths))
+    for a, b, out in zip(o1, o2, diff.split(widths, dim=-1)):
+        torch.addcmul(a, b, lam, value=-1, out=out)
+    return diff
+
+
+class _SubNormedDifference(torch.autograd.Function):
+    """y = RMSNorm(A1V − λ·A2V) · weight per head, then y·Wᵀ + b when the output projection is
+    given, saving only the SDPA outputs: the backward recomputes the difference and y.
+
+    forward(lam, weight, eps, proj_weight, proj_bias, n, *parts): parts are A1V's n parts then
+    A2V's n parts, each (B, N, h, ·), tiling the head width in order.
+    """
+
+    @staticmethod
+    def forward(ctx, lam, weight, eps, proj_weight, proj_bias, n, *parts):
+        ctx.n, ctx.eps, ctx.bias_dtype = n, eps, None if proj_bias is None else proj_bias.dtype
+        ctx.save_for_backward(lam, weight, proj_weight, *parts)
+        with torch.autocast(parts[0].device.type, enabled=False):
+            diff = _difference(parts[:n], parts[n:], lam)  # (B, N, h, D)
+            y = F.rms_norm(diff, (diff.shape[-1],), weight, eps)
+            if proj_weight is None:
+                return y
+            bias = None if proj_bias is None else proj_bias.to(y.dtype)
+            return F.linear(y.flatten(-2), proj_weight.to(y.dtype), bias)  # (B, N, C_out), as autocast would
+
+    @staticmethod
+    def backward(ctx, grad):
+        lam, weight, proj_weight, *parts = ctx.saved_tensors
+        o1, o2 = parts[:ctx.n], parts[ctx.n:]
+        grad_pw = grad_pb = grad_lam = grad_weight = None
+        with torch.autocast(grad.device.type, enabled=False):
+            diff = _difference(o1, o2, lam)  # (B, N, h, D), a new tensor
+            dtype, D = diff.dtype, diff.shape[-1]
+            acc = torch.promote_types(dtype, torch.float32)  # statistics in fp32 (fp64 stays fp64)
+            eps = torch.finfo(dtype).eps if ctx.eps is None else ctx.eps  # F.rms_norm's default
+            x = diff.to(acc)
+            rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(D).add_(eps).rsqrt_()
+            normed = x.mul_(rstd)  # (B, N, h, D) in acc
+            del diff, x
+            if proj_weight is not None:
+                g2 = grad.reshape(-1, grad.shape[-1])  # (B·N, C_out)
+                if ctx.needs_input_grad[3]:
+                    # dL/dW = gᵀ·y with y = normed · weight per head: the weight scales W's columns
+                    n2 = normed.to(dtype).reshape(g2.shape[0], -1)  # (B·N, C)
+                    grad_pw = (g2.t() @ n2).to(acc).mul_(weight.to(acc).repeat(normed.shape[-2]))
+                    grad_pw = grad_pw.to(proj_weight.dtype)
+                    del n2
+                if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+                    grad_pb = g2.sum(0, dtype=acc).to(ctx.bias_dtype)
+                grad = (grad @ proj_weight.to(dtype)).unflatten(-1, normed.shape[-2:])  # (B, N, h, D)
+            g, w = grad.to(acc), weight.to(acc)
+            gn = g * normed  # (B, N, h, D)
+            if ctx.needs_input_grad[1]:
+                grad_weight = gn.flatten(0, -2).sum(0).to(weight.dtype)
+            mean = (gn @ w).unsqueeze_(-1).div_(D)  # (B, N, h, 1): mean of g·w·normed over the head
+            del gn
+            # d RMSNorm: rstd · (g·w − normed · mean(g·w · normed))
+            grad_diff = torch.mul(g, w).addcmul_(normed, mean, value=-1).mul_(rstd)  # (B, N, h, D) in acc
+            del g
+            del normed
+            grad_o1 = [grad_diff] if len(o1) == 1 else list(grad_diff.split([p.shape[-1] for p in o1], dim=-1))
+            if ctx.needs_input_grad[0]:  # dL/dλ = −Σ dL/d(diff) · A2V
+                grad_lam = -sum(torch.linalg.vecdot(a, b.to(acc), dim=-1).sum() for a, b in zip(grad_o1, o2))
+                grad_lam = grad_lam.to(lam.dtype)
+            grad_o1 = [a.to(dtype) for a in grad_o1]
+            grad_o2 = [a * -lam for a in grad_o1]
+        return grad_lam, grad_weight, None, grad_pw, grad_pb, None, *grad_o1, *grad_o2
+
+
+def sub_normed_difference(o1, o2, lam: torch.Tensor, weight: torch.Tensor, eps: Optional[float],
+                          proj: Optional[nn.Linear] = None) -> torch.Tensor:
+    """RMSNorm(A1V − λ·A2V) · weight, (B, N, h, C/h) in the parts' dtype; with `proj`, that
+    flattened to (B, N, C) and projected, (B, N, C_out).
+
+    o1, o2: A1V and A2V as equal lists of (B, N, h, ·) parts tiling the head width; lam a 0-dim
+    fp32 tensor; weight (C/h,) in the parts' dtype. Statistics are fp32. Only the parts are saved
+    for backward (SDPA's backward holds them anyway): neither the difference nor the normed heads.
+    """
+    pw, pb = (None, None) if proj is None else (proj.weight, proj.bias)
+    return _SubNormedDifference.apply(lam, weight, eps, pw, pb, len(o1), *o1, *o2)
 
 
 class DifferentialAttention(DiffAttention):
@@ -186,35 +281,31 @@ class DifferentialAttention(DiffAttention):
         return self.q_norm(q), self.k_norm(k), v
 
     def _split_maps(self, q, k, v, sdpa, attn_mask):
-        """A1·V and A2·V of the split variant, (B, h, N, 2d) each, by `split_kernel` (module docstring)."""
+        """A1·V and A2·V of the split variant by `split_kernel` (module docstring): two lists of
+        (B, h, N, ·) parts that tile the value width 2d in order."""
         B, h, N, dv = v.shape
         kernel = self.split_kernel if self.split_kernel != 'auto' else SPLIT_KERNEL_AUTO.get(v.device.type, 'two_calls')
-        if kernel != 'two_calls' and attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] == h > 1:
-            # a per-head mask onto the 2h (4h) heads of one call
-            sdpa = functools.partial(sdpa, attn_mask=attn_mask.repeat_interleave(4 if kernel == 'four_calls' else 2, 1))
+        q1, q2 = q.view(B, h, 2, N, -1).unbind(2)  # (B, h, N, d) each, views
+        k1, k2 = k.view(B, h, 2, N, -1).unbind(2)
         if kernel == 'two_calls':
-            q1, q2 = q.view(B, h, 2, N, -1).unbind(2)  # (B, h, N, d) each
-            k1, k2 = k.view(B, h, 2, N, -1).unbind(2)
-            return sdpa(q1, k1, v), sdpa(q2, k2, v)
+            return [sdpa(q1, k1, v)], [sdpa(q2, k2, v)]
         if kernel == 'four_calls':
-            d = dv // 2
-            q4 = q.view(B, h, 2, 1, N, d).expand(B, h, 2, 2, N, d).reshape(B, 4 * h, N, d)  # (Q1,Q1,Q2,Q2) per head
-            k4 = k.view(B, h, 2, 1, N, d).expand(B, h, 2, 2, N, d).reshape(B, 4 * h, N, d)
-            v4 = v.view(B, h, 1, N, 2, d).permute(0, 1, 2, 4, 3, 5)  # (B, h, 1, 2, N, d): V[:d], V[d:]
-            v4 = v4.expand(B, h, 2, 2, N, d).reshape(B, 4 * h, N, d)
-            o = sdpa(q4, k4, v4).view(B, h, 2, 2, N, d)  # (B, h, map, half, N, d)
-            o = o.permute(0, 1, 2, 4, 3, 5).reshape(B, h, 2, N, dv)  # (B, h, map, N, 2d)
-            return o.unbind(2)
+            va, vb = v.chunk(2, dim=-1)  # (B, h, N, d) each, views
+            return [sdpa(q1, k1, va), sdpa(q1, k1, vb)], [sdpa(q2, k2, va), sdpa(q2, k2, vb)]
+        if attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] == h > 1:
+            sdpa = functools.partial(sdpa, attn_mask=attn_mask.repeat_interleave(2, 1))  # onto the 2h query heads
         v2 = v.unsqueeze(2).expand(B, h, 2, N, dv).reshape(B, 2 * h, N, dv)  # V for both maps of a pair
         if kernel == 'padded':
             q, k = F.pad(q, (0, dv - q.shape[-1])), F.pad(k, (0, dv - k.shape[-1]))  # (B, 2h, N, 2d)
             o = sdpa(q, k, v2, scale=self.scale)
         else:  # one_call
             o = sdpa(q, k, v2)
-        return o.view(B, h, 2, N, dv).unbind(2)  # (B, h, N, 2d) each
+        o1, o2 = o.view(B, h, 2, N, dv).unbind(2)  # (B, h, N, 2d) each
+        return [o1], [o2]
 
-    def _fused(self, q, k, v, lam, attn_mask, is_causal) -> torch.Tensor:
-        """(B, h, N, C/h): A1V − λ·A2V in the activation dtype (fp32 for v2, whose λ varies per token)."""
+    def _fused(self, q, k, v, lam, attn_mask, is_causal):
+        """SDPA outputs in (B, N, h, ·) views: A1V and A2V as lists of parts tiling the head width
+        (split, duplicate), or v2's O1 − λ·O2 in fp32 (its λ varies per token)."""
         B, h, N, _ = v.shape
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(q.dtype)
@@ -225,11 +316,20 @@ class DifferentialAttention(DiffAttention):
             attn_mask=attn_mask, dropout_p=self.attn_drop_p if self.training else 0., is_causal=is_causal)
         if self.variant == 'v2':
             o = sdpa(q, k, v, enable_gqa=True).view(B, h, 2, N, -1).float()  # (B, h, 2, N, d)
-            return o[:, :, 0] - lam * o[:, :, 1]
+            return (o[:, :, 0] - lam * o[:, :, 1]).transpose(1, 2)  # (B, N, h, d)
         if self.variant == 'duplicate':
-            return sdpa(q, k, v) * (1 - lam)
-        o1, o2 = self._split_maps(q, k, v, sdpa, attn_mask)
-        return torch.addcmul(o1, o2, lam, value=-1)  # o1 − λ·o2, λ a 0-dim fp32 tensor: keeps o1's dtype
+            o1 = o2 = [sdpa(q, k, v)]  # A1 = A2: (1 − λ)·AV
+        else:
+            o1, o2 = self._split_maps(q, k, v, sdpa, attn_mask)
+        # (B, N, h, ·): SDPA kernels return this memory layout, so the transposes copy nothing
+        return [o.transpose(1, 2) for o in o1], [o.transpose(1, 2) for o in o2]
+
+    def _folds_proj(self) -> bool:
+        """The fused op applies the output projection itself when nothing sits between: no scale
+        norm, and `proj` a plain `nn.Linear` without hooks (a wrapped or hooked `proj` is called)."""
+        proj = self.proj
+        return (isinstance(self.norm, nn.Identity) and type(proj) is nn.Linear
+                and not proj._forward_hooks and not proj._forward_pre_hooks)
 
     def differential_maps(self, q, k, lam, attn_mask=None, is_causal=False) -> torch.Tensor:
         """Explicit A1 − λ·A2 in fp32, (B, h, N, N); softmax in fp32, dropout on A1 and A2."""
@@ -252,15 +352,12 @@ class DifferentialAttention(DiffAttention):
             a1, a2 = attn.unbind(2)  # (B, h, N, N) each
         return a1 - lam * a2
 
-    def _scaled_sub_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """(1 − λ_init) · RMSNorm(x) per head, in x's dtype; the statistics are fp32 (rms_norm accumulates in
-        fp32 for reduced-precision inputs), the weight × (1 − λ_init) is formed in fp32, autocast is off."""
-        norm = self.sub_norm
-        with torch.autocast(x.device.type, enabled=False):
-            if norm.weight is None:
-                return F.rms_norm(x, norm.normalized_shape, None, norm.eps) * (1 - self.lambda_init)
-            weight = (norm.weight.float() * (1 - self.lambda_init)).to(x.dtype)
-            return F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
+    def _sub_norm_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """The sub-norm weight with (1 − λ_init) folded in, formed in fp32, in `like`'s dtype and device."""
+        weight = self.sub_norm.weight
+        if weight is None:
+            return torch.full(self.sub_norm.normalized_shape, 1 - self.lambda_init, dtype=like.dtype, device=like.device)
+        return (weight.float() * (1 - self.lambda_init)).to(like.dtype)
 
     def forward(
             self,
@@ -271,17 +368,20 @@ class DifferentialAttention(DiffAttention):
         B, N, C = x.shape
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)
-        if self.fused_attn:
-            out = self._fused(q, k, v, lam, attn_mask, is_causal)  # (B, h, N, C/h)
+        if self.fused_attn and self.variant != 'v2':
+            o1, o2 = self._fused(q, k, v, lam, attn_mask, is_causal)
+            proj = self.proj if self._folds_proj() else None
+            out = sub_normed_difference(o1, o2, lam, self._sub_norm_weight(o1[0]), self.sub_norm.eps, proj)
+            if proj is not None:
+                return self.proj_drop(out)  # (B, N, C)
+        elif self.fused_attn:
+            out = self._fused(q, k, v, lam, attn_mask, is_causal)  # (B, N, h, d) fp32
         else:
             attn = self.diff_map(self.differential_maps(q, k, lam, attn_mask, is_causal))
             with torch.autocast(x.device.type, enabled=False):
-                out = attn @ v.float()  # (B, h, N, C/h) fp32
-        # (B, N, h, C/h): SDPA kernels return this memory layout, so the transpose, the per-head
-        # sub-norm and the reshape to (B, N, C) copy nothing on the fused path
-        out = out.transpose(1, 2)
-        if self.variant != 'v2':
-            out = self._scaled_sub_norm(out)
+                out = (attn @ v.float()).transpose(1, 2)  # (B, N, h, C/h) fp32
+                if self.variant != 'v2':
+                    out = F.rms_norm(out, self.sub_norm.normalized_shape, self._sub_norm_weight(out), self.sub_norm.eps)
         out = out.type_as(x).reshape(B, N, C)  # (B, N, C)
         out = self.norm(out)
         out = self.proj(out)
