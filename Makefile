@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev,train,eval]' $(TORCH)
+	$(PY) -m pip install --quiet -e '.[dev,train,eval,vlm]' $(TORCH)
 	touch $(STAMP)
 
 demo: $(STAMP)

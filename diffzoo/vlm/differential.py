@@ -1,0 +1,331 @@
+"""Differential attention in Hugging Face decoders: `differentialize(model, ...)`.
+
+Each chosen decoder layer's attention module (PaliGemma's Gemma, Gemma 2, Llama, Qwen2, …) keeps
+its pretrained q/k/v/o projections and gains λ_q1, λ_k1, λ_q2, λ_k2 (head_dim each, N(0, 0.1)), a
+per-head RMSNorm `sub_norm` and λ_init. Its attention kernel is swapped through
+`transformers.AttentionInterface` (names `diffzoo_sdpa`, `diffzoo_eager`); transformers' modelling
+code is not edited. With d the model's head_dim and H its query heads:
+
+    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init          (fp32)
+    λ_init: a float, or "depth": 0.8 − 0.6·exp(−0.3·l), l the 0-based layer index
+
+duplicate (Differential PaliGemma, Eq. 5): both maps from the pretrained, undivided Q and K,
+
+    head_j = (1 − λ_init) · RMSNorm_d((softmax(Q_j K_jᵀ·s) − λ·softmax(Q_j K_jᵀ·s)) V_j),   j < H
+
+split (Differential Transformer applied to pretrained heads): query heads 2i and 2i+1 form
+differential head i, its value is the two heads' values side by side (K, V of query head j are
+KV head j // (H / H_kv), so MQA/GQA work: with one KV head V_pair = [V | V]),
+
+    head_i = (1 − λ_init) · RMSNorm_2d((softmax(Q_2i K_2iᵀ·s) − λ·softmax(Q_2i+1 K_2i+1ᵀ·s)) [V_2i | V_2i+1])
+
+and head_i fills the columns of query heads 2i, 2i+1 in front of o_proj. s is the model's scaling
+(Gemma's query_pre_attn_scalar included); masks, KV cache, sliding windows and soft-capping (eager)
+are the model's own. `diffzoo_sdpa` runs each map through `F.scaled_dot_product_attention` and
+forms the difference and sub-norm with the fused op of `diffzoo.layers` (only SDPA's outputs are
+saved for backward); `diffzoo_eager` computes the maps in fp32 and returns A1 − λ·A2 as the
+attention weights (`output_attentions=True`). Layers not made differential use the model's own
+SDPA / eager code.
+
+`mlp="swiglu"` is the paper's SwiGLU option: a gated feed-forward (gate_proj, up_proj, down_proj)
+keeps its weights and takes SiLU as its gate activation (Llama/Qwen2 already have it; Gemma's GELU
+gate becomes SiLU).
+
+The settings are stored on the decoder's config (`diffzoo_differential`), so `save_pretrained`
+writes them with the weights and `load_differential(path)` rebuilds and reloads the model.
+"""
+import functools
+import sys
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import RmsNorm
+
+from diffzoo.layers.diff_attention import resolve_lambda_init, sub_normed_difference
+
+VARIANTS = ('duplicate', 'split')
+MLPS = ('original', 'swiglu')
+DIFF_SDPA, DIFF_EAGER = 'diffzoo_sdpa', 'diffzoo_eager'
+CONFIG_KEY = 'diffzoo_differential'
+PARAMETER_NAMES = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')
+SUB_NORM_EPS = 1e-5  # unilm's and timm's DiffAttention sub-norm
+
+
+class DifferentialSpec:
+    """What `differentialize` attached to one attention module (kept as `module.differential`)."""
+
+    def __init__(self, variant: str, lambda_init: float):
+        self.variant, self.lambda_init = variant, lambda_init
+
+    def __repr__(self):
+        return f'DifferentialSpec(variant={self.variant!r}, lambda_init={self.lambda_init:.4f})'
+
+
+def find_decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (the module holding `.layers` and its text config) of a transformers model."""
+    candidates = [model]
+    if hasattr(model, 'get_decoder'):
+        candidates.insert(0, model.get_decoder())
+    for name in ('model', 'language_model', 'base_model'):
+        sub = getattr(model, name, None)
+        if isinstance(sub, nn.Module):
+            candidates.append(sub)
+            if hasattr(sub, 'get_decoder'):
+                candidates.append(sub.get_decoder())
+    for c in candidates:
+        layers = getattr(c, 'layers', None)
+        if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(layers[0], 'self_attn'):
+            return c
+    raise ValueError(
+        f'{type(model).__name__}: no decoder with `.layers[i].self_attn` found; differentialize takes a '
+        f'transformers decoder model (e.g. PaliGemmaForConditionalGeneration, GemmaForCausalLM, LlamaForCausalLM)')
+
+
+def _check_attention(attn: nn.Module, variant: str, index: int) -> None:
+    missing = [n for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'head_dim', 'layer_idx') if not hasattr(attn, n)]
+    if missing:
+        raise ValueError(f'layer {index}: {type(attn).__name__} lacks {missing}; differentialize needs a '
+                         f'transformers attention module with q/k/v/o projections')
+    heads = attn.q_proj.out_features // attn.head_dim
+    if variant == 'split' and heads % 2:
+        raise ValueError(f'layer {index}: variant="split" pairs query heads but {type(attn).__name__} has '
+                         f'{heads}; use variant="duplicate"')
+
+
+def _add_parameters(attn: nn.Module, variant: str, lambda_init: float) -> None:
+    """λ vectors N(0, 0.1) and the sub-norm (weight 1) on `attn`, in its projection's dtype and device."""
+    weight = attn.q_proj.weight
+    dd = {'device': weight.device, 'dtype': weight.dtype}
+    d = attn.head_dim
+    for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
+        setattr(attn, name, nn.Parameter(torch.empty(d, **dd).normal_(0, 0.1)))
+    attn.sub_norm = RmsNorm(2 * d if variant == 'split' else d, eps=SUB_NORM_EPS, **dd)
+    attn.differential = DifferentialSpec(variant, lambda_init)
+
+
+def _swiglu(mlp: nn.Module, index: int) -> None:
+    if not all(hasattr(mlp, n) for n in ('gate_proj', 'up_proj', 'down_proj', 'act_fn')):
+        raise ValueError(f'layer {index}: mlp="swiglu" needs a gated feed-forward (gate_proj, up_proj, down_proj, '
+                         f'act_fn); {type(mlp).__name__} is not one; use mlp="original"')
+    mlp.act_fn = nn.SiLU()
+
+
+def differentialize(
+        model: nn.Module,
+        variant: str = 'duplicate',
+        lambda_init: Union[float, str] = 'depth',
+        layers: Optional[Iterable[int]] = None,
+        mlp: str = 'original',
+) -> nn.Module:
+    """Make the decoder attention of a transformers model differential, in place; returns the model.
+
+    variant: "duplicate" (Differential PaliGemma) or "split" (module docstring); lambda_init: a float
+    or "depth"; layers: decoder layer indices (default all); mlp: "original" or "swiglu".
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
+    if mlp not in MLPS:
+        raise ValueError(f'mlp={mlp!r}: expected one of {MLPS}')
+    resolve_lambda_init(lambda_init, 0)
+    decoder = find_decoder(model)
+    blocks = decoder.layers
+    chosen = list(range(len(blocks))) if layers is None else sorted(set(int(i) for i in layers))
+    bad = [i for i in chosen if not 0 <= i < len(blocks)]
+    if bad:
+        raise ValueError(f'layers={bad}: the decoder has layers 0..{len(blocks) - 1}')
+    if any(hasattr(blocks[i].self_attn, 'differential') for i in chosen):
+        raise ValueError('the model is already differential in some of these layers; differentialize once')
+    for i in chosen:
+        _check_attention(blocks[i].self_attn, variant, i)
+    for i in chosen:
+        attn = blocks[i].self_attn
+        _add_parameters(attn, variant, resolve_lambda_init(lambda_init, attn.layer_idx))
+        if mlp == 'swiglu':
+            _swiglu(blocks[i].mlp, i)
+    register_attention()
+    config = decoder.config
+    setattr(config, CONFIG_KEY, {'variant': variant, 'lambda_init': lambda_init, 'layers': chosen, 'mlp': mlp})
+    if config._attn_implementation not in (DIFF_SDPA, DIFF_EAGER):
+        config._attn_implementation = DIFF_EAGER if config._attn_implementation == 'eager' else DIFF_SDPA
+    return model
+
+
+def differential_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """λ and sub-norm parameters that `differentialize` added."""
+    return [p for m in model.modules() if hasattr(m, 'differential')
+            for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2, m.sub_norm.weight)]
+
+
+def differential_state_dict(model: nn.Module) -> dict:
+    """{name: tensor} of the added parameters, names as in `model.state_dict()`."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith(PARAMETER_NAMES) and '.self_attn.' in k}
+
+
+def _lambda(module: nn.Module) -> torch.Tensor:
+    """λ of one layer, a 0-dim fp32 tensor."""
+    lq1, lk1 = module.lambda_q1.float(), module.lambda_k1.float()
+    lq2, lk2 = module.lambda_q2.float(), module.lambda_k2.float()
+    return torch.exp(torch.dot(lq1, lk1)) - torch.exp(torch.dot(lq2, lk2)) + module.differential.lambda_init
+
+
+def _sub_norm_weight(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    return (module.sub_norm.weight.float() * (1 - module.differential.lambda_init)).to(like.dtype)
+
+
+def _pair_kv(t: torch.Tensor, num_heads: int, parity: int) -> torch.Tensor:
+    """K or V (B, H_kv, S, d) for query heads parity, parity + 2, …: H_kv heads when a grouped call can
+    map them (enable_gqa), otherwise the selected heads."""
+    groups = num_heads // t.shape[1]
+    if groups % 2 == 0:
+        return t  # query head 2i + parity reads KV head i // (groups / 2)
+    if groups == 1:
+        return t[:, parity::2]  # (B, H/2, S, d), a view
+    index = torch.arange(parity, num_heads, 2, device=t.device) // groups
+    return t.index_select(1, index)  # (B, H/2, S, d)
+
+
+def _explicit_probs(query, key, mask, scaling, softcap, dropout, training) -> torch.Tensor:
+    """softmax(Q Kᵀ·s + mask) in fp32, (B, Hq, L, S); K repeated onto the query heads."""
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scores = (query.float() @ key.float().transpose(-2, -1)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else scores + mask.float()
+    return F.dropout(scores.softmax(dim=-1), p=dropout, training=training)
+
+
+def _differential_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, explicit=False,
+                          softcap=None, is_causal=None, **kwargs):
+    """(attn_output (B, L, H, d), weights): the differential heads of one layer (module docstring)."""
+    spec = module.differential
+    B, H, L, d = query.shape
+    scaling = module.head_dim ** -0.5 if scaling is None else scaling
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, :key.shape[-2]]
+    lam = _lambda(module)
+    if explicit:
+        probs = functools.partial(_explicit_probs, mask=attention_mask, scaling=scaling, softcap=softcap,
+                                  dropout=dropout, training=module.training)
+        if spec.variant == 'duplicate':
+            a = probs(query, key)  # (B, H, L, S)
+            diff = a - lam * a
+            out = diff @ value.repeat_interleave(H // value.shape[1], dim=1).float()  # (B, H, L, d)
+        else:
+            a1, a2 = probs(query[:, 0::2], _pair_kv(key, H, 0)), probs(query[:, 1::2], _pair_kv(key, H, 1))
+            diff = a1 - lam * a2  # (B, H/2, L, S)
+            v1, v2 = _pair_kv(value, H, 0), _pair_kv(value, H, 1)
+            v = torch.cat([v1.repeat_interleave(H // 2 // v1.shape[1], dim=1),
+                           v2.repeat_interleave(H // 2 // v2.shape[1], dim=1)], dim=-1)  # (B, H/2, S, 2d)
+            out = diff @ v.float()  # (B, H/2, L, 2d)
+        out = out.transpose(1, 2)  # (B, L, heads, width) fp32
+        out = F.rms_norm(out, (out.shape[-1],), _sub_norm_weight(module, out), module.sub_norm.eps)
+        return out.to(query.dtype).reshape(B, L, H, d), diff
+    if softcap is not None:
+        raise ValueError(f'{type(module).__name__} soft-caps its attention logits, which SDPA cannot; load the '
+                         f'model with attn_implementation="eager" before differentialize (it then uses {DIFF_EAGER})')
+    if is_causal is None:
+        is_causal = L > 1 and attention_mask is None and getattr(module, 'is_causal', True)
+    sdpa = functools.partial(F.scaled_dot_product_attention, attn_mask=attention_mask,
+                             dropout_p=dropout if module.training else 0., is_causal=is_causal, scale=scaling)
+
+    def attend(q, k, v):  # (B, h, L, ·) → (B, L, h, ·), SDPA's memory layout
+        return sdpa(q, k, v, enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+
+    if spec.variant == 'duplicate':
+        o1 = o2 = [attend(query, key, value)]  # A1 = A2
+    else:
+        q1, q2 = query[:, 0::2], query[:, 1::2]  # (B, H/2, L, d) each
+        k1, k2 = _pair_kv(key, H, 0), _pair_kv(key, H, 1)
+        v1, v2 = _pair_kv(value, H, 0), _pair_kv(value, H, 1)
+        a1v1, a2v1 = attend(q1, k1, v1), attend(q2, k2, v1)
+        a1v2, a2v2 = (a1v1, a2v1) if v2 is v1 else (attend(q1, k1, v2), attend(q2, k2, v2))
+        o1, o2 = [a1v1, a1v2], [a2v1, a2v2]  # parts of [V_2i | V_2i+1]
+    out = sub_normed_difference(o1, o2, lam, _sub_norm_weight(module, o1[0]), module.sub_norm.eps)
+    return out.reshape(B, L, H, d), None  # (B, L, heads, width) → the query heads' columns
+
+
+@functools.lru_cache(maxsize=None)
+def _model_eager(module_type: type):
+    """The modelling file's own eager attention (Gemma 2's soft-capping included)."""
+    fn = getattr(sys.modules[module_type.__module__], 'eager_attention_forward', None)
+    if fn is None:  # a modelling file without its own: Llama's is the common one
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def diffzoo_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """`AttentionInterface` entry `diffzoo_sdpa`: differential heads where attached, else transformers' SDPA."""
+    if not hasattr(module, 'differential'):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _differential_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def diffzoo_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    """`AttentionInterface` entry `diffzoo_eager`: explicit maps, A1 − λ·A2 returned as the weights."""
+    if not hasattr(module, 'differential'):
+        return _model_eager(type(module))(module, query, key, value, attention_mask, **kwargs)
+    return _differential_forward(module, query, key, value, attention_mask, explicit=True, **kwargs)
+
+
+def register_attention() -> None:
+    """Register `diffzoo_sdpa` / `diffzoo_eager` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+    AttentionInterface.register(DIFF_SDPA, diffzoo_sdpa_attention)
+    AttentionInterface.register(DIFF_EAGER, diffzoo_eager_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_SDPA, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_EAGER, eager_mask)
+
+
+def _saved_tensors(path: Path, names: Sequence[str]) -> dict:
+    """The checkpoint tensors whose names end with one of `names`' layer-relative suffixes."""
+    from safetensors import safe_open
+    files = sorted(path.glob('*.safetensors'))
+    if not files:
+        raise FileNotFoundError(f'{path}: no *.safetensors files; save the model with save_pretrained first')
+    found = {}
+    for f in files:
+        with safe_open(str(f), framework='pt') as sf:
+            for key in sf.keys():
+                if key.endswith(PARAMETER_NAMES) and '.self_attn.' in key:
+                    found[key] = sf.get_tensor(key)
+    return found
+
+
+def _suffix(name: str) -> str:
+    """'…layers.3.self_attn.lambda_q1' → 'layers.3.self_attn.lambda_q1'."""
+    i = name.rfind('layers.')
+    return name[i:] if i >= 0 else name
+
+
+def load_differential(path: Union[str, Path], model_class=None, **kwargs) -> nn.Module:
+    """A model written by `save_pretrained` after `differentialize`: loaded with transformers, made
+    differential with the saved settings, and given its saved λ / sub-norm parameters."""
+    import transformers
+    path = Path(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    spec = getattr(config.get_text_config(), CONFIG_KEY, None) or getattr(config, CONFIG_KEY, None)
+    if spec is None:
+        raise ValueError(f'{path}: config.json has no "{CONFIG_KEY}" settings; it was not saved from a '
+                         f'differentialized model; load it with transformers and call differentialize()')
+    if model_class is None:
+        arch = (config.architectures or [None])[0]
+        model_class = getattr(transformers, arch, None) if arch else None
+        if model_class is None:
+            raise ValueError(f'{path}: config.architectures={config.architectures!r} names no transformers class; '
+                             f'pass model_class=')
+    model = model_class.from_pretrained(path, **kwargs)
+    differentialize(model, **spec)
+    saved = {_suffix(k): v for k, v in _saved_tensors(path, PARAMETER_NAMES).items()}
+    state = differential_state_dict(model)
+    missing = [k for k in state if _suffix(k) not in saved]
+    if missing:
+        raise ValueError(f'{path}: {len(missing)} differential parameters are not in the checkpoint '
+                         f'(e.g. {missing[0]}); it was saved before differentialize or is incomplete')
+    model.load_state_dict({k: saved[_suffix(k)] for k in state}, strict=False)
+    return model

@@ -1,0 +1,237 @@
+import math
+
+import pytest
+import torch
+import transformers
+
+from diffzoo.vlm.differential import (DIFF_EAGER, DIFF_SDPA, differential_parameters, differentialize,
+                                      diffzoo_eager_attention, diffzoo_sdpa_attention, load_differential)
+
+VOCAB = 64
+
+
+def _config(family: str, **kw):
+    """Tiny random decoder configs; the head layouts cover GQA, MQA, MHA and an odd group size."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  max_position_embeddings=64, **kw)
+    if family == 'llama':  # GQA: 4 query heads on 2 KV heads
+        return transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common)
+    if family == 'llama_odd_groups':  # 6 query heads on 2 KV heads: groups of 3
+        return transformers.LlamaConfig(num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                        **{**common, 'hidden_size': 48})
+    if family == 'gemma':  # MQA like PaliGemma-3B's Gemma: 4 query heads, 1 KV head
+        return transformers.GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=8, **common)
+    if family == 'gemma2':
+        return transformers.Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         attn_logit_softcapping=20.0, **common)
+    if family == 'qwen2':  # MHA with q/k/v biases
+        return transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=4, **common)
+    raise ValueError(family)
+
+
+def _model(family: str, implementation: str = 'sdpa', seed: int = 0):
+    torch.manual_seed(seed)
+    config = _config(family)
+    config._attn_implementation = implementation
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+FAMILIES = ['llama', 'llama_odd_groups', 'gemma', 'qwen2']
+
+
+def _ids(batch=2, length=7, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_heads(attn, query, key, value, variant, mask=None):
+    """The module docstring's formulas, one head at a time, in fp64."""
+    lq1, lk1, lq2, lk2 = (p.detach().double() for p in (attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2))
+    lam = math.exp(lq1 @ lk1) - math.exp(lq2 @ lk2) + attn.differential.lambda_init
+    B, H, L, d = query.shape
+    groups = H // key.shape[1]
+    s = attn.scaling
+    q, k, v = query.double(), key.double(), value.double()
+    bias = 0 if mask is None else torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -math.inf)
+
+    def softmax(j):
+        return ((q[:, j] @ k[:, j // groups].transpose(-2, -1)) * s + bias).softmax(-1)  # (B, L, S)
+
+    weight = attn.sub_norm.weight.detach().double() * (1 - attn.differential.lambda_init)
+    heads = []
+    if variant == 'duplicate':
+        for j in range(H):
+            o = (softmax(j) - lam * softmax(j)) @ v[:, j // groups]  # (B, L, d)
+            heads.append(o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
+    else:
+        for i in range(H // 2):
+            vp = torch.cat([v[:, 2 * i // groups], v[:, (2 * i + 1) // groups]], -1)  # (B, S, 2d)
+            o = (softmax(2 * i) - lam * softmax(2 * i + 1)) @ vp  # (B, L, 2d)
+            heads.append(o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
+    return torch.cat(heads, -1).reshape(B, L, H, d)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('variant', ['duplicate', 'split'])
+@pytest.mark.parametrize('kernel', [diffzoo_sdpa_attention, diffzoo_eager_attention])
+def test_attention_kernels_compute_the_formula(family, variant, kernel):
+    model = differentialize(_model(family), variant=variant, lambda_init=0.8)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attn.sub_norm.weight.normal_(1, 0.2)
+    H, Hkv, d = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, n, 5, d, generator=g) for n in (H, Hkv, Hkv))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    out, _ = kernel(attn, query, key, value, mask, scaling=attn.scaling)
+    expected = _reference_heads(attn, query, key, value, variant, mask[:, 0])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+@pytest.mark.parametrize('variant', ['duplicate', 'split'])
+def test_sdpa_and_eager_models_agree_in_outputs_and_gradients(family, variant):
+    ids = _ids()
+    results = []
+    for implementation in ('sdpa', 'eager'):
+        model = differentialize(_model(family, implementation), variant=variant)
+        assert model.config._attn_implementation == {'sdpa': DIFF_SDPA, 'eager': DIFF_EAGER}[implementation]
+        model.train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads))
+    (loss_s, grads_s), (loss_e, grads_e) = results
+    torch.testing.assert_close(loss_s, loss_e, rtol=1e-5, atol=1e-5)
+    assert grads_s.keys() == grads_e.keys()
+    assert any('lambda_q1' in n for n in grads_s) and any('sub_norm' in n for n in grads_s)
+    for name in grads_s:
+        atol = 1e-5 * max(1., grads_e[name].abs().max().item())
+        torch.testing.assert_close(grads_s[name], grads_e[name], rtol=1e-4, atol=atol, msg=name)
+
+
+def test_eager_returns_the_differential_maps_as_attention_weights():
+    model = differentialize(_model('gemma', 'eager'), variant='split', lambda_init=0.5)
+    out = model(_ids(), output_attentions=True)
+    maps = out.attentions[0]  # (B, H/2, L, L)
+    assert maps.shape == (2, 2, 7, 7)
+    attn = model.model.layers[0].self_attn
+    lam = (torch.exp(attn.lambda_q1 @ attn.lambda_k1) - torch.exp(attn.lambda_q2 @ attn.lambda_k2) + 0.5).item()
+    torch.testing.assert_close(maps.sum(-1), torch.full((2, 2, 7), 1 - lam), rtol=1e-5, atol=1e-5)
+    assert maps.triu(1).abs().max() == 0  # causal
+
+
+@pytest.mark.parametrize('family', ['llama', 'gemma'])
+@pytest.mark.parametrize('variant', ['duplicate', 'split'])
+def test_generation_with_the_kv_cache_equals_generation_without(family, variant):
+    model = differentialize(_model(family), variant=variant)
+    ids = _ids(batch=1, length=5)
+    kw = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              pad_token_id=0)
+    cached = model.generate(ids, use_cache=True, **kw)
+    uncached = model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_layers_lambda_policy_and_parameters():
+    model = differentialize(_model('llama'), variant='duplicate', lambda_init='depth', layers=[0, 2])
+    layers = model.model.layers
+    assert not hasattr(layers[1].self_attn, 'differential')
+    assert layers[0].self_attn.differential.lambda_init == pytest.approx(0.2)
+    assert layers[2].self_attn.differential.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.6))
+    assert len(differential_parameters(model)) == 2 * 5
+    assert layers[0].self_attn.sub_norm.weight.shape == (8,)  # duplicate: one head wide
+    split = differentialize(_model('llama'), variant='split', lambda_init=0.8)
+    assert split.model.layers[0].self_attn.sub_norm.weight.shape == (16,)  # split: a pair of heads
+    assert all(m.differential.lambda_init == 0.8 for m in split.modules() if hasattr(m, 'differential'))
+
+
+def test_a_model_differential_in_some_layers_still_runs_the_others_unchanged():
+    ids = _ids()
+    plain = _model('gemma2', 'eager')
+    ref = plain(ids).logits
+    partial = differentialize(_model('gemma2', 'eager'), layers=[1])
+    out = partial(ids).logits
+    assert not torch.allclose(out, ref)  # layer 1 changed
+    # layer 0 (soft-capped, not differential) runs Gemma 2's own eager attention: same hidden states
+    h_plain = plain(ids, output_hidden_states=True).hidden_states[1]
+    h_partial = partial(ids, output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(h_partial, h_plain)
+
+
+def test_soft_capped_models_need_the_eager_kernel():
+    model = differentialize(_model('gemma2', 'eager'))
+    assert model.config._attn_implementation == DIFF_EAGER
+    model(_ids())
+    model.config._attn_implementation = DIFF_SDPA  # SDPA cannot soft-cap: refused, not silently dropped
+    with pytest.raises(ValueError, match='attn_implementation="eager"'):
+        model(_ids())
+
+
+def test_swiglu_option_and_bad_arguments_are_named():
+    model = differentialize(_model('gemma'), mlp='swiglu')
+    assert isinstance(model.model.layers[0].mlp.act_fn, torch.nn.SiLU)
+    with pytest.raises(ValueError, match="variant='diff'"):
+        differentialize(_model('llama'), variant='diff')
+    with pytest.raises(ValueError, match=r'layers=\[7\]'):
+        differentialize(_model('llama'), layers=[7])
+    with pytest.raises(ValueError, match='already differential'):
+        differentialize(differentialize(_model('llama')))
+    with pytest.raises(ValueError, match='lambda_init'):
+        differentialize(_model('llama'), lambda_init='layer')
+    odd = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=1)
+    with pytest.raises(ValueError, match='use variant="duplicate"'):
+        differentialize(transformers.LlamaForCausalLM(odd), variant='split')
+    with pytest.raises(ValueError, match='no decoder'):
+        differentialize(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize('variant', ['duplicate', 'split'])
+def test_save_pretrained_and_load_differential_round_trip(tmp_path, variant):
+    model = differentialize(_model('qwen2'), variant=variant, lambda_init='depth', layers=[1, 2], mlp='swiglu')
+    with torch.no_grad():
+        for p in differential_parameters(model):
+            p.add_(torch.randn_like(p) * 0.3)  # trained values, not the init
+    model.save_pretrained(tmp_path)
+    loaded = load_differential(tmp_path).eval()
+    ids = _ids()
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    for a, b in zip(differential_parameters(loaded), differential_parameters(model)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match='diffzoo_differential'):
+        plain_dir = tmp_path / 'plain'
+        _model('qwen2').save_pretrained(plain_dir)
+        load_differential(plain_dir)
+
+
+def test_bf16_model_runs_close_to_fp32():
+    model = differentialize(_model('gemma'), variant='split')
+    ids = _ids()
+    ref = model(ids).logits
+    out = model.to(torch.bfloat16)(ids).logits
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_paligemma_decoder_only_is_differential_and_round_trips(tmp_path):
+    text = dict(model_type='gemma', vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    vision = dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
+                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(0)
+    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=79,
+                                          projection_dim=32)
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    differentialize(model, variant='duplicate')
+    assert model.config.text_config._attn_implementation == DIFF_SDPA
+    assert model.config.vision_config._attn_implementation != DIFF_SDPA  # SigLIP untouched
+    assert not any(hasattr(m, 'differential') for m in model.model.vision_tower.modules())
+    image_tokens = (32 // 8) ** 2
+    ids = torch.cat([torch.full((1, image_tokens), 79), torch.randint(0, 70, (1, 5))], 1)
+    pixels = torch.randn(1, 3, 32, 32)
+    logits = model(input_ids=ids, pixel_values=pixels).logits
+    model.save_pretrained(tmp_path)
+    loaded = load_differential(tmp_path).eval()
+    torch.testing.assert_close(loaded(input_ids=ids, pixel_values=pixels).logits, logits)
