@@ -1,0 +1,193 @@
+"""A PaliGemma-style vision-language model from any vision tower and any transformers causal LM.
+
+    image (B, 3, S, S) → vision tower → patch tokens (B, P, D_v) → Linear → (B, P, D)
+    sequence = [image tokens | prompt tokens | answer tokens]  → causal LM (inputs_embeds)
+
+PaliGemma's numerics: one Linear projector; for LMs that scale their input embeddings by √D
+(the Gemma family), image embeddings are divided by √D first, so only text embeddings carry the
+scale, as in PaliGemma. The prefix-LM mask (PaliGemma): image and prompt tokens (the prefix)
+attend to each other in both directions, answer tokens attend causally to everything before them,
+padding is never attended:
+
+    allowed(q, k) = valid_k ∧ (k ≤ q ∨ (prefix_q ∧ prefix_k))
+
+The mask is handed to the LM as a 4D additive mask (transformers uses a 4D mask as given), with
+explicit position ids, so any padding layout works and the differential kernels of
+`diffzoo.vlm.differentialize` see the same mask as the LM's own.
+
+Vision towers (`build_vision_tokens`): a timm model (`forward_features`, prefix tokens dropped), an
+open_clip model or its `visual` with a timm trunk (diffzoo's DiffCLIP and CLIP towers) or open_clip's
+own VisionTransformer (`output_tokens`), or a name: `timm:<model>` or an open_clip model name with
+an optional `,pretrained` tag.
+"""
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
+
+
+class VisionTokens(nn.Module):
+    """Patch tokens (B, P, D_v) of a vision tower; `dim` = D_v, `image_size` = (H, W)."""
+
+    def __init__(self, tower: nn.Module, kind: str, dim: int, image_size, prefix_tokens: int = 0):
+        super().__init__()
+        self.tower, self.kind, self.dim = tower, kind, dim
+        self.image_size, self.prefix_tokens = tuple(image_size), prefix_tokens
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.kind == 'timm':
+            tokens = self.tower.forward_features(pixel_values)  # (B, prefix + P, D_v)
+            return tokens[:, self.prefix_tokens:]
+        _, tokens = self.tower(pixel_values)  # open_clip VisionTransformer with output_tokens
+        return tokens  # (B, P, D_v)
+
+
+def _timm_tokens(model: nn.Module) -> VisionTokens:
+    size = model.patch_embed.img_size if hasattr(model, 'patch_embed') else model.pretrained_cfg['input_size'][1:]
+    return VisionTokens(model, 'timm', model.num_features, size, getattr(model, 'num_prefix_tokens', 0))
+
+
+def build_vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
+    """A `VisionTokens` for a timm model, an open_clip model / visual tower, or a name (module docstring)."""
+    if isinstance(vision, VisionTokens):
+        return vision
+    if isinstance(vision, str):
+        if vision.startswith('timm:'):
+            import timm
+            import diffzoo  # noqa: F401  registers vit_diff_*
+            return _timm_tokens(timm.create_model(vision[len('timm:'):], pretrained=False))
+        import open_clip
+        import diffzoo  # noqa: F401  registers the diffclip configs
+        name, _, pretrained = vision.partition(',')
+        if open_clip.get_model_config(name) is None:
+            raise ValueError(f'vision={vision!r}: not an open_clip model name; use an open_clip name (e.g. '
+                             f'diffclip-b16[,pretrained]) or timm:<timm model name>')
+        vision = open_clip.create_model(name, pretrained=pretrained or None)
+    visual = getattr(vision, 'visual', vision)
+    trunk = getattr(visual, 'trunk', None)
+    if trunk is not None and hasattr(trunk, 'forward_features'):
+        return _timm_tokens(trunk)
+    if hasattr(visual, 'forward_features') and hasattr(visual, 'num_features'):
+        return _timm_tokens(visual)
+    if hasattr(visual, 'output_tokens') and hasattr(visual, 'transformer'):
+        visual.output_tokens = True
+        return VisionTokens(visual, 'open_clip', visual.transformer.width, visual.image_size)
+    raise ValueError(f'vision: {type(vision).__name__} is not a timm model or an open_clip vision tower')
+
+
+def prefix_lm_mask(attention_mask: torch.Tensor, prefix_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, L, L) additive mask from (B, L) valid and prefix flags (module docstring)."""
+    valid, prefix = attention_mask.bool(), prefix_mask.bool()
+    L = valid.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()  # (L, L): k ≤ q
+    allowed = causal | (prefix[:, :, None] & prefix[:, None, :])  # (B, L, L)
+    allowed = allowed & valid[:, None, :]
+    allowed = allowed | torch.eye(L, dtype=torch.bool, device=valid.device)  # a padded query sees itself
+    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class VisionLanguageModel(nn.Module):
+    """vision → projector → causal LM with a prefix-LM mask (module docstring)."""
+
+    def __init__(self, vision: VisionTokens, language_model: nn.Module):
+        super().__init__()
+        self.vision = vision
+        config = language_model.config.get_text_config()
+        self.hidden_size = config.hidden_size
+        self.projector = nn.Linear(vision.dim, self.hidden_size)
+        self.language_model = language_model
+        self.embed_scale = self.hidden_size ** -0.5 if config.model_type in GEMMA_FAMILY else 1.0
+
+    @property
+    def config(self):
+        return self.language_model.config
+
+    def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(B, P, D): projected patch tokens, pre-divided by √D for LMs that scale their input embeddings."""
+        dtype = self.projector.weight.dtype
+        tokens = self.vision(pixel_values.to(dtype))  # (B, P, D_v)
+        return self.projector(tokens) * self.embed_scale
+
+    def _inputs(self, pixel_values, input_ids, attention_mask, prefix_mask):
+        """inputs_embeds (B, P + T, D), 4D mask, position ids for [image | text]."""
+        image = self.image_embeddings(pixel_values)  # (B, P, D)
+        text = self.language_model.get_input_embeddings()(input_ids)  # (B, T, D)
+        B, P = image.shape[:2]
+        ones = attention_mask.new_ones(B, P)
+        valid = torch.cat([ones, attention_mask], 1)  # (B, P + T)
+        prefix = torch.cat([ones, prefix_mask.to(attention_mask.dtype)], 1)
+        positions = (valid.cumsum(1) - 1).clamp_(min=0)  # (B, P + T)
+        embeds = torch.cat([image.to(text.dtype), text], 1)
+        return embeds, prefix_lm_mask(valid, prefix, embeds.dtype), positions, valid
+
+    def forward(self, pixel_values, input_ids, attention_mask=None, prefix_mask=None, labels=None, **kwargs):
+        """Logits over [image | text]; with `labels` (B, T; -100 ignored), the next-token loss on the text.
+
+        prefix_mask (B, T): 1 for prompt tokens (bidirectional), 0 for answer tokens; default all prefix.
+        """
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        prefix_mask = attention_mask if prefix_mask is None else prefix_mask
+        embeds, mask, positions, _ = self._inputs(pixel_values, input_ids, attention_mask, prefix_mask)
+        out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **kwargs)
+        if labels is not None:
+            P = embeds.shape[1] - input_ids.shape[1]
+            logits = out.logits[:, P:-1].float()  # (B, T - 1, V): text position t predicts t + 1
+            out.loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                                   ignore_index=-100)
+        return out
+
+    @torch.no_grad()
+    def generate(self, pixel_values, input_ids, attention_mask=None, max_new_tokens: int = 10,
+                 eos_token_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
+        """Greedy answers (B, ≤ max_new_tokens) to prompts `input_ids` (all prefix), right padding allowed."""
+        from transformers import DynamicCache
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        embeds, mask, positions, valid = self._inputs(pixel_values, input_ids, attention_mask, attention_mask)
+        B = input_ids.shape[0]
+        prompt = valid  # (B, P + T): image and prompt tokens, the prefix
+        last = valid.sum(1) - 1  # (B,) index of each prompt's last valid token
+        cache = DynamicCache(config=self.language_model.config) if use_cache else None
+        out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                                  past_key_values=cache, use_cache=use_cache)
+        rows = torch.arange(B, device=input_ids.device)
+        token = out.logits[rows, last].argmax(-1)  # (B,)
+        answers, done = [token], torch.zeros(B, dtype=torch.bool, device=token.device)
+        embed = self.language_model.get_input_embeddings()
+        position = positions[rows, last]
+        for _ in range(max_new_tokens - 1):
+            if eos_token_id is not None:
+                done |= token == eos_token_id
+                if done.all():
+                    break
+            position = position + 1
+            valid = torch.cat([valid, valid.new_ones(B, 1)], 1)
+            if use_cache:
+                step = torch.zeros(B, 1, 1, valid.shape[1], dtype=embeds.dtype, device=valid.device)
+                step.masked_fill_(~valid.bool()[:, None, None], torch.finfo(embeds.dtype).min)
+                out = self.language_model(inputs_embeds=embed(token)[:, None], attention_mask=step,
+                                          position_ids=position[:, None], past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1)
+            else:  # the whole sequence again: [image | prompt (padded) | answers so far]
+                embeds = torch.cat([embeds, embed(token)[:, None]], 1)
+                positions = torch.cat([positions, position[:, None]], 1)
+                prefix = torch.cat([prompt, valid.new_zeros(B, valid.shape[1] - prompt.shape[1])], 1)
+                out = self.language_model(inputs_embeds=embeds, attention_mask=prefix_lm_mask(valid, prefix, embeds.dtype),
+                                          position_ids=positions)
+                token = out.logits[:, -1].argmax(-1)
+            answers.append(token)
+        result = torch.stack(answers, 1)  # (B, n)
+        if eos_token_id is not None:  # everything after a sequence's first EOS becomes EOS
+            after = (result == eos_token_id).cumsum(1) > 0
+            result = result.masked_fill(after, eos_token_id)
+        return result
+
+
+def build_vlm(vision: Union[str, nn.Module], language_model: nn.Module) -> VisionLanguageModel:
+    """A PaliGemma-style model: `vision` (timm / open_clip tower or name) + Linear + `language_model`
+    (a transformers causal LM, differential or not)."""
+    if not hasattr(language_model, 'get_input_embeddings'):
+        raise ValueError(f'language_model: {type(language_model).__name__} is not a transformers causal LM')
+    return VisionLanguageModel(build_vision_tokens(vision), language_model)
