@@ -20,7 +20,7 @@ open_clip model or its `visual` with a timm trunk (diffzoo's DiffCLIP and CLIP t
 own VisionTransformer (`output_tokens`), or a name: `timm:<model>` or an open_clip model name with
 an optional `,pretrained` tag.
 """
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -56,10 +56,8 @@ def build_vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
     if isinstance(vision, str):
         if vision.startswith('timm:'):
             import timm
-            import diffzoo  # noqa: F401  registers vit_diff_*
             return _timm_tokens(timm.create_model(vision[len('timm:'):], pretrained=False))
-        import open_clip
-        import diffzoo  # noqa: F401  registers the diffclip configs
+        import open_clip  # diffzoo's configs are registered on `import diffzoo`
         name, _, pretrained = vision.partition(',')
         if open_clip.get_model_config(name) is None:
             raise ValueError(f'vision={vision!r}: not an open_clip model name; use an open_clip name (e.g. '
