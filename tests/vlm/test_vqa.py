@@ -1,0 +1,177 @@
+"""VQA accuracy against values worked out by hand from the official vqaEval.py rules."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diffzoo.vlm.vqa import VQAInputError, evaluate, main, normalize_answer, vqa_accuracy
+
+
+@pytest.mark.parametrize('matches, expected', [
+    (0, 0.0),
+    (1, 0.3),  # leaving out the match: 0; leaving out any of the 9 others: 1/3 → 9·(1/3)/10
+    (2, 0.6),  # (2·1/3 + 8·2/3) / 10
+    (3, 0.9),  # (3·2/3 + 7·1) / 10: leaving out one of the 3 matches leaves only 2
+    (4, 1.0),  # at least 3 matches whichever is left out
+    (10, 1.0),
+])
+def test_leave_one_out_over_ten_humans(matches, expected):
+    answers = ['cat'] * matches + ['dog'] * (10 - matches)
+    assert vqa_accuracy('cat', answers) == pytest.approx(expected)
+
+
+def test_other_answer_counts_leave_one_out_over_those_given():
+    # cat, cat, dog: leaving out a cat leaves 1 match (1/3), leaving out the dog leaves 2 (2/3)
+    assert vqa_accuracy('cat', ['cat', 'cat', 'dog']) == pytest.approx((1 / 3 + 1 / 3 + 2 / 3) / 3)
+    assert vqa_accuracy('cat', ['cat'] * 4) == 1.0  # 3 others match whichever is left out
+    assert vqa_accuracy('cat', ['cat'] * 3) == pytest.approx(2 / 3)  # only 2 others
+
+
+@pytest.mark.parametrize('answers', [[], ['yes']])
+def test_too_few_answers_is_a_clear_error(answers):
+    with pytest.raises(ValueError, match=f'at least 2 human answers.*got {len(answers)}'):
+        vqa_accuracy('yes', answers)
+
+
+def test_a_string_is_not_a_list_of_answers():
+    with pytest.raises(TypeError, match='list of the human answers'):
+        vqa_accuracy('yes', 'yes')
+
+
+@pytest.mark.parametrize('text, expected', [
+    ('Two', '2'),
+    ('none', '0'),
+    ('ten', '10'),
+    ('eleven', 'eleven'),
+    ('the dog', 'dog'),
+    ('An apple', 'apple'),
+    ('a dog\'s', "dog's"),  # the apostrophe is not in the punctuation list
+    ('dont', "don't"),
+    ("don't", "don't"),
+    ('Im', 'im'),  # the table's "Im" key has a capital and never meets a lower-cased word
+    ('yes.', 'yes'),
+    ('3.5', '3.5'),  # a period before a digit stays
+    ('10.5.', '10.5'),
+    ('e.g.', 'eg'),  # other periods are deleted, not spaced
+    ('1,000', '1000'),  # a comma between digits: every mark is deleted
+    ('1,000 (approx)', '1000 approx'),
+    ('red,white', 'red white'),  # a mark with no space beside it becomes a space
+    ('red, white', 'red white'),  # ... and beside a space it is deleted
+    ('well-known, right?', 'well known right'),
+    ('3:30', '3:30'),  # nor is the colon
+    ('yes!', 'yes'),
+    (' tab\tand\nnewline  ', 'tab and newline'),
+    ('THE   Two  Dogs', '2 dogs'),
+])
+def test_normalize_answer_as_the_official_script(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_more_than_32_periods_are_not_all_deleted():
+    # the script passes re.UNICODE (32) as re.sub's count
+    assert normalize_answer('.' * 40 + 'x') == '.' * 8 + 'x'
+
+
+def test_answers_are_normalised_only_when_the_humans_differ():
+    agreeing = ["don't"] * 10
+    assert vqa_accuracy("don't", agreeing) == 1.0
+    assert vqa_accuracy('dont', agreeing) == 0.0  # all humans agree: exact comparison
+    assert vqa_accuracy('Yes', ['yes'] * 10) == 0.0  # case included
+    assert vqa_accuracy(' yes\n', ['yes'] * 10) == 1.0  # only whitespace is cleaned
+    differing = ["don't"] * 4 + ['no'] * 6
+    assert vqa_accuracy('dont', differing) == 1.0  # normalised: "dont" → "don't"
+    assert vqa_accuracy('Yes.', ['yes'] * 9 + ['no']) == 1.0
+    assert vqa_accuracy('two', ['2', '2'] + ['3'] * 8) == pytest.approx(0.6)
+    assert vqa_accuracy('2', ['two', 'Two'] + ['3'] * 8) == pytest.approx(0.6)  # humans are normalised too
+
+
+def _annotation(qid, question_type, answer_type, answers):
+    return {'question_id': qid, 'image_id': qid * 10, 'question_type': question_type, 'answer_type': answer_type,
+            'multiple_choice_answer': answers[0],
+            'answers': [{'answer': a, 'answer_confidence': 'yes', 'answer_id': i + 1} for i, a in enumerate(answers)]}
+
+
+@pytest.fixture
+def annotations():
+    return {'annotations': [
+        _annotation(1, 'is the', 'yes/no', ['yes'] * 10),  # "yes" → 100
+        _annotation(2, 'is the', 'yes/no', ['yes'] * 2 + ['no'] * 8),  # "yes" → 60
+        _annotation(3, 'how many', 'number', ['2'] + ['3'] * 9),  # "two" → 30
+        _annotation(4, 'what color is the', 'other', ['red'] * 4 + ['blue'] * 6),  # "Red." → 100
+        _annotation(5, 'what color is the', 'other', ['red'] * 4 + ['blue'] * 6),  # "green" → 0
+    ]}
+
+
+PREDICTIONS = [{'question_id': 1, 'answer': 'yes'}, {'question_id': 2, 'answer': 'yes'},
+               {'question_id': 3, 'answer': 'two'}, {'question_id': 4, 'answer': 'Red.'},
+               {'question_id': 5, 'answer': 'green'}]
+
+
+def test_evaluate_overall_and_per_type(annotations):
+    result = evaluate(PREDICTIONS, annotations)
+    assert result['overall'] == 58.0  # (1 + .6 + .3 + 1 + 0) / 5
+    assert result['perAnswerType'] == {'yes/no': 80.0, 'number': 30.0, 'other': 50.0}
+    assert result['perQuestionType'] == {'is the': 80.0, 'how many': 30.0, 'what color is the': 50.0}
+    assert result['perQuestion'] == {1: 100.0, 2: 60.0, 3: 30.0, 4: 100.0, 5: 0.0}
+    assert (result['num_questions'], result['num_missing']) == (5, 0)
+
+
+def test_every_annotated_question_needs_a_prediction_unless_allowed(annotations):
+    with pytest.raises(VQAInputError, match=r'no answer for 1 of 5 annotated questions \(e.g. question_id 5\)'):
+        evaluate(PREDICTIONS[:4], annotations)
+    result = evaluate(PREDICTIONS[:4], annotations, allow_missing=True)
+    assert result['overall'] == 72.5 and result['num_missing'] == 1  # (1 + .6 + .3 + 1) / 4
+
+
+def test_predictions_of_other_questions_or_twice_are_errors(annotations):
+    with pytest.raises(VQAInputError, match=r'1 of 6 question ids are not among the 5 annotated.*e.g. 99'):
+        evaluate(PREDICTIONS + [{'question_id': 99, 'answer': 'yes'}], annotations)
+    with pytest.raises(VQAInputError, match='more than once.*e.g. 1'):
+        evaluate(PREDICTIONS + [{'question_id': 1, 'answer': 'no'}], annotations)
+    with pytest.raises(VQAInputError, match='"question_id" and "answer"'):
+        evaluate([{'question_id': 1, 'text': 'yes'}], annotations)
+
+
+def test_questions_file_restricts_the_scored_set(annotations):
+    questions = {'questions': [{'question_id': 1, 'image_id': 10, 'question': 'Is the sky blue?'},
+                               {'question_id': 2, 'image_id': 20, 'question': 'Is the cat asleep?'}]}
+    result = evaluate(PREDICTIONS[:2], annotations, questions)
+    assert result['overall'] == 80.0 and result['perQuestion'] == {1: 100.0, 2: 60.0}
+    with pytest.raises(VQAInputError, match='no annotation'):
+        evaluate(PREDICTIONS, annotations, {'questions': [{'question_id': 7}]})
+
+
+def test_percentages_round_halves_away_from_zero_as_python2():
+    # one correct question of 800: 100 · 1 / 800 = 0.125 exactly; Python 2's round gives 0.13
+    annotations = [_annotation(i, 'what', 'other', ['cat'] * 10) for i in range(800)]
+    predictions = [{'question_id': i, 'answer': 'cat' if i == 0 else 'dog'} for i in range(800)]
+    assert evaluate(predictions, annotations)['overall'] == 0.13
+
+
+def test_cli_prints_a_table_and_writes_json(annotations, tmp_path):
+    (tmp_path / 'results.json').write_text(json.dumps(PREDICTIONS))
+    (tmp_path / 'annotations.json').write_text(json.dumps(annotations))
+    out = tmp_path / 'out' / 'accuracy.json'
+    run = subprocess.run([sys.executable, '-m', 'diffzoo.vlm.vqa', '--predictions', str(tmp_path / 'results.json'),
+                          '--annotations', str(tmp_path / 'annotations.json'), '--output', str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    written = json.loads(out.read_text())
+    assert written['overall'] == 58.0 and written['perAnswerType']['number'] == 30.0
+    assert written['perQuestion']['3'] == 30.0  # JSON keys are strings
+    overall = next(line for line in run.stdout.splitlines() if line.strip().startswith('overall'))
+    assert overall.split() == ['overall', '5', '58.00']
+    assert 'what color is the' in run.stdout and f'results: {out}' in run.stdout
+
+
+def test_cli_errors_name_the_input_and_the_fix(annotations, tmp_path, capsys):
+    (tmp_path / 'results.json').write_text(json.dumps(PREDICTIONS[:4]))
+    (tmp_path / 'annotations.json').write_text(json.dumps(annotations))
+    args = ['--predictions', str(tmp_path / 'results.json'), '--annotations', str(tmp_path / 'annotations.json')]
+    assert main(args) == 2
+    assert '--allow-missing' in capsys.readouterr().err
+    assert main(args + ['--allow-missing']) == 0
+    assert json.loads((tmp_path / 'results_accuracy.json').read_text())['overall'] == 72.5
+    assert main(['--predictions', str(tmp_path / 'nope.json')] + args[2:]) == 2
+    assert f'--predictions {tmp_path / "nope.json"}: no such file' in capsys.readouterr().err
