@@ -1,0 +1,151 @@
+"""LoRA on the decoder (peft), with the differential parameters trained alongside.
+
+Differential PaliGemma's recipe: LoRA (r 32, α 64) on the decoder's q/k/v/o projections (optionally
+the MLP's gate/up/down), λ_q1/λ_k1/λ_q2/λ_k2 and the sub-norm trainable, everything else frozen.
+Only decoder layers get adapters (PaliGemma's SigLIP tower also has q/k/v projections; they stay
+frozen). A `build_vlm` model may also train its projector (`train_projector=True`), which starts
+from random for a new vision–LM pairing.
+
+`save_adapter(model, dir)` writes peft's adapter files plus `diffzoo_extra.safetensors` (the
+differential parameters, and the projector when trained) and `diffzoo_extra.json` (the
+`differentialize` settings); `load_adapter(base, dir)` makes a base model differential with those
+settings, attaches the adapter and loads the extra tensors.
+"""
+import json
+from pathlib import Path
+from typing import Dict, Union
+
+import torch
+import torch.nn as nn
+
+from .differential import CONFIG_KEY, differentialize, differential_parameters, find_decoder
+from .model import VisionLanguageModel
+
+ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
+MLP_TARGETS = ('gate_proj', 'up_proj', 'down_proj')
+EXTRA_WEIGHTS, EXTRA_CONFIG = 'diffzoo_extra.safetensors', 'diffzoo_extra.json'
+
+
+def _decoder_path(model: nn.Module) -> str:
+    """Dotted path of the decoder stack inside `model` ('' when the model is the decoder)."""
+    decoder = find_decoder(model)
+    for name, module in model.named_modules():
+        if module is decoder:
+            return name
+    raise ValueError(f'{type(model).__name__}: decoder not found among its modules')
+
+
+def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.0, mlp: bool = False,
+             train_projector: bool = False) -> nn.Module:
+    """LoRA adapters on the decoder of `model` (in place for a `VisionLanguageModel`, whose
+    `language_model` becomes the peft model; otherwise the peft model is returned), differential
+    parameters trainable, everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+    target = model.language_model if isinstance(model, VisionLanguageModel) else model
+    path = _decoder_path(target)
+    names = ATTENTION_TARGETS + (MLP_TARGETS if mlp else ())
+    prefix = f'{path}\\.' if path else ''
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias='none',
+                        target_modules=rf'^{prefix}layers\.\d+\.(self_attn|mlp)\.({"|".join(names)})$')
+    peft_model = get_peft_model(target, config)  # freezes every non-LoRA parameter
+    for p in differential_parameters(peft_model):
+        p.requires_grad_(True)
+    if isinstance(model, VisionLanguageModel):
+        model.language_model = peft_model
+        for p in model.vision.parameters():
+            p.requires_grad_(False)
+        for p in model.projector.parameters():
+            p.requires_grad_(train_projector)
+        return model
+    if train_projector:
+        raise ValueError('train_projector=True applies to build_vlm models; a pretrained PaliGemma keeps its projector')
+    return peft_model
+
+
+def _peft_model(model: nn.Module):
+    from peft import PeftModel
+    target = model.language_model if isinstance(model, VisionLanguageModel) else model
+    if not isinstance(target, PeftModel):
+        raise ValueError(f'{type(model).__name__} has no LoRA adapter; call add_lora first')
+    return target
+
+
+def _suffix(name: str) -> str:
+    i = name.rfind('layers.')
+    return name[i:] if i >= 0 else name
+
+
+def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Trained tensors outside the adapter: differential parameters (by layer) and a trained projector."""
+    state = {}
+    for name, p in model.named_parameters():
+        if name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
+            state[_suffix(name)] = p.detach().cpu()
+    if isinstance(model, VisionLanguageModel) and model.projector.weight.requires_grad:
+        state.update({f'projector.{k}': v.detach().cpu() for k, v in model.projector.state_dict().items()})
+    return state
+
+
+def save_adapter(model: nn.Module, directory: Union[str, Path]) -> Path:
+    """peft's adapter files + the differential parameters (and a trained projector) + their settings."""
+    from safetensors.torch import save_file
+    directory = Path(directory)
+    peft_model = _peft_model(model)
+    peft_model.save_pretrained(directory)
+    spec = getattr(find_decoder(peft_model).config, CONFIG_KEY, None)
+    save_file({k: v.contiguous() for k, v in extra_state(model).items()}, str(directory / EXTRA_WEIGHTS))
+    (directory / EXTRA_CONFIG).write_text(json.dumps({'differential': spec}, indent=1) + '\n')
+    return directory
+
+
+def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool = False) -> nn.Module:
+    """`model` (a base, not differential yet) made differential as saved, with the adapter and the
+    extra tensors loaded; returns the model (the peft model for a plain transformers model)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    directory = Path(directory)
+    for name in (EXTRA_CONFIG, EXTRA_WEIGHTS, 'adapter_config.json'):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f'{directory}: no {name}; pass a directory written by save_adapter')
+    spec = json.loads((directory / EXTRA_CONFIG).read_text())['differential']
+    target = model.language_model if isinstance(model, VisionLanguageModel) else model
+    if spec:
+        differentialize(target, **spec)
+    peft_model = PeftModel.from_pretrained(target, str(directory), is_trainable=trainable)
+    if isinstance(model, VisionLanguageModel):
+        model.language_model = peft_model
+    extra = load_file(str(directory / EXTRA_WEIGHTS))
+    owner = model if isinstance(model, VisionLanguageModel) else peft_model
+    loaded = set()
+    with torch.no_grad():
+        for name, p in owner.named_parameters():
+            key = _suffix(name) if 'layers.' in name else name
+            if key in extra and (name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight'))
+                                 or key.startswith('projector.')):
+                p.copy_(extra[key])
+                p.requires_grad_(trainable)
+                loaded.add(key)
+    missing = sorted(set(extra) - loaded)
+    if missing:
+        raise ValueError(f'{directory}: {len(missing)} saved tensors have no parameter in the model '
+                         f'(e.g. {missing[0]}); is it the base model the adapter was trained on?')
+    return model if isinstance(model, VisionLanguageModel) else peft_model
+
+
+def trainable_parameters(model: nn.Module) -> Dict[str, int]:
+    """Counts of trainable parameters by kind: lora, differential, projector, other."""
+    counts = {'lora': 0, 'differential': 0, 'projector': 0, 'other': 0}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if 'lora_' in name:
+            kind = 'lora'
+        elif name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
+            kind = 'differential'
+        elif name.startswith('projector.'):
+            kind = 'projector'
+        else:
+            kind = 'other'
+        counts[kind] += p.numel()
+    counts['total'] = sum(counts.values())
+    return counts

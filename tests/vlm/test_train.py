@@ -1,0 +1,193 @@
+"""LoRA fine-tuning end to end on a generated VQAv2-format set, a tiny Gemma and DiffCLIP-tiny."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+
+from diffzoo.vlm import build_vlm, differentialize, load_adapter
+from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
+from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters
+
+COLOURS = {'red': (220, 30, 30), 'green': (30, 200, 30), 'blue': (30, 30, 220), 'yellow': (230, 220, 20)}
+SHAPES = ('square', 'circle')
+
+
+def _write_split(root: Path, split: str, count: int, seed: int) -> None:
+    """Official VQAv2 layout: questions + annotations JSON, COCO-named JPEGs of one coloured shape."""
+    from PIL import Image, ImageDraw
+    rng = torch.Generator().manual_seed(seed)
+    images = root / f'{split}2014'
+    images.mkdir(parents=True)
+    questions, annotations = [], []
+    for i in range(count):
+        colour = list(COLOURS)[int(torch.randint(len(COLOURS), (1,), generator=rng))]
+        shape = SHAPES[int(torch.randint(2, (1,), generator=rng))]
+        im = Image.new('RGB', (64, 64), (245, 245, 245))
+        draw = ImageDraw.Draw(im)
+        box = (12, 12, 52, 52)
+        (draw.rectangle if shape == 'square' else draw.ellipse)(box, fill=COLOURS[colour])
+        image_id = 1000 + i
+        im.save(images / f'COCO_{split}2014_{image_id:012d}.jpg', quality=95)
+        for j, (question, answer, qtype) in enumerate([('what color is the shape?', colour, 'what color is the'),
+                                                        ('what shape is it?', shape, 'what shape is')]):
+            qid = image_id * 10 + j
+            questions.append({'image_id': image_id, 'question': question, 'question_id': qid})
+            annotations.append({'image_id': image_id, 'question_id': qid, 'question_type': qtype,
+                                'answer_type': 'other', 'multiple_choice_answer': answer,
+                                'answers': [{'answer': answer, 'answer_id': k + 1} for k in range(10)]})
+    (root / f'v2_OpenEnded_mscoco_{split}2014_questions.json').write_text(json.dumps({'questions': questions}))
+    (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))
+
+
+def _write_language_model(directory: Path) -> None:
+    """A word-level tokenizer over the task's words and a tiny random Gemma, saved as a local checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = set(PROMPT.format(question='what color is the shape? what shape is it?').split())
+    words |= set(COLOURS) | set(SHAPES) | {'shape?', 'it?'}
+    vocab = {t: i for i, t in enumerate(['<pad>', '<bos>', '<eos>', '<unk>'] + sorted(words))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token='<bos>', eos_token='<eos>',
+                                                     pad_token='<pad>', unk_token='<unk>')
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(vocab_size=len(vocab), hidden_size=48, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                      head_dim=12, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.GemmaForCausalLM(config)
+    # A short text-only pre-training, so the model knows the answer format (as a pretrained LM does)
+    # and fine-tuning has to teach it to read the image, not to speak.
+    texts = [f'<bos> {PROMPT.format(question=q)}{a} <eos>' for q, answers in
+             (('what color is the shape?', COLOURS), ('what shape is it?', SHAPES)) for a in answers]
+    ids = tokenizer(texts, padding=True, return_tensors='pt', add_special_tokens=False)
+    labels = ids['input_ids'].masked_fill(ids['attention_mask'] == 0, -100)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        model(**ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+
+
+@pytest.fixture(scope='module')
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp('vlm')
+    _write_split(root / 'vqav2', 'train', 48, seed=0)
+    _write_split(root / 'vqav2', 'val', 8, seed=1)
+    _write_language_model(root / 'lm')
+    return root
+
+
+def _recipe(assets: Path, out: Path, **extra) -> Path:
+    recipe = {
+        'model': {'vision': 'diffclip-tiny', 'language_model': str(assets / 'lm')},
+        'differential': {'variant': 'split', 'lambda_init': 0.8},
+        'lora': {'r': 8, 'alpha': 16},
+        'train_projector': True,
+        'data': {'root': str(assets / 'vqav2'), 'split': 'train', 'val_split': 'val'},
+        'lr': 3.0e-3, 'batch_size': 4, 'max_steps': 160, 'log_every': 40, 'save_every': 80,
+        'precision': 'fp32', 'device': 'cpu', 'workers': 0, 'eval_max_new_tokens': 3,
+        'output': str(out), **extra,
+    }
+    path = out / 'tiny-vqa.yaml'
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _train(recipe: Path, *args, torchrun: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    if torchrun:
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc-per-node={torchrun}',
+               '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), *args]
+    else:
+        cmd = [sys.executable, '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_official_layout_loads_with_a_seeded_subset(assets):
+    full = load_vqav2(assets / 'vqav2', 'train')
+    assert len(full) == 96 and full[0].answers == [full[0].answer] * 10
+    half = load_vqav2(assets / 'vqav2', 'train', fraction=0.5, seed=3)
+    assert len(half) == 48 and [s.question_id for s in half] == [s.question_id for s in
+                                                                 load_vqav2(assets / 'vqav2', 'train', 0.5, 3)]
+    with pytest.raises(FileNotFoundError, match='official layout'):
+        load_vqav2(assets, 'train')
+
+
+def test_collator_scores_only_the_answer_and_marks_the_prompt_as_prefix(assets):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(assets / 'lm')
+    collate = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))
+    samples = load_vqav2(assets / 'vqav2', 'val')[:2]
+    batch = collate(samples)
+    for i, s in enumerate(samples):
+        prompt_len = 1 + len(tokenizer(PROMPT.format(question=s.question), add_special_tokens=False)['input_ids'])
+        assert batch['prefix_mask'][i].sum() == prompt_len
+        scored = batch['labels'][i][batch['labels'][i] != -100].tolist()
+        assert scored == tokenizer(s.answer, add_special_tokens=False)['input_ids'] + [tokenizer.eos_token_id]
+
+
+def test_lora_trains_only_adapters_lambda_sub_norm_and_projector_and_round_trips(assets, tmp_path):
+    lm = transformers.AutoModelForCausalLM.from_pretrained(assets / 'lm')
+    torch.manual_seed(0)  # the vision tower: the same random weights as the fresh model below (not saved)
+    model = build_vlm('diffclip-tiny', lm)
+    differentialize(model.language_model, variant='duplicate')
+    before = {n: p.detach().clone() for n, p in model.language_model.named_parameters()}
+    model = add_lora(model, r=4, alpha=8, train_projector=True)
+    counts = trainable_parameters(model)
+    assert counts['other'] == 0 and counts['lora'] > 0 and counts['differential'] == 2 * (4 * 12 + 12)
+    assert counts['projector'] == 128 * 48 + 48
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(assets / 'lm')
+    batch = VLMCollator(tokenizer, lambda im: torch.rand(3, 64, 64))(load_vqav2(assets / 'vqav2', 'val')[:4])
+    for _ in range(3):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    base = {n.replace('base_model.model.', '').replace('.base_layer', ''): p
+            for n, p in model.language_model.named_parameters() if 'lora_' not in n}
+    for name, value in before.items():
+        if not name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
+            assert torch.equal(base[name], value), f'{name} changed'
+    save_adapter(model, tmp_path / 'adapter')
+    torch.manual_seed(0)
+    fresh = build_vlm('diffclip-tiny', transformers.AutoModelForCausalLM.from_pretrained(assets / 'lm'))
+    loaded = load_adapter(fresh, tmp_path / 'adapter').eval()
+    model.eval()
+    torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
+
+
+def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, tmp_path):
+    recipe = _recipe(assets, tmp_path / 'runs')
+    out = _train(recipe).stdout
+    run = tmp_path / 'runs' / 'tiny-vqa'
+    log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in log] == [40, 80, 120, 160]
+    assert log[-1]['loss'] < log[0]['loss'] - 0.02, log  # the answers start to depend on the image
+    results = json.loads((run / 'results.json').read_text())
+    assert results['steps'] == 160 and results['questions'] == 16 and 0 <= results['vqa_accuracy'] <= 100
+    assert results['trainable_parameters']['other'] == 0
+    assert (run / 'loss.png').stat().st_size > 0 and (run / 'adapter' / 'diffzoo_extra.safetensors').is_file()
+    assert 'VQA accuracy' in out
+    resumed = _train(recipe, '--max_steps', '170').stdout
+    assert 'resuming tiny-vqa from step 160' in resumed
+    log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
+    assert log[-1]['step'] == 170
+
+
+def test_torchrun_two_processes_train_one_model(assets, tmp_path):
+    recipe = _recipe(assets, tmp_path / 'runs', max_steps=4, log_every=2, save_every=4, data={
+        'root': str(assets / 'vqav2'), 'split': 'train', 'val_split': None})
+    out = _train(recipe, torchrun=2).stdout
+    assert '4 steps of 4 × 1 × 2' in out
+    run = tmp_path / 'runs' / 'tiny-vqa'
+    assert (run / 'adapter' / 'adapter_model.safetensors').is_file()
+    assert [json.loads(line)['step'] for line in (run / 'log.jsonl').read_text().splitlines()] == [2, 4]
