@@ -54,6 +54,11 @@ unknown (the index may be right, exact is not). So existence = "some stitch clai
     python -m diffzoo.vlm.needle build --source val2014 --captions annotations/captions_val2014.json \\
         --out needle/2x2 --m 1 --n 2 --size 224 --samples 1000
     python -m diffzoo.vlm.needle score --haystacks needle/2x2 --answers answers.jsonl --out needle/2x2/scores
+    python -m diffzoo.vlm.needle run --haystacks needle/2x2 --recipe paligemma-3b-vqav2-diff \\
+        --adapter runs/vlm/paligemma-3b-vqav2-diff/adapter --protocol two_step --out needle/2x2/diff
+
+`run` asks the model a `diffzoo.vlm.train` recipe names (with its LoRA adapter, or made differential
+as the recipe says) and scores it; models reading one image per prompt need --m 1.
 """
 import argparse
 import json
@@ -745,6 +750,43 @@ def write_report(result: Dict, out, title: Optional[str] = None) -> Tuple[Path, 
     return results, plot_cells(result, out / HEATMAP, title)
 
 
+def model_answer_fn(recipe: Dict, adapter=None, max_new_tokens: int = 20, device: str = 'cpu'):
+    """`answer_fn` for the model a `diffzoo.vlm.train` recipe names (a PaliGemma checkpoint or a
+    build_vlm model), made differential as the recipe says or, with `adapter`, as the adapter saved;
+    greedy decoding of one image per prompt (build haystacks with --m 1 for single-image models)."""
+    import torch
+    from .lora import load_adapter
+    from .train import build_model
+    model, _, _, tokenizer, kind = build_model(recipe, torch.device(device))
+    if adapter is not None:
+        model = load_adapter(model, adapter)
+    elif recipe.get('differential'):
+        from .differential import differentialize
+        from .model import VisionLanguageModel
+        differentialize(model.language_model if isinstance(model, VisionLanguageModel) else model,
+                        **recipe['differential'])
+    model.eval()
+    transform = None
+    if kind == 'build_vlm':
+        from .train import image_transform
+        transform = image_transform(recipe['model']['vision'], model)
+
+    @torch.no_grad()
+    def answer(images: List[Image.Image], prompt: str) -> str:
+        if len(images) != 1:
+            raise NeedleError(f'the model reads one image per prompt, the query has {len(images)}; '
+                              f'build the haystacks with --m 1')
+        if kind == 'paligemma':
+            batch = tokenizer(text=prompt, images=images[0], return_tensors='pt').to(device)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+            return tokenizer.decode(out[0, batch['input_ids'].shape[1]:], skip_special_tokens=True).strip()
+        ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)['input_ids']
+        out = model.generate(transform(images[0])[None].to(device), torch.tensor([ids], device=device),
+                             max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0], skip_special_tokens=True).strip()
+    return answer
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.vlm.needle', description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -770,6 +812,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument('--out', required=True, metavar='DIR')
     s.add_argument('--protocol', choices=PROTOCOLS, help='default: two_step if the queries are row/K, column/K')
     s.add_argument('--title', help='of the heatmap')
+    r = sub.add_parser('run', help='ask a model every query of a built set, then score it')
+    r.add_argument('--haystacks', required=True, metavar='DIR', help='a directory `build` wrote')
+    r.add_argument('--recipe', required=True, help='a diffzoo.vlm.train recipe naming the model (file or shipped name)')
+    r.add_argument('--adapter', metavar='DIR', help='a LoRA adapter written by diffzoo.vlm.train (its adapter/ dir)')
+    r.add_argument('--protocol', choices=PROTOCOLS, default='two_step')
+    r.add_argument('--max-new-tokens', type=int, default=20)
+    r.add_argument('--device', default='cpu')
+    r.add_argument('--out', required=True, metavar='DIR')
+    r.add_argument('--title', help='of the heatmap')
     return p
 
 
@@ -809,10 +860,23 @@ def _cmd_score(a) -> int:
     return 0
 
 
+def _cmd_run(a) -> int:
+    from .train import _expand, load_recipe
+    samples = read_haystacks(a.haystacks)
+    answer_fn = model_answer_fn(_expand(load_recipe(a.recipe)), a.adapter, a.max_new_tokens, a.device)
+    result = evaluate(samples, answer_fn, a.protocol, log=lambda line: print(line, flush=True))
+    answers = write_answers(result, Path(a.out) / 'answers.jsonl')
+    results, heatmap = write_report(result, a.out, a.title)
+    print()
+    print(table(result))
+    print(f'\nresults: {results}\nheatmap: {heatmap}\nanswers: {answers}')
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return {'build': _cmd_build, 'score': _cmd_score}[args.command](args)
+        return {'build': _cmd_build, 'score': _cmd_score, 'run': _cmd_run}[args.command](args)
     except NeedleError as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2

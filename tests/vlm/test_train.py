@@ -191,3 +191,31 @@ def test_torchrun_two_processes_train_one_model(assets, tmp_path):
     run = tmp_path / 'runs' / 'tiny-vqa'
     assert (run / 'adapter' / 'adapter_model.safetensors').is_file()
     assert [json.loads(line)['step'] for line in (run / 'log.jsonl').read_text().splitlines()] == [2, 4]
+
+
+def _paligemma_3b():
+    """PaliGemma-3B's geometry (pt-224), built on the meta device: no weights allocated or downloaded."""
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type='gemma', vocab_size=257216, hidden_size=2048, intermediate_size=16384,
+                         num_hidden_layers=18, num_attention_heads=8, num_key_value_heads=1, head_dim=256),
+        vision_config=dict(model_type='siglip_vision_model', image_size=224, patch_size=14, hidden_size=1152,
+                           intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+        projection_dim=2048)
+    with torch.device('meta'):
+        return transformers.PaliGemmaForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize('variant, mlp', [(None, False), ('duplicate', False), ('split', False), ('duplicate', True)])
+def test_paligemma_3b_trainable_parameters(variant, mlp):
+    model = _paligemma_3b()
+    assert 2.9e9 < sum(p.numel() for p in model.parameters()) < 3.0e9
+    if variant:
+        differentialize(model, variant=variant)
+    counts = trainable_parameters(add_lora(model, r=32, alpha=64, mlp=mlp))
+    r, layers, hidden, kv, ffn, d = 32, 18, 2048, 256, 16384, 256
+    lora = layers * r * ((hidden + hidden) * 2 + (hidden + kv) * 2)  # q, o: 2048→2048; k, v: 2048→256
+    if mlp:
+        lora += layers * r * 3 * (hidden + ffn)
+    differential = 0 if variant is None else layers * (4 * d + (2 * d if variant == 'split' else d))
+    assert counts == {'lora': lora, 'differential': differential, 'projector': 0, 'other': 0,
+                      'total': lora + differential}

@@ -1,0 +1,52 @@
+"""MMNeedle through a real model: the `run` subcommand and `model_answer_fn` on a tiny build_vlm model."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from diffzoo.vlm.needle import HaystackConfig, build, evaluate, model_answer_fn, read_captions, write
+from tests.vlm.test_needle import _corpus
+from tests.vlm.test_train import _write_language_model
+
+
+@pytest.fixture(scope='module')
+def haystacks(tmp_path_factory):
+    root = tmp_path_factory.mktemp('needle_run')
+    images, _ = _corpus(root / 'corpus')
+    samples = build(images, read_captions(root / 'corpus' / 'captions.json'),
+                    HaystackConfig(m=1, n=2, size=32, samples=4, seed=0))
+    write(samples, root / 'set', {'source': str(images), 'm': 1, 'n': 2, 'size': 32, 'seed': 0}, log=None)
+    _write_language_model(root / 'lm')
+    recipe = {'model': {'vision': 'diffclip-tiny', 'language_model': str(root / 'lm')},
+              'differential': {'variant': 'split', 'lambda_init': 0.8}}
+    (root / 'recipe.yaml').write_text(yaml.safe_dump(recipe))
+    return root, samples
+
+
+def test_two_step_protocol_asks_a_differential_vlm_and_scores_every_sample(haystacks):
+    root, samples = haystacks
+    answer = model_answer_fn(yaml.safe_load((root / 'recipe.yaml').read_text()), max_new_tokens=3)
+    result = evaluate(samples, answer, 'two_step')
+    assert len(result['records']) == 4
+    for record in result['records']:
+        assert record['queries'] and all(isinstance(q['answer'], str) for q in record['queries'])
+    assert result['counts']['samples'] == 4
+    with pytest.raises(ValueError, match='--m 1'):
+        answer([samples[0].images()[0]] * 2, 'which?')
+
+
+def test_run_subcommand_writes_answers_results_and_heatmap(haystacks, tmp_path):
+    root, _ = haystacks
+    cmd = [sys.executable, '-m', 'diffzoo.vlm.needle', 'run', '--haystacks', str(root / 'set'),
+           '--recipe', str(root / 'recipe.yaml'), '--protocol', 'mmneedle', '--max-new-tokens', '4',
+           '--out', str(tmp_path / 'out')]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    answers = [json.loads(line) for line in (tmp_path / 'out' / 'answers.jsonl').read_text().splitlines()]
+    assert len(answers) == 4 and all(a['query'] == 'mmneedle' for a in answers)
+    results = json.loads((tmp_path / 'out' / 'needle_results.json').read_text())
+    assert results['counts']['samples'] == 4
+    assert (tmp_path / 'out' / 'needle_heatmap.png').stat().st_size > 0
