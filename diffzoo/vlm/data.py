@@ -158,7 +158,8 @@ class PaliGemmaCollator:
         self.processor, self.train = processor, train
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
-        prompts = [PROMPT.format(question=s.question) for s in samples]
+        image = getattr(self.processor, 'image_token', '<image>')  # PaliGemma's prompts start with the image tokens
+        prompts = [image + PROMPT.format(question=s.question) for s in samples]
         kwargs = {'suffix': [s.answer for s in samples]} if self.train else {}
         return dict(self.processor(text=prompts, images=[s.load_image() for s in samples], return_tensors='pt',
                                    padding='longest', **kwargs))

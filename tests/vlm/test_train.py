@@ -123,6 +123,26 @@ def test_official_layout_loads_with_a_seeded_subset(assets):
         load_vqav2(assets, 'train')
 
 
+def test_hugging_face_parquet_layout_loads_the_same_questions(assets, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    official = load_vqav2(assets / 'vqav2', 'val')
+    rows = [{'question_id': s.question_id, 'question': s.question, 'question_type': s.question_type,
+             'answer_type': s.answer_type, 'multiple_choice_answer': s.answer,
+             'answers': [{'answer': a, 'answer_confidence': 'yes', 'answer_id': i + 1} for i, a in enumerate(s.answers)],
+             'image': {'bytes': Path(s.image).read_bytes(), 'path': None}} for s in official]
+    (tmp_path / 'data').mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / 'data' / 'validation-00000-of-00001.parquet')
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / 'data' / 'train-00000-of-00001.parquet')
+    loaded = load_vqav2(tmp_path, 'validation')
+    assert [(s.question_id, s.question, s.answer, s.answers) for s in loaded] == \
+        [(s.question_id, s.question, s.answer, s.answers) for s in official]
+    assert loaded[0].load_image().size == official[0].load_image().size
+    pq.write_table(pa.Table.from_pylist([{'q': 'x'}]), tmp_path / 'data' / 'test-00000-of-00001.parquet')
+    with pytest.raises(ValueError, match='no "question" column'):
+        load_vqav2(tmp_path, 'test')
+
+
 def test_collator_scores_only_the_answer_and_marks_the_prompt_as_prefix(assets):
     tokenizer = transformers.AutoTokenizer.from_pretrained(assets / 'lm')
     collate = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))
@@ -219,3 +239,41 @@ def test_paligemma_3b_trainable_parameters(variant, mlp):
     differential = 0 if variant is None else layers * (4 * d + (2 * d if variant == 'split' else d))
     assert counts == {'lora': lora, 'differential': differential, 'projector': 0, 'other': 0,
                       'total': lora + differential}
+
+
+def _write_paligemma(directory: Path) -> None:
+    """A tiny random PaliGemma checkpoint (Gemma MQA decoder, SigLIP tower) with its processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = set(PROMPT.format(question='what color is the shape? what shape is it?').split())
+    words |= set(COLOURS) | set(SHAPES)
+    vocab = {t: i for i, t in enumerate(['<pad>', '<bos>', '<eos>', '<unk>', '<image>'] + sorted(words))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token='<bos>', eos_token='<eos>',
+                                                     pad_token='<pad>', unk_token='<unk>',
+                                                     additional_special_tokens=['<image>'])
+    images = transformers.SiglipImageProcessor(size={'height': 32, 'width': 32})
+    images.image_seq_length = 16  # (32 / 8)² patches
+    transformers.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(directory)
+    torch.manual_seed(0)
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type='gemma', vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8),
+        vision_config=dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
+                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        image_token_index=vocab['<image>'], projection_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(directory)
+
+
+def test_paligemma_checkpoint_fine_tunes_differential_and_loads_its_adapter(assets, tmp_path):
+    _write_paligemma(tmp_path / 'paligemma')
+    recipe = _recipe(assets, tmp_path / 'runs', model={'paligemma': str(tmp_path / 'paligemma')},
+                     differential={'variant': 'duplicate', 'lambda_init': 'depth'}, train_projector=False,
+                     max_steps=8, log_every=4, save_every=8)
+    _train(recipe)
+    run = tmp_path / 'runs' / 'tiny-vqa'
+    results = json.loads((run / 'results.json').read_text())
+    assert results['questions'] == 16 and results['trainable_parameters']['differential'] == 2 * (4 * 8 + 8)
+    base = transformers.PaliGemmaForConditionalGeneration.from_pretrained(tmp_path / 'paligemma')
+    model = load_adapter(base, run / 'adapter')
+    assert model.base_model.model.model.language_model.layers[1].self_attn.differential.variant == 'duplicate'
