@@ -14,8 +14,9 @@ def test_wheel_carries_configs_recipes_and_dataset_cards(tmp_path):
     configs = {Path(n).name for n in names if n.startswith('diffzoo/model_configs/')}
     assert configs == {p.name for p in (ROOT / 'model_configs').glob('*.json')}
     assert len(configs) == 16
-    recipes = {Path(n).name for n in names if n.startswith('diffzoo/recipes/')}
-    assert recipes == {p.name for p in (ROOT / 'recipes').glob('*.yaml')}
+    recipes = {n[len('diffzoo/recipes/'):] for n in names if n.startswith('diffzoo/recipes/')}
+    assert recipes == {p.relative_to(ROOT / 'recipes').as_posix() for p in (ROOT / 'recipes').rglob('*.yaml')}
+    assert 'vlm/paligemma-3b-vqav2-diff.yaml' in recipes
     cards = {Path(n).name for n in names if n.startswith('diffzoo/data/cards/')}
     assert cards == {'cc3m.yaml', 'cc12m.yaml'}
     assert {'diffzoo/train/launch.py', 'diffzoo/data/shards.py', 'diffzoo/eval/synthetic.py'} <= set(names)

@@ -244,7 +244,7 @@ def run(recipe: Dict, name: str) -> Dict:
     max_steps = recipe.get('max_steps') or steps_per_epoch * int(recipe.get('epochs', 1))
     step, log = 0, []
     if resume is not None:
-        state = torch.load(resume / 'state.pt', map_location='cpu', weights_only=False)
+        state = torch.load(resume / 'state.pt', map_location='cpu', weights_only=True)
         optimizer.load_state_dict(state['optimizer'])
         step, log = state['step'], state['log']
         if rank == 0:
