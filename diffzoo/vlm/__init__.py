@@ -2,7 +2,7 @@
 
     differentialize(model, variant, lambda_init, layers, mlp)   transformers decoders made differential
     load_differential(path)                                      a saved differential model, reloaded
-    build_vlm(vision, language_model)                            PaliGemma-style model, prefix-LM mask
+    build_vlm(vision, language_model, integration)               PaliGemma-style model, prefix-LM mask; eRAM-V
     add_lora / save_adapter / load_adapter                       LoRA on the decoder, λ and sub-norm trained
     vqa_accuracy(prediction, answers)                            the official VQAv2 accuracy
 """

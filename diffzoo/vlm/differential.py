@@ -257,8 +257,19 @@ def _model_eager(module_type: type):
     return fn
 
 
+def _with_injected(module, query, key, value, attention_mask, kwargs):
+    """eRAM-V: the layer's injected keys/values appended (diffzoo.vlm.eramv), when it has them."""
+    if getattr(module, 'injected_kv', None) is None:
+        return key, value, attention_mask
+    from .eramv import append_injected
+    kwargs['is_causal'] = False
+    return append_injected(module, query, key, value, attention_mask)
+
+
 def diffzoo_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
-    """`AttentionInterface` entry `diffzoo_sdpa`: differential heads where attached, else transformers' SDPA."""
+    """`AttentionInterface` entry `diffzoo_sdpa`: differential heads where attached, else transformers' SDPA;
+    eRAM-V's injected keys/values appended where a layer has them."""
+    key, value, attention_mask = _with_injected(module, query, key, value, attention_mask, kwargs)
     if not hasattr(module, 'differential'):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -267,6 +278,7 @@ def diffzoo_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
 
 def diffzoo_eager_attention(module, query, key, value, attention_mask, **kwargs):
     """`AttentionInterface` entry `diffzoo_eager`: explicit maps, A1 − λ·A2 returned as the weights."""
+    key, value, attention_mask = _with_injected(module, query, key, value, attention_mask, kwargs)
     if not hasattr(module, 'differential'):
         return _model_eager(type(module))(module, query, key, value, attention_mask, **kwargs)
     return _differential_forward(module, query, key, value, attention_mask, explicit=True, **kwargs)

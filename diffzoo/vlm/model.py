@@ -20,12 +20,13 @@ open_clip model or its `visual` with a timm trunk (diffzoo's DiffCLIP and CLIP t
 own VisionTransformer (`output_tokens`), or a name: `timm:<model>` or an open_clip model name with
 an optional `,pretrained` tag.
 """
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
+INTEGRATIONS = ('full', 'eramv')
 
 
 class VisionTokens(nn.Module):
@@ -90,14 +91,30 @@ def prefix_lm_mask(attention_mask: torch.Tensor, prefix_mask: torch.Tensor, dtyp
 class VisionLanguageModel(nn.Module):
     """vision → projector → causal LM with a prefix-LM mask (module docstring)."""
 
-    def __init__(self, vision: VisionTokens, language_model: nn.Module):
+    def __init__(self, vision: VisionTokens, language_model: nn.Module, integration: str = 'full',
+                 anchors: int = 64, inject_layers: Optional[Sequence[int]] = None, post_mlp: bool = True):
         super().__init__()
+        if integration not in INTEGRATIONS:
+            raise ValueError(f'integration={integration!r}: expected one of {INTEGRATIONS}')
         self.vision = vision
         config = language_model.config.get_text_config()
         self.hidden_size = config.hidden_size
         self.projector = nn.Linear(vision.dim, self.hidden_size)
         self.language_model = language_model
         self.embed_scale = self.hidden_size ** -0.5 if config.model_type in GEMMA_FAMILY else 1.0
+        self.integration = integration
+        if integration == 'eramv':  # diffzoo.vlm.eramv
+            from .differential import DIFF_EAGER, DIFF_SDPA, find_decoder, register_attention
+            from .eramv import PostProjectionMLP, default_inject_layers
+            depth = len(find_decoder(language_model).layers)
+            self.anchors = int(anchors)
+            self.inject_layers = default_inject_layers(depth) if inject_layers is None else sorted(set(inject_layers))
+            bad = [i for i in self.inject_layers if not 0 <= i < depth]
+            if bad:
+                raise ValueError(f'inject_layers={bad}: the decoder has layers 0..{depth - 1}')
+            self.post_mlp = PostProjectionMLP(self.hidden_size) if post_mlp else nn.Identity()
+            register_attention()  # injected keys enter through diffzoo's attention functions
+            config._attn_implementation = DIFF_EAGER if config._attn_implementation in ('eager', DIFF_EAGER) else DIFF_SDPA
 
     @property
     def config(self):
@@ -109,9 +126,26 @@ class VisionLanguageModel(nn.Module):
         tokens = self.vision(pixel_values.to(dtype))  # (B, P, D_v)
         return self.projector(tokens) * self.embed_scale
 
+    def visual_inputs(self, pixel_values: torch.Tensor):
+        """(sequence image embeddings (B, P or k, D), injected features (B, P, D) or None, anchor indices)."""
+        if self.integration == 'full':
+            return self.image_embeddings(pixel_values), None, None
+        from .eramv import cls_attention, select_anchors
+        tokens, scores = cls_attention(self.vision, pixel_values.to(self.projector.weight.dtype))
+        features = self.post_mlp(self.projector(tokens))  # (B, P, D): every patch, fine-grained
+        anchors, index = select_anchors(features, scores, self.anchors)  # (B, k, D), original order
+        return anchors * self.embed_scale, features, index
+
+    def _injecting(self, features, queries):
+        from .eramv import injecting
+        from .differential import find_decoder
+        if features is None:
+            return injecting(None, (), None, queries)
+        return injecting(find_decoder(self.language_model), self.inject_layers, features, queries)
+
     def _inputs(self, pixel_values, input_ids, attention_mask, prefix_mask):
-        """inputs_embeds (B, P + T, D), 4D mask, position ids for [image | text]."""
-        image = self.image_embeddings(pixel_values)  # (B, P, D)
+        """inputs_embeds (B, P + T, D), 4D mask, position ids for [image | text], injected features."""
+        image, features, _ = self.visual_inputs(pixel_values)  # (B, P, D)
         text = self.language_model.get_input_embeddings()(input_ids)  # (B, T, D)
         B, P = image.shape[:2]
         ones = attention_mask.new_ones(B, P)
@@ -119,7 +153,7 @@ class VisionLanguageModel(nn.Module):
         prefix = torch.cat([ones, prefix_mask.to(attention_mask.dtype)], 1)
         positions = (valid.cumsum(1) - 1).clamp_(min=0)  # (B, P + T)
         embeds = torch.cat([image.to(text.dtype), text], 1)
-        return embeds, prefix_lm_mask(valid, prefix, embeds.dtype), positions, valid
+        return embeds, prefix_lm_mask(valid, prefix, embeds.dtype), positions, valid, features
 
     def forward(self, pixel_values, input_ids, attention_mask=None, prefix_mask=None, labels=None, **kwargs):
         """Logits over [image | text]; with `labels` (B, T; -100 ignored), the next-token loss on the text.
@@ -128,8 +162,9 @@ class VisionLanguageModel(nn.Module):
         """
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         prefix_mask = attention_mask if prefix_mask is None else prefix_mask
-        embeds, mask, positions, _ = self._inputs(pixel_values, input_ids, attention_mask, prefix_mask)
-        out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **kwargs)
+        embeds, mask, positions, valid, features = self._inputs(pixel_values, input_ids, attention_mask, prefix_mask)
+        with self._injecting(features, self._text_queries(embeds, input_ids)):
+            out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **kwargs)
         if labels is not None:
             P = embeds.shape[1] - input_ids.shape[1]
             logits = out.logits[:, P:-1].float()  # (B, T - 1, V): text position t predicts t + 1
@@ -141,9 +176,19 @@ class VisionLanguageModel(nn.Module):
     def generate(self, pixel_values, input_ids, attention_mask=None, max_new_tokens: int = 10,
                  eos_token_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
         """Greedy answers (B, ≤ max_new_tokens) to prompts `input_ids` (all prefix), right padding allowed."""
-        from transformers import DynamicCache
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        embeds, mask, positions, valid = self._inputs(pixel_values, input_ids, attention_mask, attention_mask)
+        embeds, mask, positions, valid, features = self._inputs(pixel_values, input_ids, attention_mask, attention_mask)
+        with self._injecting(features, self._text_queries(embeds, input_ids)):
+            return self._generate(embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache)
+
+    @staticmethod
+    def _text_queries(embeds, input_ids):
+        """(B, L) bool: the text positions of [image | text] (eRAM-V's injected features are read by these)."""
+        text = torch.arange(embeds.shape[1], device=input_ids.device) >= embeds.shape[1] - input_ids.shape[1]
+        return text[None].expand(input_ids.shape[0], -1)
+
+    def _generate(self, embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache):
+        from transformers import DynamicCache
         B = input_ids.shape[0]
         prompt = valid  # (B, P + T): image and prompt tokens, the prefix
         last = valid.sum(1) - 1  # (B,) index of each prompt's last valid token
@@ -183,9 +228,12 @@ class VisionLanguageModel(nn.Module):
         return result
 
 
-def build_vlm(vision: Union[str, nn.Module], language_model: nn.Module) -> VisionLanguageModel:
+def build_vlm(vision: Union[str, nn.Module], language_model: nn.Module, integration: str = 'full',
+              **eramv) -> VisionLanguageModel:
     """A PaliGemma-style model: `vision` (timm / open_clip tower or name) + Linear + `language_model`
-    (a transformers causal LM, differential or not)."""
+    (a transformers causal LM, differential or not). integration="eramv" feeds visual anchors and
+    injects the fine-grained features instead (`diffzoo.vlm.eramv`; keywords anchors=64,
+    inject_layers=None (eRAM-V's, scaled), post_mlp=True)."""
     if not hasattr(language_model, 'get_input_embeddings'):
         raise ValueError(f'language_model: {type(language_model).__name__} is not a transformers causal LM')
-    return VisionLanguageModel(build_vision_tokens(vision), language_model)
+    return VisionLanguageModel(build_vision_tokens(vision), language_model, integration, **eramv)

@@ -1,0 +1,123 @@
+import pytest
+import torch
+import transformers
+
+from diffzoo.layers import capture_attention_maps
+from diffzoo.vlm import build_vlm, differentialize
+from diffzoo.vlm.eramv import cost_report, default_inject_layers
+
+VOCAB = 50
+PATCHES = 64  # diffclip-tiny: 64 px images, 8 px patches
+
+
+def _lm(implementation='sdpa', layers=4, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                      max_position_embeddings=256)
+    config._attn_implementation = implementation
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _vlm(integration='eramv', implementation='sdpa', seed=0, **kw):
+    lm = _lm(implementation, seed=seed)
+    torch.manual_seed(seed)
+    return build_vlm('diffclip-tiny', lm, integration=integration, **kw).eval()
+
+
+def _inputs(batch=2, length=6):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, 3, 64, 64, generator=g), torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def test_default_injection_layers_scale_eramvs_32_layer_choice():
+    assert default_inject_layers(32) == [8, 10, 12, 14, 16, 18, 20, 22]
+    assert default_inject_layers(16) == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert default_inject_layers(4) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r'inject_layers=\[9\]'):
+        _vlm(inject_layers=[9])
+    with pytest.raises(ValueError, match="integration='llava'"):
+        _vlm(integration='llava')
+
+
+def test_anchors_are_the_top_k_by_cls_attention_in_original_order():
+    model = _vlm(anchors=8)
+    pixels, _ = _inputs()
+    anchors, features, index = model.visual_inputs(pixels)
+    assert anchors.shape == (2, 8, 32) and features.shape == (2, PATCHES, 32)
+    assert torch.all(index[:, 1:] > index[:, :-1])  # original order
+    trunk = model.vision.tower
+    with capture_attention_maps(trunk) as maps:
+        trunk.forward_features(pixels)
+    cls = maps[list(maps)[-1]][:, :, 0, 1:].mean(1)  # (B, P) the last block's CLS row, mean over heads
+    expected = cls.topk(8, dim=1).indices.sort(dim=1).values
+    assert torch.equal(index, expected)
+    torch.testing.assert_close(anchors, features.gather(1, expected[..., None].expand(-1, -1, 32)) * model.embed_scale)
+
+
+def test_injected_features_are_read_by_text_tokens_exactly_at_the_chosen_layers():
+    model = _vlm(implementation='eager', anchors=8, inject_layers=[1, 3])
+    pixels, ids = _inputs(length=5)
+    out = model(pixels, ids, output_attentions=True)
+    seq = 8 + 5
+    for layer, attn in enumerate(out.attentions):  # (B, heads, L, S [+ P])
+        if layer in (1, 3):
+            assert attn.shape[-1] == seq + PATCHES
+            extra = attn[..., seq:]
+            assert extra[:, :, 8:].sum() > 0.01 * 2 * 4 * 5  # text queries read the features
+            assert extra[:, :, :8].abs().max() == 0  # anchors do not
+            torch.testing.assert_close(attn.sum(-1), torch.ones(attn.shape[:-1]))
+        else:
+            assert attn.shape[-1] == seq
+
+
+def test_all_anchors_and_no_injection_is_the_full_token_model_at_init():
+    pixels, ids = _inputs()
+    full = _vlm('full')
+    eramv = _vlm(anchors=PATCHES, inject_layers=[])
+    eramv.load_state_dict(full.state_dict(), strict=False)  # same tower, projector and LM; post-MLP is identity at init
+    torch.testing.assert_close(eramv(pixels, ids).logits, full(pixels, ids).logits)
+
+
+@pytest.mark.parametrize('variant', [None, 'split'])
+def test_eramv_composes_with_differential_decoders_and_the_kv_cache(variant):
+    model = _vlm(anchors=8, inject_layers=[0, 2])
+    if variant:
+        differentialize(model.language_model, variant=variant)
+    pixels, ids = _inputs()
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    cached = model.generate(pixels, ids, mask, max_new_tokens=4)
+    uncached = model.generate(pixels, ids, mask, max_new_tokens=4, use_cache=False)
+    assert torch.equal(cached, uncached)
+    model.train()
+    loss = model(pixels, ids, labels=ids).loss
+    loss.backward()
+    assert model.post_mlp.fc2.weight.grad.abs().sum() > 0  # the injected path reaches the post-projection MLP
+    assert model.projector.weight.grad.abs().sum() > 0
+
+
+def test_cost_report_shows_fewer_flops_than_the_full_token_model():
+    pixels, ids = _inputs(batch=1, length=8)
+    report = cost_report({'full': _vlm('full'), 'eramv': _vlm(anchors=8)}, pixels, ids, reps=2)
+    assert report['full']['sequence_length'] == PATCHES + 8 and report['eramv']['sequence_length'] == 8 + 8
+    assert report['full']['flops_ratio'] == 1.0
+    assert 0 < report['eramv']['language_model_flops_ratio'] < 0.5  # 16 positions instead of 72, plus injected K/V
+    full, eramv = report['full']['flops_by_part'], report['eramv']['flops_by_part']
+    assert abs(eramv['vision'] / full['vision'] - 1) < 0.05  # the CLS map: one block on its explicit path
+    assert 'post_mlp' not in full and eramv['post_mlp'] > 0
+    assert report['eramv']['latency_s'] > 0
+
+
+def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+    _lm().save_pretrained(tmp_path / 'lm')
+    cmd = [sys.executable, '-m', 'diffzoo.vlm.eramv', '--vision', 'diffclip-tiny', '--language-model',
+           str(tmp_path / 'lm'), '--anchors', '16', '--prompt-tokens', '8', '--reps', '2',
+           '--out', str(tmp_path / 'report.json')]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'anchors 16 of 64 visual tokens, injected at layers [1, 2, 3]' in done.stdout
+    report = json.loads((tmp_path / 'report.json').read_text())
+    assert report['eramv']['sequence_length'] == 16 + 8 and report['full']['sequence_length'] == 64 + 8
