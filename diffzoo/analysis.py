@@ -43,6 +43,10 @@ the query's signed share of attention averaged over heads and then layers (a tok
 map cancels ranks low); T = the k highest (k = min(25, visual tokens)). For two prompts on the same
 image, J = |T_A ∩ T_B| / |T_A ∪ T_B|, reported for every pair of prompts and as the mean over pairs.
 
+eRAM-V models (`build_vlm(..., integration="eramv")`): the visual tokens of the sequence are the
+anchors; at injection layers the P injected keys count as visual keys in the entropy and the masses,
+and the top-k scores cover the sequence's (anchor) tokens only.
+
 CLIP tower, per vision block: S over the patch tokens (prefix tokens excluded), and the entropy of
 the CLS token's attention row over all N tokens, mean over heads; both averaged over the images.
 
@@ -150,16 +154,19 @@ def layer_metrics(hidden: Sequence[torch.Tensor], attention: Sequence[torch.Tens
         raise ValueError('layer_metrics: no visual token in the sequence; the image tokens are missing')
     out = {name: [] for name in VLM_METRICS}
     shares = []
+    S = categories.shape[0]
     for l, a in enumerate(attention):
-        a = a.float()  # (heads, S)
+        a = a.float()  # (heads, S), or (heads, S + P) where eRAM-V injected P visual keys after the sequence
+        keys = categories if a.shape[-1] == S else torch.cat([categories, categories.new_full((a.shape[-1] - S,), VISUAL)])
         h0, h1 = hidden[l], hidden[l + 1]  # (S, D)
         out['cosine_visual'].append(average_cosine_similarity(h0[visual], h1[visual]))
         out['cosine_text'].append(average_cosine_similarity(h0[text], h1[text]) if text.any() else None)
         out['entropy'].append(attention_entropy(a).mean().item())
-        for name, m in zip(('mass_visual', 'mass_text', 'mass_special'), attention_mass(a, categories).mean(0)):
+        for name, m in zip(('mass_visual', 'mass_text', 'mass_special'), attention_mass(a, keys).mean(0)):
             out[name].append(m.item())
         out['row_sum'].append(a.sum(-1).mean().item())
-        shares.append((a / a.abs().sum(-1, keepdim=True).clamp(min=torch.finfo(a.dtype).tiny)).mean(0))  # (S,)
+        share = a / a.abs().sum(-1, keepdim=True).clamp(min=torch.finfo(a.dtype).tiny)
+        shares.append(share[:, :S].mean(0))  # (S,): the sequence's tokens
     shares = torch.stack(shares)  # (L, S)
     out['visual_scores'] = shares.mean(0)[visual.to(shares.device)]  # (P,)
     return out

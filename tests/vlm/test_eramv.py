@@ -121,3 +121,23 @@ def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path):
     assert 'anchors 16 of 64 visual tokens, injected at layers [1, 2, 3]' in done.stdout
     report = json.loads((tmp_path / 'report.json').read_text())
     assert report['eramv']['sequence_length'] == 16 + 8 and report['full']['sequence_length'] == 64 + 8
+
+
+def test_analysis_counts_injected_keys_as_visual_attention(tmp_path):
+    from PIL import Image
+    from diffzoo.analysis import analyse_vlm
+    from diffzoo.vlm.train import image_transform
+    from tests.vlm.test_train import _write_language_model
+    _write_language_model(tmp_path / 'lm')
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / 'lm')
+    lm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'lm')
+    model = build_vlm('diffclip-tiny', lm, integration='eramv', anchors=8, inject_layers=[1])
+    images = [Image.new('RGB', (64, 64), (200, 20, 20))]
+    result = analyse_vlm(model, tokenizer, images, ['what color is the shape?', 'what shape is it?'],
+                         transform=image_transform('diffclip-tiny', model))
+    mass = result['per_layer']['mass_visual']
+    assert len(mass) == 2 and mass[1] > 0  # layer 1 reads the injected features
+    for layer in range(2):
+        total = sum(result['per_layer'][f'mass_{c}'][layer] for c in ('visual', 'text', 'special'))
+        assert abs(total - 1) < 1e-5
+    assert result['samples'][0]['tokens']['visual'] == 8  # the anchors are the sequence's visual tokens
