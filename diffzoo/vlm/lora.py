@@ -54,12 +54,18 @@ def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.
         model.language_model = peft_model
         for p in model.vision.parameters():
             p.requires_grad_(False)
-        for p in model.projector.parameters():
+        for p in projection_parameters(model):
             p.requires_grad_(train_projector)
         return model
     if train_projector:
         raise ValueError('train_projector=True applies to build_vlm models; a pretrained PaliGemma keeps its projector')
     return peft_model
+
+
+def projection_parameters(model: VisionLanguageModel):
+    """The projector's parameters, and eRAM-V's post-projection MLP's when the model has one."""
+    modules = [model.projector] + ([model.post_mlp] if hasattr(model, 'post_mlp') else [])
+    return [p for m in modules for p in m.parameters()]
 
 
 def _peft_model(model: nn.Module):
@@ -83,6 +89,8 @@ def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
             state[_suffix(name)] = p.detach().cpu()
     if isinstance(model, VisionLanguageModel) and model.projector.weight.requires_grad:
         state.update({f'projector.{k}': v.detach().cpu() for k, v in model.projector.state_dict().items()})
+        if hasattr(model, 'post_mlp'):
+            state.update({f'post_mlp.{k}': v.detach().cpu() for k, v in model.post_mlp.state_dict().items()})
     return state
 
 
@@ -121,7 +129,7 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
         for name, p in owner.named_parameters():
             key = _suffix(name) if 'layers.' in name else name
             if key in extra and (name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight'))
-                                 or key.startswith('projector.')):
+                                 or key.startswith(('projector.', 'post_mlp.'))):
                 p.copy_(extra[key])
                 p.requires_grad_(trainable)
                 loaded.add(key)
@@ -133,7 +141,7 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
 
 
 def trainable_parameters(model: nn.Module) -> Dict[str, int]:
-    """Counts of trainable parameters by kind: lora, differential, projector, other."""
+    """Counts of trainable parameters by kind: lora, differential, projector (with eRAM-V's post-MLP), other."""
     counts = {'lora': 0, 'differential': 0, 'projector': 0, 'other': 0}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -142,7 +150,7 @@ def trainable_parameters(model: nn.Module) -> Dict[str, int]:
             kind = 'lora'
         elif name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
             kind = 'differential'
-        elif name.startswith('projector.'):
+        elif name.startswith(('projector.', 'post_mlp.')):
             kind = 'projector'
         else:
             kind = 'other'

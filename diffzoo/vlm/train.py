@@ -5,7 +5,8 @@ differential settings, LoRA, the data and the optimisation; `--key value` overri
 dots for nested ones (`--data.fraction 0.1`, `--lr 2e-5`, `--differential null` for the baseline):
 
     model:        {paligemma: DIR} a local PaliGemma checkpoint (transformers + its processor), or
-                  {vision: NAME[,PRETRAINED], language_model: DIR} a build_vlm model (tokenizer from DIR)
+                  {vision: NAME[,PRETRAINED], language_model: DIR} a build_vlm model (tokenizer from DIR),
+                  with integration: eramv (and anchors, inject_layers, post_mlp) for eRAM-V
     differential: {variant, lambda_init, layers, mlp} for differentialize, or null (vanilla baseline)
     lora:         {r, alpha, dropout, mlp}; train_projector: true|false (build_vlm models)
     data:         {root, split, fraction, seed, val_split, val_fraction} (diffzoo.vlm.data)
@@ -123,7 +124,8 @@ def build_model(recipe: Dict, device: torch.device):
         raise ValueError('recipe model: give {paligemma: DIR} or {vision: NAME, language_model: DIR}')
     lm = transformers.AutoModelForCausalLM.from_pretrained(spec['language_model'])
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec['language_model'])
-    model = build_vlm(spec['vision'], lm)
+    eramv = {k: spec[k] for k in ('anchors', 'inject_layers', 'post_mlp') if k in spec}
+    model = build_vlm(spec['vision'], lm, spec.get('integration', 'full'), **eramv)
     transform = image_transform(spec['vision'], model)
     max_length = int(recipe.get('max_length', 64))
     return (model.to(device), VLMCollator(tokenizer, transform, max_length),
@@ -158,9 +160,10 @@ def prepare(model, recipe: Dict, resume_dir: Optional[Path]):
                          dropout=float(lora.get('dropout', 0.0)), mlp=bool(lora.get('mlp', False)),
                          train_projector=train_projector)
     if isinstance(model, VisionLanguageModel):
+        from .lora import projection_parameters
         for p in model.vision.parameters():
             p.requires_grad_(False)
-        for p in model.projector.parameters():
+        for p in projection_parameters(model):
             p.requires_grad_(train_projector)
     return model
 

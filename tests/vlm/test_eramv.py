@@ -141,3 +141,27 @@ def test_analysis_counts_injected_keys_as_visual_attention(tmp_path):
         total = sum(result['per_layer'][f'mass_{c}'][layer] for c in ('visual', 'text', 'special'))
         assert abs(total - 1) < 1e-5
     assert result['samples'][0]['tokens']['visual'] == 8  # the anchors are the sequence's visual tokens
+
+
+def test_an_eramv_recipe_fine_tunes_and_its_adapter_carries_the_post_projection_mlp(tmp_path):
+    from safetensors.torch import load_file
+    from tests.vlm.test_train import _recipe, _train, _write_language_model, _write_split
+    from diffzoo.vlm import load_adapter
+    _write_split(tmp_path / 'vqav2', 'train', 8, seed=0)
+    _write_split(tmp_path / 'vqav2', 'val', 2, seed=1)
+    _write_language_model(tmp_path / 'lm')
+    recipe = _recipe(tmp_path, tmp_path / 'runs', max_steps=4, log_every=2, save_every=4,
+                     model={'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
+                            'integration': 'eramv', 'anchors': 8, 'inject_layers': [1]})
+    _train(recipe)
+    run = tmp_path / 'runs' / 'tiny-vqa'
+    results = (run / 'results.json').read_text()
+    assert '"other": 0' in results
+    extra = load_file(str(run / 'adapter' / 'diffzoo_extra.safetensors'))
+    assert {'post_mlp.fc1.weight', 'post_mlp.fc2.weight', 'projector.weight'} <= set(extra)
+    assert extra['post_mlp.fc2.weight'].abs().sum() > 0  # trained away from its zero init
+    torch.manual_seed(0)
+    fresh = build_vlm('diffclip-tiny', transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'lm'),
+                      integration='eramv', anchors=8, inject_layers=[1])
+    loaded = load_adapter(fresh, run / 'adapter')
+    torch.testing.assert_close(loaded.post_mlp.fc2.weight, extra['post_mlp.fc2.weight'])
