@@ -481,8 +481,9 @@ def load_vlm(recipe: str, adapter: Optional[str] = None, device: str = 'cpu'):
     from diffzoo.vlm.differential import differentialize
     from diffzoo.vlm.lora import load_adapter
     from diffzoo.vlm.model import VisionLanguageModel
-    from diffzoo.vlm.train import _expand, build_model, image_transform, load_recipe
-    spec = _expand(load_recipe(recipe))
+    from diffzoo.train.recipe import expand_env
+    from diffzoo.vlm.train import build_model, image_transform, load_recipe
+    spec = expand_env(load_recipe(recipe))
     model, _, _, tokenizer, kind = build_model(spec, torch.device(device))
     if adapter is not None:
         model = load_adapter(model, adapter)

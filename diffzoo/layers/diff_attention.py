@@ -22,7 +22,9 @@ differential head i (likewise K); V of head i is the contiguous slice of width C
 
 duplicate (Differential PaliGemma, Eq. 5): both maps come from the same, undivided Q and K, so
 A1 = A2 = softmax(QKᵀ/√d) and DiffAttn = (A1 − λ·A2) V = (1 − λ)·A V; sub-norm and (1 − λ_init)
-as in split. This keeps a pretrained model's heads intact.
+as in split. This keeps a pretrained model's heads intact. Since RMSNorm((1 − λ)·AV) equals
+sign(1 − λ)·RMSNorm(AV) up to its ε, λ barely reaches the output (its gradient is near zero while
+λ < 1): the variant acts as attention with a per-head norm, as the paper's definition implies.
 
 v2 (Differential Transformer V2): 2h query heads share h key/value heads (GQA, group of 2), one
 attention call; λ is per token and head, projected from the input; no sub-norm, no (1 − λ_init):
@@ -48,7 +50,8 @@ where two_calls / one_call fall back to the math kernel and hold the N×N matric
     padded       one SDPA over 2h heads with Q, K zero-padded to 2d (Q·K unchanged, scale 1/√d):
                  equal widths, so flash kernels (CUDA and CPU) apply; the padded copies are saved
     four_calls   SDPA(Qm, Km, V[:d]) and SDPA(Qm, Km, V[d:]) for m = 1, 2: four flash-eligible calls
-                 of width d on views of the qkv projection (Q·K computed twice, nothing copied)
+                 of width d on views of the qkv projection (Q·K computed twice, nothing copied); with
+                 attention dropout in training it runs as padded, so each map has one dropout mask
 
 The fused path keeps activations in their dtype: SDPA's softmax is fp32 inside its kernel, λ is
 computed in fp32, and `sub_normed_difference` forms A1V − λ·A2V (one multiply-add), the sub-norm
@@ -285,6 +288,8 @@ class DifferentialAttention(DiffAttention):
         (B, h, N, ·) parts that tile the value width 2d in order."""
         B, h, N, dv = v.shape
         kernel = self.split_kernel if self.split_kernel != 'auto' else SPLIT_KERNEL_AUTO.get(v.device.type, 'two_calls')
+        if kernel == 'four_calls' and self.training and self.attn_drop_p > 0:
+            kernel = 'padded'  # one dropout mask per map over the whole value width, as the formula has it
         q1, q2 = q.view(B, h, 2, N, -1).unbind(2)  # (B, h, N, d) each, views
         k1, k2 = k.view(B, h, 2, N, -1).unbind(2)
         if kernel == 'two_calls':

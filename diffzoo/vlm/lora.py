@@ -18,7 +18,8 @@ from typing import Dict, Union
 import torch
 import torch.nn as nn
 
-from .differential import CONFIG_KEY, differentialize, differential_parameters, find_decoder
+from .differential import (CONFIG_KEY, _suffix, differential_parameters, differential_state_dict, differentialize,
+                           find_decoder)
 from .model import VisionLanguageModel
 
 ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
@@ -76,18 +77,11 @@ def _peft_model(model: nn.Module):
     return target
 
 
-def _suffix(name: str) -> str:
-    i = name.rfind('layers.')
-    return name[i:] if i >= 0 else name
-
-
 def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Trained tensors outside the adapter: differential parameters (by layer) and a trained projector."""
-    state = {}
-    for name, p in model.named_parameters():
-        if name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
-            state[_suffix(name)] = p.detach().cpu()
-    if isinstance(model, VisionLanguageModel) and model.projector.weight.requires_grad:
+    """Tensors outside the adapter: the decoder's differential parameters (by layer) and, for a
+    build_vlm model, its projector (and eRAM-V's post-MLP), trained or not."""
+    state = {_suffix(k): v.detach().cpu() for k, v in differential_state_dict(model).items()}
+    if isinstance(model, VisionLanguageModel):  # trained, or a new pairing's projector that must not be redrawn
         state.update({f'projector.{k}': v.detach().cpu() for k, v in model.projector.state_dict().items()})
         if hasattr(model, 'post_mlp'):
             state.update({f'post_mlp.{k}': v.detach().cpu() for k, v in model.post_mlp.state_dict().items()})

@@ -3,9 +3,10 @@
     image (B, 3, S, S) → vision tower → patch tokens (B, P, D_v) → Linear → (B, P, D)
     sequence = [image tokens | prompt tokens | answer tokens]  → causal LM (inputs_embeds)
 
-PaliGemma's numerics: one Linear projector; for LMs that scale their input embeddings by √D
-(the Gemma family), image embeddings are divided by √D first, so only text embeddings carry the
-scale, as in PaliGemma. The prefix-LM mask (PaliGemma): image and prompt tokens (the prefix)
+PaliGemma's numerics: one Linear projector, and only text embeddings carry Gemma's √D scale. Where
+the scale lives in the embedding module (transformers ≥ 5: `embed_tokens.embed_scale`), image
+embeddings enter as projected; where the model scales all `inputs_embeds` in its forward (the Gemma
+family in older transformers), they are divided by √D first, as PaliGemma did. The prefix-LM mask (PaliGemma): image and prompt tokens (the prefix)
 attend to each other in both directions, answer tokens attend causally to everything before them,
 padding is never attended:
 
@@ -101,7 +102,9 @@ class VisionLanguageModel(nn.Module):
         self.hidden_size = config.hidden_size
         self.projector = nn.Linear(vision.dim, self.hidden_size)
         self.language_model = language_model
-        self.embed_scale = self.hidden_size ** -0.5 if config.model_type in GEMMA_FAMILY else 1.0
+        scales_inputs = (config.model_type in GEMMA_FAMILY
+                         and not hasattr(language_model.get_input_embeddings(), 'embed_scale'))
+        self.embed_scale = self.hidden_size ** -0.5 if scales_inputs else 1.0  # module docstring
         self.integration = integration
         if integration == 'eramv':  # diffzoo.vlm.eramv
             from .differential import DIFF_EAGER, DIFF_SDPA, find_decoder, register_attention
@@ -121,7 +124,7 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.config
 
     def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(B, P, D): projected patch tokens, pre-divided by √D for LMs that scale their input embeddings."""
+        """(B, P, D): projected patch tokens (pre-divided by √D for LMs that scale all input embeddings)."""
         dtype = self.projector.weight.dtype
         tokens = self.vision(pixel_values.to(dtype))  # (B, P, D_v)
         return self.projector(tokens) * self.embed_scale

@@ -861,9 +861,10 @@ def _cmd_score(a) -> int:
 
 
 def _cmd_run(a) -> int:
-    from .train import _expand, load_recipe
+    from diffzoo.train.recipe import expand_env
+    from .train import load_recipe
     samples = read_haystacks(a.haystacks)
-    answer_fn = model_answer_fn(_expand(load_recipe(a.recipe)), a.adapter, a.max_new_tokens, a.device)
+    answer_fn = model_answer_fn(expand_env(load_recipe(a.recipe)), a.adapter, a.max_new_tokens, a.device)
     result = evaluate(samples, answer_fn, a.protocol, log=lambda line: print(line, flush=True))
     answers = write_answers(result, Path(a.out) / 'answers.jsonl')
     results, heatmap = write_report(result, a.out, a.title)

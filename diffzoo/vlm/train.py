@@ -24,6 +24,7 @@ end, `results.json` (VQA accuracy on the validation subset, trainable-parameter 
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,8 +33,11 @@ from typing import Dict, List, Optional
 import torch
 
 from diffzoo.flags import YamlLoader, parse_pairs
+from diffzoo.train.recipe import expand_env
 
 RECIPE_DIR = ('recipes', 'vlm')
+# keys a resumed run may change: how long it runs and what it logs, not what it trains
+RESUMABLE_CHANGES = ('max_steps', 'epochs', 'log_every', 'save_every', 'eval_max_new_tokens', 'workers')
 
 
 def _shipped(name: str) -> Path:
@@ -45,16 +49,6 @@ def recipe_names() -> List[str]:
     from importlib import resources
     folder = resources.files('diffzoo').joinpath(*RECIPE_DIR)
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith('.yaml') and not p.name.startswith('_'))
-
-
-def _expand(value):
-    if isinstance(value, str):
-        return os.path.expandvars(value)
-    if isinstance(value, dict):
-        return {k: _expand(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand(v) for v in value]
-    return value
 
 
 def _merge(base: Dict, top: Dict) -> Dict:
@@ -115,7 +109,7 @@ def build_model(recipe: Dict, device: torch.device):
     from .data import PaliGemmaCollator, VLMCollator
     from .model import build_vlm
     spec = recipe['model']
-    if 'paligemma' in spec:
+    if spec.get('paligemma'):
         model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(spec['paligemma'])
         processor = transformers.AutoProcessor.from_pretrained(spec['paligemma'])
         return (model.to(device), PaliGemmaCollator(processor), PaliGemmaCollator(processor, train=False),
@@ -248,6 +242,11 @@ def run(recipe: Dict, name: str) -> Dict:
     step, log = 0, []
     if resume is not None:
         state = torch.load(resume / 'state.pt', map_location='cpu', weights_only=True)
+        changed = sorted(k for k in set(state['recipe']) | set(recipe)
+                         if k not in RESUMABLE_CHANGES and state['recipe'].get(k) != recipe.get(k))
+        if changed:
+            raise ValueError(f'{resume}: the checkpoint was trained with other settings for {changed}; resume with '
+                             f'the same recipe (only {", ".join(RESUMABLE_CHANGES)} may change) or set --output elsewhere')
         optimizer.load_state_dict(state['optimizer'])
         step, log = state['step'], state['log']
         if rank == 0:
@@ -267,9 +266,15 @@ def run(recipe: Dict, name: str) -> Dict:
               f'trainable {counts}', flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
 
-    def save_checkpoint():
-        save_adapter(model, ckpt)
-        torch.save({'step': step, 'optimizer': optimizer.state_dict(), 'log': log, 'recipe': recipe}, ckpt / 'state.pt')
+    def save_checkpoint():  # written beside, then swapped in: a crash leaves the previous checkpoint whole
+        partial, previous = ckpt.with_name('checkpoint.partial'), ckpt.with_name('checkpoint.previous')
+        shutil.rmtree(partial, ignore_errors=True)
+        save_adapter(model, partial)
+        torch.save({'step': step, 'optimizer': optimizer.state_dict(), 'log': log, 'recipe': recipe}, partial / 'state.pt')
+        if ckpt.exists():
+            ckpt.rename(previous)
+        partial.rename(ckpt)
+        shutil.rmtree(previous, ignore_errors=True)
 
     model.train()
     epoch, t0, window = step // steps_per_epoch, time.time(), []
@@ -277,10 +282,13 @@ def run(recipe: Dict, name: str) -> Dict:
         if sampler is not None:
             sampler.set_epoch(epoch)
         order.manual_seed(seed + epoch)
+        optimizer.zero_grad(set_to_none=True)
         skip = (step % steps_per_epoch) * accum  # batches of this epoch already trained on (resume)
         for i, batch in enumerate(loader):
             if i < skip:
                 continue
+            if i >= steps_per_epoch * accum:  # a remainder short of a whole optimizer step is left out
+                break
             with autocast():
                 loss = train_model(**_to(batch, device)).loss
             (loss / accum).backward()
@@ -332,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--recipe', required=True, help='a YAML file or a shipped name')
     args, rest = parser.parse_known_args(argv)
     try:
-        recipe = _expand(apply_overrides(load_recipe(args.recipe), rest))
+        recipe = expand_env(apply_overrides(load_recipe(args.recipe), rest))
         run(recipe, Path(args.recipe).stem)
     except (ValueError, FileNotFoundError) as exc:
         print(f'error: {exc}', file=sys.stderr)

@@ -63,12 +63,24 @@ def test_vision_towers_give_patch_tokens(vision, patches):
         build_vision_tokens('no-such-model')
 
 
-def test_gemma_image_embeddings_are_prescaled_and_llama_ones_are_not():
-    gemma, llama = _vlm('gemma'), _vlm('llama')
-    assert gemma.embed_scale == pytest.approx(32 ** -0.5) and llama.embed_scale == 1.0
-    pixels = _pixels(gemma)
-    raw = gemma.projector(gemma.vision(pixels))
-    torch.testing.assert_close(gemma.image_embeddings(pixels), raw * 32 ** -0.5)
+@pytest.mark.parametrize('family', ['gemma', 'llama'])
+def test_image_tokens_enter_the_decoder_as_projected_and_text_with_the_lms_own_scale(family):
+    """PaliGemma's numerics: Gemma's √D multiplies text embeddings only, never the image tokens."""
+    model = _vlm(family)
+    pixels, ids = _pixels(model, 1), _ids(1, 4)
+    seen = {}
+    layer = model.language_model.model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda m, args, kw: seen.update(h=kw.get('hidden_states', args[0] if args else None)),
+                                             with_kwargs=True)
+    model(pixels, ids)
+    handle.remove()
+    P = seen['h'].shape[1] - ids.shape[1]
+    torch.testing.assert_close(seen['h'][:, :P], model.projector(model.vision(pixels)))
+    text = model.language_model.get_input_embeddings()(ids)
+    torch.testing.assert_close(seen['h'][:, P:], text)
+    if family == 'gemma':  # the embedding module carries √D
+        plain = torch.nn.functional.embedding(ids, model.language_model.get_input_embeddings().weight)
+        torch.testing.assert_close(text, plain * 32 ** 0.5)
 
 
 def test_prompt_tokens_see_later_prompt_tokens_but_not_the_answer():

@@ -86,7 +86,7 @@ def assets(tmp_path_factory):
 
 def _recipe(assets: Path, out: Path, **extra) -> Path:
     recipe = {
-        'model': {'vision': 'diffclip-tiny', 'language_model': str(assets / 'lm')},
+        'model': {'paligemma': None, 'vision': 'diffclip-tiny', 'language_model': str(assets / 'lm')},
         'differential': {'variant': 'split', 'lambda_init': 0.8},
         'lora': {'r': 8, 'alpha': 16},
         'train_projector': True,
@@ -178,8 +178,10 @@ def test_lora_trains_only_adapters_lambda_sub_norm_and_projector_and_round_trips
         if not name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
             assert torch.equal(base[name], value), f'{name} changed'
     save_adapter(model, tmp_path / 'adapter')
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # a different random projector: the saved one must replace it
     fresh = build_vlm('diffclip-tiny', transformers.AutoModelForCausalLM.from_pretrained(assets / 'lm'))
+    torch.manual_seed(0)
+    fresh.vision = build_vlm('diffclip-tiny', transformers.AutoModelForCausalLM.from_pretrained(assets / 'lm')).vision
     loaded = load_adapter(fresh, tmp_path / 'adapter').eval()
     model.eval()
     torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
@@ -201,6 +203,10 @@ def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, tmp_path):
     assert 'resuming tiny-vqa from step 160' in resumed
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
     assert log[-1]['step'] == 170
+    assert not (run / 'checkpoint.partial').exists() and (run / 'checkpoint' / 'state.pt').is_file()
+    refused = subprocess.run([sys.executable, '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), '--max_steps', '180',
+                              '--lr', '1e-4'], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "other settings for ['lr']" in refused.stderr
 
 
 def test_torchrun_two_processes_train_one_model(assets, tmp_path):
