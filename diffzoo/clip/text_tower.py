@@ -4,6 +4,11 @@
 `ln_final`, EOT pooling, `text_projection`, intermediates, locking) whose residual blocks use
 `DifferentialAttention`. `text_cfg.heads` keeps open_clip's meaning, ordinary heads: the tower has
 heads / 2 differential heads (DiffCLIP's text: 8 heads → 4 differential heads, q/k 64, v 128).
+
+A causal tower (open_clip's default) attends with `is_causal=True` where open_clip hands it its
+(L, L) causal mask (`CLIP.encode_text`, `TextTransformer`), so the attention kernels skip the
+masked half instead of adding −inf to it; a class-token or padding mask, (B·heads, L, L), is
+passed on as given.
 """
 from collections import OrderedDict
 from typing import Optional, Type
@@ -29,8 +34,10 @@ class DiffResidualAttentionBlock(nn.Module):
             norm_layer: Type[nn.Module] = LayerNorm,
             attn_layer: Type[nn.Module] = diff_attn_layer(),
             depth: int = 0,
+            is_causal: bool = False,
     ):
         super().__init__()
+        self.is_causal = is_causal  # attends causally when given no mask
         self.ln_1 = norm_layer(d_model)
         self.attn = attn_layer(d_model, num_heads=n_head, qkv_bias=True, proj_bias=True, depth=depth)
         self.ls_1 = LayerScale(d_model, ls_init_value) if ls_init_value is not None else nn.Identity()
@@ -54,7 +61,8 @@ class DiffResidualAttentionBlock(nn.Module):
             attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         # open_clip's block signature: its Transformer calls checkpoint(block, x, None, None, mask)
-        x = q_x + self.ls_1(self.attn(self.ln_1(q_x), attn_mask=attn_mask))
+        is_causal = self.is_causal and attn_mask is None
+        x = q_x + self.ls_1(self.attn(self.ln_1(q_x), attn_mask=attn_mask, is_causal=is_causal))
         return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
@@ -72,6 +80,7 @@ class DiffTransformer(Transformer):
             norm_layer: Type[nn.Module] = LayerNorm,
             lambda_init='depth',
             variant: str = 'split',
+            is_causal: bool = False,
     ):
         if heads % 2:
             raise ValueError(
@@ -83,9 +92,23 @@ class DiffTransformer(Transformer):
         self.resblocks = nn.ModuleList([
             DiffResidualAttentionBlock(
                 width, heads // 2, mlp_ratio, ls_init_value=ls_init_value, act_layer=act_layer,
-                norm_layer=norm_layer, attn_layer=attn_layer, depth=i)
+                norm_layer=norm_layer, attn_layer=attn_layer, depth=i, is_causal=is_causal)
             for i in range(layers)
         ])
+        self.is_causal = is_causal
+
+    def _blocks_mask(self, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The mask the blocks get: none for open_clip's (L, L) causal mask of a causal tower (the
+        blocks then pass is_causal); any other mask unchanged."""
+        if self.is_causal and attn_mask is not None and attn_mask.ndim == 2:
+            return None
+        return attn_mask
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None):
+        return super().forward(x, attn_mask=self._blocks_mask(attn_mask))
+
+    def forward_intermediates(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, **kwargs):
+        return super().forward_intermediates(x, attn_mask=self._blocks_mask(attn_mask), **kwargs)
 
 
 class DiffTextTransformer(TextTransformer):
@@ -98,6 +121,7 @@ class DiffTextTransformer(TextTransformer):
             width=self.width, layers=layers, heads=self.heads, mlp_ratio=kwargs.get('mlp_ratio', 4.0),
             ls_init_value=kwargs.get('ls_init_value'), act_layer=kwargs.get('act_layer', nn.GELU),
             norm_layer=kwargs.get('norm_layer', LayerNorm), lambda_init=lambda_init, variant=variant,
+            is_causal=not kwargs.get('no_causal_mask', False),
         )
         self.init_parameters()
 

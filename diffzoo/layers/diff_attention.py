@@ -52,6 +52,12 @@ where two_calls / one_call fall back to the math kernel and hold the N×N matric
     four_calls   SDPA(Qm, Km, V[:d]) and SDPA(Qm, Km, V[d:]) for m = 1, 2: four flash-eligible calls
                  of width d on views of the qkv projection (Q·K computed twice, nothing copied); with
                  attention dropout in training it runs as padded, so each map has one dropout mask
+    triton       one Triton kernel (`diffzoo.layers.kernels`): both maps over one pass of K/V,
+                 P1 − λ·P2 formed before a single P·V product, the sub-norm in its epilogue and a
+                 FlashAttention-2-style backward; it takes is_causal and key-padding masks in bf16,
+                 fp16 or fp32. Calls it cannot take (attention dropout, other masks, no Triton, a
+                 CPU tensor outside Triton's interpreter) run SPLIT_KERNEL_AUTO's kernel, with a
+                 warning naming the reason. Opt-in until its tests have passed on a GPU.
 
 The fused path keeps activations in their dtype: SDPA's softmax is fp32 inside its kernel, λ is
 computed in fp32, and `sub_normed_difference` forms A1V − λ·A2V (one multiply-add), the sub-norm
@@ -64,6 +70,7 @@ the sub-norm in fp32.
 """
 import functools
 import math
+import warnings
 from typing import Optional, Type, Union
 
 import torch
@@ -72,9 +79,11 @@ import torch.nn.functional as F
 from timm.layers import DiffAttention, RmsNorm
 from timm.layers.attention import resolve_self_attn_mask
 
+from . import kernels
+
 LambdaInit = Union[float, str]
 VARIANTS = ('split', 'duplicate', 'v2')
-SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls')
+SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls', 'triton')
 SPLIT_KERNEL_AUTO = {'cuda': 'two_calls', 'cpu': 'four_calls'}  # measured by python -m diffzoo.bench
 
 
@@ -283,11 +292,23 @@ class DifferentialAttention(DiffAttention):
         v = v.reshape(B, N, h, C // h).transpose(1, 2)  # (B, h, N, C/h)
         return self.q_norm(q), self.k_norm(k), v
 
-    def _split_maps(self, q, k, v, sdpa, attn_mask):
-        """A1·V and A2·V of the split variant by `split_kernel` (module docstring): two lists of
-        (B, h, N, ·) parts that tile the value width 2d in order."""
+    def _resolve_split_kernel(self, q, attn_mask) -> str:
+        """The split kernel this call runs: `split_kernel`, `auto` by device, and `triton` only
+        where it can take the call (else the device's auto kernel, with a warning)."""
+        fallback = SPLIT_KERNEL_AUTO.get(q.device.type, 'two_calls')
+        if self.split_kernel == 'auto':
+            return fallback
+        if self.split_kernel == 'triton':
+            reason = kernels.unsupported(q, attn_mask, self.attn_drop_p if self.training else 0.)
+            if reason is not None:
+                warnings.warn(f'split_kernel="triton" cannot take {reason}; running {fallback!r} instead')
+                return fallback
+        return self.split_kernel
+
+    def _split_maps(self, q, k, v, sdpa, attn_mask, kernel):
+        """A1·V and A2·V of the split variant by an SDPA-based `kernel` (module docstring): two
+        lists of (B, h, N, ·) parts that tile the value width 2d in order."""
         B, h, N, dv = v.shape
-        kernel = self.split_kernel if self.split_kernel != 'auto' else SPLIT_KERNEL_AUTO.get(v.device.type, 'two_calls')
         if kernel == 'four_calls' and self.training and self.attn_drop_p > 0:
             kernel = 'padded'  # one dropout mask per map over the whole value width, as the formula has it
         q1, q2 = q.view(B, h, 2, N, -1).unbind(2)  # (B, h, N, d) each, views
@@ -308,9 +329,9 @@ class DifferentialAttention(DiffAttention):
         o1, o2 = o.view(B, h, 2, N, dv).unbind(2)  # (B, h, N, 2d) each
         return [o1], [o2]
 
-    def _fused(self, q, k, v, lam, attn_mask, is_causal):
+    def _fused(self, q, k, v, lam, attn_mask, is_causal, kernel=None):
         """SDPA outputs in (B, N, h, ·) views: A1V and A2V as lists of parts tiling the head width
-        (split, duplicate), or v2's O1 − λ·O2 in fp32 (its λ varies per token)."""
+        (split, by `kernel`; duplicate), or v2's O1 − λ·O2 in fp32 (its λ varies per token)."""
         B, h, N, _ = v.shape
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(q.dtype)
@@ -325,7 +346,7 @@ class DifferentialAttention(DiffAttention):
         if self.variant == 'duplicate':
             o1 = o2 = [sdpa(q, k, v)]  # A1 = A2: (1 − λ)·AV
         else:
-            o1, o2 = self._split_maps(q, k, v, sdpa, attn_mask)
+            o1, o2 = self._split_maps(q, k, v, sdpa, attn_mask, kernel)
         # (B, N, h, ·): SDPA kernels return this memory layout, so the transposes copy nothing
         return [o.transpose(1, 2) for o in o1], [o.transpose(1, 2) for o in o2]
 
@@ -373,8 +394,17 @@ class DifferentialAttention(DiffAttention):
         B, N, C = x.shape
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)
-        if self.fused_attn and self.variant != 'v2':
-            o1, o2 = self._fused(q, k, v, lam, attn_mask, is_causal)
+        kernel = self._resolve_split_kernel(q, attn_mask) if self.fused_attn and self.variant == 'split' else None
+        if kernel == 'triton':
+            proj = self.proj if self._folds_proj() else None
+            eps = torch.finfo(v.dtype).eps if self.sub_norm.eps is None else self.sub_norm.eps  # F.rms_norm's default
+            out = kernels.split_diff_attention(
+                q, k, v, lam, self._sub_norm_weight(v), self.scale, eps,
+                kernels.key_padding_bias(attn_mask, B, N), is_causal, proj)  # (B, N, C) or projected
+            if proj is not None:
+                return self.proj_drop(out)
+        elif self.fused_attn and self.variant != 'v2':
+            o1, o2 = self._fused(q, k, v, lam, attn_mask, is_causal, kernel)
             proj = self.proj if self._folds_proj() else None
             out = sub_normed_difference(o1, o2, lam, self._sub_norm_weight(o1[0]), self.sub_norm.eps, proj)
             if proj is not None:

@@ -158,3 +158,23 @@ def test_odd_text_heads_are_refused_with_the_count(tmp_path):
     open_clip.add_model_config(tmp_path)
     with pytest.raises(ValueError, match='heads=5'):
         open_clip.create_model('diffclip-odd')
+
+
+@pytest.mark.parametrize('force_custom_text', [False, True])
+def test_causal_text_tower_attends_with_is_causal(force_custom_text):
+    """open_clip hands the text tower its (L, L) causal mask; the blocks attend with is_causal
+    instead, and the features equal those computed with open_clip's additive mask."""
+    model = open_clip.create_model('diffclip-tiny', force_custom_text=force_custom_text)
+    tower = model.text.transformer if force_custom_text else model.transformer
+    calls = []
+    hooks = [a.register_forward_pre_hook(lambda m, args, kw: calls.append(kw), with_kwargs=True)
+             for a in _diff_layers(tower)]
+    text = open_clip.get_tokenizer('diffclip-tiny')(['a red circle', 'two blue squares left of a dog'])
+    features = model.encode_text(text)
+    assert len(calls) == 4 and all(kw['attn_mask'] is None and kw['is_causal'] for kw in calls)
+    for h in hooks:
+        h.remove()
+    tower.is_causal = False  # open_clip's additive causal mask reaches every block
+    for block in tower.resblocks:
+        block.is_causal = False
+    torch.testing.assert_close(features, model.encode_text(text), rtol=1e-5, atol=1e-6)
