@@ -6,6 +6,8 @@ Sections (each module's docstring says how it measures):
            speed-up and graph breaks (diffzoo.bench.whole_model)
   layer    each attention variant alone vs timm's SDPA Attention at 77/197/577/4096 tokens:
            fwd+bwd and fwd time, peak memory against the N×N bytes, SDPA backend (diffzoo.bench.attention)
+  profile  one training step per model under torch.profiler: attention, GEMM and other kernel time,
+           against the baseline's, with each model's profiler table beside the JSON (diffzoo.bench.profile)
   data     webdataset decode + preprocess images/s for 1 and --workers workers (diffzoo.bench.data)
 Peak memory: CUDA allocator counters; on CPU the torch.profiler memory events (diffzoo.bench.measure).
 
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-SECTIONS = ('model', 'layer', 'data')
+SECTIONS = ('model', 'layer', 'profile', 'data')
 FULL_MODELS = ['diffclip-b16', 'clip-b16-baseline', 'ViT-B-16', 'diffclip-b16-vision', 'diffclip-b16-dynamic']
 # per setting: models, baseline, target model, batch, precision, reps, warm-up, tokens, tokens per layer
 # batch, data samples, data batch, workers, synthetic image size, seconds per timed layer repeat, layer width
@@ -56,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--warmup', type=int, default=None, help='untimed calls before timing (default cuda 3, cpu 1)')
     p.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(SECTIONS))
     p.add_argument('--compile', action='store_true', help='also time torch.compile of both towers, count graph breaks')
+    p.add_argument('--split-kernel', default='auto',
+                   help='split_kernel of the differential models and the split-fused layer row: auto (the '
+                        "device's default), two_calls, one_call, padded, four_calls or triton (default auto)")
     p.add_argument('--tokens', type=int, nargs='+', default=None, help='layer token counts (default 77 197 577 4096)')
     p.add_argument('--tokens-per-batch', type=int, default=None,
                    help='layer batch = max(1, this // tokens) (default cuda 256*197, cpu 16*197)')
@@ -83,7 +88,10 @@ def resolve(args: argparse.Namespace) -> Dict:
     cfg = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
     cfg['target_model'] = defaults['target_model']
     cfg.update(device=device.type, device_index=device.index, sections=args.sections, compile=args.compile,
-               data=args.data, smoke=args.smoke, tf32=args.tf32, threads=args.threads)
+               data=args.data, smoke=args.smoke, tf32=args.tf32, threads=args.threads, split_kernel=args.split_kernel)
+    from diffzoo.layers.diff_attention import SPLIT_KERNELS
+    if args.split_kernel != 'auto' and args.split_kernel not in SPLIT_KERNELS:
+        raise BenchError(f'--split-kernel {args.split_kernel}: expected auto or one of {", ".join(SPLIT_KERNELS)}')
     for name in ('batch', 'reps', 'data_samples', 'data_batch', 'workers', 'tokens_per_batch'):
         if cfg[name] < 1:
             raise BenchError(f'--{name.replace("_", "-")} {cfg[name]}: must be at least 1')
@@ -92,7 +100,7 @@ def resolve(args: argparse.Namespace) -> Dict:
     bad = [n for n in cfg['tokens'] if n < 1]
     if bad:
         raise BenchError(f'--tokens {" ".join(map(str, bad))}: token counts must be at least 1')
-    if 'model' in cfg['sections']:
+    if {'model', 'profile'} & set(cfg['sections']):
         import open_clip
         known = set(open_clip.list_models())
         unknown = [m for m in cfg['models'] + [cfg['baseline']] if m not in known]
@@ -102,7 +110,7 @@ def resolve(args: argparse.Namespace) -> Dict:
         if cfg['baseline'] not in cfg['models']:
             cfg['models'] = [cfg['baseline']] + list(cfg['models'])
             print(f'baseline {cfg["baseline"]} added to --models: ratios need it measured in the same run')
-    elif args.compile:
+    if args.compile and 'model' not in cfg['sections']:
         raise BenchError('--compile times whole models: keep "model" in --sections')
     return cfg
 
@@ -131,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import diffzoo  # noqa: F401  registers the models
 
-    from . import attention, data, report, whole_model
+    from . import attention, data, profile, report, whole_model
     from .measure import BenchError, device_slug, environment
     try:
         cfg = resolve(args)
@@ -146,19 +154,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         out = Path(args.out) if args.out else default_out(device_slug(device), cfg['smoke'])
         results = {'environment': environment(device), 'config': cfg}
         print(f'diffzoo.bench: {results["environment"]["device"]}, {cfg["precision"]}, batch {cfg["batch"]}, '
-              f'sections {" ".join(cfg["sections"])}{" + compile" if cfg["compile"] else ""} -> {out}', flush=True)
+              f'split_kernel {cfg["split_kernel"]}, sections {" ".join(cfg["sections"])}'
+              f'{" + compile" if cfg["compile"] else ""} -> {out}', flush=True)
         torch.manual_seed(0)
         steps = [s for s in SECTIONS if s in cfg['sections']]
         for i, section in enumerate(steps, 1):
             print(f'[{i}/{len(steps)}] {section}', flush=True)
             if section == 'model':
                 results['models'] = whole_model.run(cfg['models'], cfg['batch'], cfg['precision'], cfg['reps'],
-                                                    cfg['warmup'], device, compile_models=cfg['compile'])
+                                                    cfg['warmup'], device, compile_models=cfg['compile'],
+                                                    split_kernel=cfg['split_kernel'])
                 report.add_model_ratios(results['models'], cfg['baseline'])
             elif section == 'layer':
                 results['layers'] = attention.run(cfg['tokens'], cfg['tokens_per_batch'], cfg['precision'],
                                                   cfg['reps'], cfg['warmup'], device, cfg['layer_target_s'],
-                                                  cfg['layer_dim'])
+                                                  cfg['layer_dim'], cfg['split_kernel'])
+            elif section == 'profile':
+                results['profile'] = profile.run(cfg['models'], cfg['baseline'], cfg['batch'], cfg['precision'],
+                                                 cfg['warmup'], device, cfg['split_kernel'], out)
             else:
                 results['data'] = data.run(cfg['data'], cfg['models'][0], cfg['data_batch'], cfg['workers'],
                                            cfg['data_samples'], cfg['image_size'])

@@ -5,9 +5,11 @@ At ViT-B width (768) the baseline has 12 heads and the differential layers 6 dif
 another width (`--smoke` uses 128) the baseline has width / 64 heads and the differential half that:
 
     sdpa            timm.layers.Attention(768, 12 heads), fused_attn=True
-    split-fused     DifferentialAttention(768, 6, variant='split'), fused_attn=True (the default path,
-                    split_kernel='auto': the device's choice in SPLIT_KERNEL_AUTO)
-    split-<kernel>  the same with each split_kernel: two_calls, one_call, padded, four_calls
+    split-fused     DifferentialAttention(768, 6, variant='split'), fused_attn=True with the run's
+                    --split-kernel (default 'auto': the device's choice in SPLIT_KERNEL_AUTO), the
+                    path the models train with and the one the targets read
+    split-<kernel>  the same with each split_kernel: two_calls, one_call, padded, four_calls, and
+                    triton on CUDA (under Triton's CPU interpreter it is a correctness tool, not timed)
     split-explicit  the same layer with fused_attn=False (explicit A1 − λ·A2)
     duplicate       variant='duplicate', fused
     v2              variant='v2', fused
@@ -28,7 +30,7 @@ from typing import Dict, List, Sequence
 import torch
 from timm.layers import Attention
 
-from diffzoo.layers import DifferentialAttention
+from diffzoo.layers import DifferentialAttention, kernels
 from diffzoo.layers.diff_attention import SPLIT_KERNELS
 
 from .measure import BenchError, Probe, autocast, calibrate, summarize, time_call
@@ -45,7 +47,13 @@ def heads(variant: str, dim: int) -> int:
     return dim // HEAD_DIM if variant == BASELINE else dim // HEAD_DIM // 2
 
 
-def build(variant: str, dim: int, device: torch.device) -> torch.nn.Module:
+def variants(device: torch.device) -> List[str]:
+    """The rows measured on `device`: every variant, `split-triton` only where Triton compiles."""
+    triton = device.type == 'cuda' and kernels.HAS_TRITON
+    return [v for v in VARIANTS if v != 'split-triton' or triton]
+
+
+def build(variant: str, dim: int, device: torch.device, split_kernel: str = 'auto') -> torch.nn.Module:
     if variant == BASELINE:
         layer = Attention(dim, num_heads=heads(variant, dim), qkv_bias=True)
         layer.fused_attn = True
@@ -55,8 +63,7 @@ def build(variant: str, dim: int, device: torch.device) -> torch.nn.Module:
                                       lambda_init=0.8)
         layer.fused_attn = variant != 'split-explicit'
         kernel = variant.partition('-')[2]
-        if kernel in SPLIT_KERNELS:
-            layer.split_kernel = kernel
+        layer.split_kernel = kernel if kernel in SPLIT_KERNELS else split_kernel
     return layer.to(device)
 
 
@@ -73,10 +80,10 @@ def materialises(peak: int, nn_bytes: int, baseline_peak: int):
 
 
 def run(tokens: Sequence[int], tokens_per_batch: int, precision: str, reps: int, warmup: int,
-        device: torch.device, target_s: float, dim: int = DIM) -> Dict:
+        device: torch.device, target_s: float, dim: int = DIM, split_kernel: str = 'auto') -> Dict:
     if dim % (2 * HEAD_DIM):
         raise BenchError(f'layer width {dim}: must be a multiple of {2 * HEAD_DIM} (heads of 64, pairs of them)')
-    layers = {v: build(v, dim, device) for v in VARIANTS}
+    layers = {v: build(v, dim, device, split_kernel) for v in variants(device)}
     rows: List[Dict] = []
     for n in tokens:
         batch = max(1, tokens_per_batch // n)
@@ -139,5 +146,5 @@ def run(tokens: Sequence[int], tokens_per_batch: int, precision: str, reps: int,
             'fwd_time': r['fwd_s']['median'] / b['fwd_s']['median'],
             'peak_memory': r['peak_bytes'] / b['peak_bytes'] if b['peak_bytes'] else None,
         }
-    return {'dim': dim, 'baseline': BASELINE, 'default_path': DEFAULT_PATH, 'tokens_per_batch': tokens_per_batch,
-            'rows': rows}
+    return {'dim': dim, 'baseline': BASELINE, 'default_path': DEFAULT_PATH, 'split_kernel': split_kernel,
+            'tokens_per_batch': tokens_per_batch, 'rows': rows}

@@ -7,27 +7,32 @@ from typing import Dict, List, Optional
 
 from .measure import fmt_mb
 
-# (name, section, measured quantity, limit, needs): `needs` are run settings the target is defined for
+# (name, section, measured quantity, limit, needs): `needs` are run settings the target is defined for.
+# Ratios are model / baseline (limit in ×); `other_ms_more` is a difference in milliseconds per step.
+GPU = {'device': 'cuda', 'precision': 'bf16', 'batch': 256}
 TARGETS = (
     ('CPU fp32 training step time', 'model', 'train_time', 1.10, {'device': 'cpu', 'precision': 'fp32'}),
     ('CPU fp32 training peak memory', 'model', 'train_memory', 1.05, {'device': 'cpu', 'precision': 'fp32'}),
-    ('GPU bf16 b256 training step time', 'model', 'train_time', 1.05,
-     {'device': 'cuda', 'precision': 'bf16', 'batch': 256}),
-    ('GPU bf16 b256 training peak memory', 'model', 'train_memory', 1.05,
-     {'device': 'cuda', 'precision': 'bf16', 'batch': 256}),
-    ('GPU bf16 b256 inference time', 'model', 'infer_time', 1.05,
-     {'device': 'cuda', 'precision': 'bf16', 'batch': 256}),
-    ('attention layer fwd+bwd at 197 tokens vs SDPA', 'layer', 'layer_197', 1.6, {}),
+    ('GPU bf16 b256 training step time', 'model', 'train_time', 1.05, GPU),
+    ('GPU bf16 b256 training peak memory', 'model', 'train_memory', 1.05, GPU),
+    ('GPU bf16 b256 inference time', 'model', 'infer_time', 1.03, GPU),
+    ('GPU bf16 b256 compiled training step time', 'compile', 'train_time', 1.05, GPU),
+    ('GPU bf16 b256 compiled training peak memory', 'compile', 'train_memory', 1.05, GPU),
+    ('GPU bf16 b256 compiled inference time', 'compile', 'infer_time', 1.03, GPU),
+    ('GPU attention layer fwd+bwd at 197 tokens vs SDPA', 'layer', 'fwd_bwd_time', 1.25,
+     {'device': 'cuda', 'precision': 'bf16'}),
+    ('GPU attention layer fwd at 197 tokens vs SDPA', 'layer', 'fwd_time', 1.10, {'device': 'cuda', 'precision': 'bf16'}),
+    ('attention layer fwd+bwd at 197 tokens vs SDPA', 'layer', 'fwd_bwd_time', 1.6, {'device': 'cpu'}),
     ('no N×N matrix on the default path at 4096 tokens', 'layer', 'no_nn_4096', None, {}),
+    ('GPU profile: attention kernel time vs the baseline\'s', 'profile', 'attention_time', 1.3, GPU),
+    ('GPU profile: other non-GEMM time over the baseline\'s (ms per step)', 'profile', 'other_ms_more', 1.0, GPU),
 )
+SECTION_KEY = {'model': 'models', 'compile': 'models', 'layer': 'layers', 'profile': 'profile'}
 
 
-def add_model_ratios(section: Dict, baseline: str) -> None:
-    """ratios = model / baseline for training step time, training peak memory, inference time."""
-    rows = {r['model']: r for r in section['rows']}
-    b = rows[baseline]
-    section['baseline'] = baseline
-    for r in section['rows']:
+def _ratios(rows: List[Dict], baseline: str) -> None:
+    b = {r['model']: r for r in rows}[baseline]
+    for r in rows:
         r['ratios'] = {
             'train_time': r['train']['step_s']['median'] / b['train']['step_s']['median'],
             'train_memory': r['train']['peak_bytes'] / b['train']['peak_bytes'],
@@ -36,49 +41,60 @@ def add_model_ratios(section: Dict, baseline: str) -> None:
         }
 
 
+def add_model_ratios(section: Dict, baseline: str) -> None:
+    """ratios = model / baseline for training step time, training peak memory, inference time and
+    memory; for compiled models, against the compiled baseline."""
+    section['baseline'] = baseline
+    _ratios(section['rows'], baseline)
+    if 'compile' in section:
+        _ratios(section['compile']['rows'], baseline)
+
+
+def _measure(results: Dict, section: str, quantity: str, target_model: str):
+    """(measured value or None, detail) of one target from the sections that ran."""
+    data = results.get(SECTION_KEY[section])
+    if section == 'compile':
+        data = None if data is None else data.get('compile')
+    if data is None:
+        return None, f'needs the {section} section' + (' (--compile)' if section == 'compile' else '')
+    if section in ('model', 'compile', 'profile'):
+        rows = {r['model']: r for r in data['rows']}
+        if target_model not in rows:
+            return None, f'needs {target_model} in --models'
+        row = rows[target_model]
+        value = row['vs_baseline'][quantity] if section == 'profile' else row['ratios'][quantity]
+        baseline = data.get('baseline') or results['models']['baseline']
+        return value, f'{target_model} / {baseline}' + (' (compiled)' if section == 'compile' else '')
+    tokens = 4096 if quantity == 'no_nn_4096' else 197
+    rows = [r for r in data['rows'] if r['variant'] == 'split-fused' and r['tokens'] == tokens]
+    if not rows:
+        return None, f'needs {tokens} in --tokens'
+    r = rows[0]
+    kernel = f'split_kernel {data.get("split_kernel", "auto")}'
+    if quantity == 'no_nn_4096':
+        return r['peak_bytes'] / r['nn_bytes'], (
+            f'peak {fmt_mb(r["peak_bytes"])} MB vs one N×N set {fmt_mb(r["nn_bytes"])} MB, '
+            f'{"/".join(r["sdpa_backends"]) or "no SDPA"}, {kernel}')
+    return r['ratios'][quantity], f'split-fused / sdpa, {kernel}'
+
+
 def evaluate_targets(results: Dict, target_model: str) -> List[Dict]:
     cfg = results['config']
     out = []
     for name, section, quantity, limit, needs in TARGETS:
-        row = {'target': name, 'limit': limit, 'model': target_model if section == 'model' else 'split-fused'}
+        row = {'target': name, 'model': target_model if section != 'layer' else 'split-fused'}
         unmet = [f'{k} {v}' for k, v in needs.items() if str(cfg[k]) != str(v)]
-        data = results.get('models' if section == 'model' else 'layers')
-        measured: Optional[float] = None
-        detail = ''
-        if unmet:
-            detail = f'needs {", ".join(unmet)}'
-        elif data is None:
-            detail = f'needs the {section} section'
-        elif section == 'model':
-            rows = {r['model']: r for r in data['rows']}
-            if target_model not in rows:
-                detail = f'needs {target_model} in --models'
-            else:
-                measured = rows[target_model]['ratios'][quantity]
-                detail = f'{target_model} / {data["baseline"]}'
-        elif quantity == 'layer_197':
-            rows = [r for r in data['rows'] if r['variant'] == 'split-fused' and r['tokens'] == 197]
-            if not rows:
-                detail = 'needs 197 in --tokens'
-            else:
-                measured = rows[0]['ratios']['fwd_bwd_time']
-                detail = 'split-fused / sdpa'
-        else:
-            rows = [r for r in data['rows'] if r['variant'] == 'split-fused' and r['tokens'] == 4096]
-            if not rows:
-                detail = 'needs 4096 in --tokens'
-            else:
-                r = rows[0]
-                measured = r['peak_bytes'] / r['nn_bytes']
-                detail = (f'peak {fmt_mb(r["peak_bytes"])} MB vs one N×N set {fmt_mb(r["nn_bytes"])} MB, '
-                          f'{"/".join(r["sdpa_backends"]) or "no SDPA"}')
-                limit = 1.0
+        measured, detail = (None, f'needs {", ".join(unmet)}') if unmet else _measure(
+            results, section, quantity, target_model)
+        if quantity == 'no_nn_4096':
+            limit = 1.0
         if measured is None:
             status = 'n/a'
         else:
-            passed = measured < 1.0 if quantity == 'no_nn_4096' else measured <= limit
+            passed = measured < limit if quantity == 'no_nn_4096' else measured <= limit
             status = 'PASS' if passed else 'MISS'
-        out.append({**row, 'limit': limit, 'ratio': measured, 'status': status, 'detail': detail})
+        unit = 'ms' if quantity == 'other_ms_more' else 'x'
+        out.append({**row, 'limit': limit, 'unit': unit, 'ratio': measured, 'status': status, 'detail': detail})
     return out
 
 
@@ -122,12 +138,14 @@ def render(results: Dict) -> str:
                            'infer images/s', 'x time', 'SDPA backends (train)'], rows))
         comp = models.get('compile')
         if comp:
-            out.append('\ntorch.compile (both towers; speed-up = eager median / compiled median)')
+            out.append('\ntorch.compile (both towers; speed-up = eager median / compiled median; x = vs the compiled baseline)')
             rows = [[r['model'], _spread(r['train']['samples_per_s']), f'{r["train"]["speedup"]:.2f}x',
-                     _spread(r['infer']['images_per_s']), f'{r["infer"]["speedup"]:.2f}x',
+                     _ratio(r['ratios']['train_time']), fmt_mb(r['train']['peak_bytes']),
+                     _ratio(r['ratios']['train_memory']), _spread(r['infer']['images_per_s']),
+                     f'{r["infer"]["speedup"]:.2f}x', _ratio(r['ratios']['infer_time']),
                      str(r['graph_breaks']), str(r['graph_breaks_in_attention'])] for r in comp['rows']]
-            out.append(_table(['model', 'train samples/s', 'speed-up', 'infer images/s', 'speed-up',
-                               'graph breaks', 'in attention'], rows))
+            out.append(_table(['model', 'train samples/s', 'speed-up', 'x time', 'train peak MB', 'x mem',
+                               'infer images/s', 'speed-up', 'x time', 'graph breaks', 'in attention'], rows))
     layers = results.get('layers')
     if layers:
         out.append(f'\nAttention layer alone, width {layers["dim"]} (ms median [min-max]; ratios vs sdpa at the same N; '
@@ -145,11 +163,20 @@ def render(results: Dict) -> str:
         rows = [[str(r['workers']), f'{r["images_per_s"]:,.1f}', f'{r["images_per_s_per_worker"]:,.1f}',
                  str(r['images_timed'])] for r in data['rows']]
         out.append(_table(['workers', 'images/s', 'images/s per worker', 'images timed'], rows))
+    prof = results.get('profile')
+    if prof:
+        out.append(f'\nOne training step profiled (ms of {"GPU kernel" if cfg["device"] == "cuda" else "CPU op self"} '
+                   f'time; vs {prof["baseline"]})')
+        rows = [[r['model'], f'{r["attention_ms"]:,.2f}', _ratio(r['vs_baseline']['attention_time']),
+                 f'{r["gemm_ms"]:,.2f}', f'{r["other_ms"]:,.2f}', f'{r["vs_baseline"]["other_ms_more"]:+,.2f}',
+                 f'{r["total_ms"]:,.2f}'] for r in prof['rows']]
+        out.append(_table(['model', 'attention', 'x', 'gemm', 'other', 'other +', 'total'], rows))
     targets = results.get('targets')
     if targets:
         out.append('\nTargets')
         for t in targets:
-            limit = '' if t['limit'] is None else f' (limit {t["limit"]:.2f}x)'
-            ratio = '' if t['ratio'] is None else f' {t["ratio"]:.2f}x'
+            unit = t.get('unit', 'x')
+            limit = '' if t['limit'] is None else f' (limit {t["limit"]:.2f}{unit})'
+            ratio = '' if t['ratio'] is None else f' {t["ratio"]:.2f}{unit}'
             out.append(f'  {t["status"]:<4}  {t["target"]}:{ratio}{limit}  {t["detail"]}')
     return '\n'.join(out)

@@ -5,6 +5,8 @@ model's forward (both towers) under the precision's autocast, `open_clip.ClipLos
 `AdamW.step()`, `logit_scale.clamp_(0, ln 100)`. Inference: `encode_image` under `inference_mode`.
 Inputs are a fixed random image batch (B, 3, S, S) and tokenized captions (B, context_length).
 
+Differential models run with the run's `--split-kernel` (set on every differential layer).
+
 Repeats are interleaved across models (model A rep 1, model B rep 1, …, A rep 2, …) after
 `warmup` untimed calls of each, so drift in clocks or load hits every model alike. Peak memory is
 the model's own state (parameters, plus AdamW's moments for training) plus the transient peak of
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
+
+from diffzoo.layers import set_split_kernel
 
 from .measure import BenchError, Probe, autocast, rate, summarize, tensor_bytes, time_call
 
@@ -35,13 +39,14 @@ class Subject:
     results: Dict = field(default_factory=dict)
 
 
-def build(name: str, batch: int, device: torch.device) -> Subject:
+def build(name: str, batch: int, device: torch.device, split_kernel: str = 'auto') -> Subject:
     import open_clip
     cfg = open_clip.get_model_config(name)
     if cfg is None:
         raise BenchError(f'--models {name}: not an open_clip model config; '
                          f'choose from {", ".join(m for m in open_clip.list_models() if "diff" in m or "B-16" in m)}')
     model = open_clip.create_model(name, device=device, output_dict=True)
+    set_split_kernel(model, split_kernel)
     size = cfg['vision_cfg'].get('image_size', 224)
     size = (size, size) if isinstance(size, int) else tuple(size)
     tokenizer = open_clip.get_tokenizer(name)
@@ -107,12 +112,12 @@ def probe(s: Subject, kind: str, precision: str, device: torch.device) -> Dict:
 
 
 def run(names: List[str], batch: int, precision: str, reps: int, warmup: int, device: torch.device,
-        compile_models: bool = False) -> Dict:
+        compile_models: bool = False, split_kernel: str = 'auto') -> Dict:
     """The whole-model section: rows per model, and the compile section when asked."""
     subjects = []
     for name in names:
         print(f'  building {name} (batch {batch}, {device.type}, {precision})', flush=True)
-        subjects.append(build(name, batch, device))
+        subjects.append(build(name, batch, device, split_kernel))
     train = time_round_robin(subjects, 'train', precision, reps, warmup, device)
     infer = time_round_robin(subjects, 'infer', precision, reps, warmup, device)
     rows = []
@@ -125,7 +130,7 @@ def run(names: List[str], batch: int, precision: str, reps: int, warmup: int, de
             'infer': {'call_s': infer[s.name], 'images_per_s': rate(infer[s.name], batch),
                       **probe(s, 'infer', precision, device)},
         })
-    section = {'rows': rows}
+    section = {'rows': rows, 'split_kernel': split_kernel}
     if compile_models:
         section['compile'] = run_compiled(subjects, rows, precision, reps, warmup, device)
     return section
@@ -156,7 +161,7 @@ def graph_breaks(s: Subject, precision: str) -> Dict:
 def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str, reps: int, warmup: int,
                  device: torch.device) -> Dict:
     """Compile both towers of every model in place (`module.compile()`), time them as the eager
-    models were, and report speed-up against the eager medians and the graph breaks."""
+    models were, and report speed-up against the eager medians, peak memory and the graph breaks."""
     from torch._dynamo.utils import counters
     breaks = {}
     for s in subjects:
@@ -171,11 +176,14 @@ def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str
     runtime_breaks = sum(counters['graph_break'].values())
     rows = []
     for s, eager in zip(subjects, eager_rows):
+        print(f'  profiling compiled {s.name}: one training step and one inference call', flush=True)
         rows.append({
             'model': s.name, **breaks[s.name],
             'train': {'step_s': train[s.name], 'samples_per_s': rate(train[s.name], s.images.shape[0]),
-                      'speedup': eager['train']['step_s']['median'] / train[s.name]['median']},
+                      'speedup': eager['train']['step_s']['median'] / train[s.name]['median'],
+                      'peak_bytes': probe(s, 'train', precision, device)['peak_bytes']},
             'infer': {'call_s': infer[s.name], 'images_per_s': rate(infer[s.name], s.images.shape[0]),
-                      'speedup': eager['infer']['call_s']['median'] / infer[s.name]['median']},
+                      'speedup': eager['infer']['call_s']['median'] / infer[s.name]['median'],
+                      'peak_bytes': probe(s, 'infer', precision, device)['peak_bytes']},
         })
     return {'rows': rows, 'graph_breaks_while_running_all_models': runtime_breaks}

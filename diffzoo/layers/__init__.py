@@ -3,5 +3,6 @@ from .diff_attention import (
     DifferentialAttention,
     diff_attn_layer,
     resolve_lambda_init,
+    set_split_kernel,
 )
 from .maps import capture_attention_maps

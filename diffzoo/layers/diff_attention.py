@@ -427,6 +427,17 @@ class DifferentialAttention(DiffAttention):
         return f'variant={self.variant}, num_heads={self.num_heads}, lambda_init={lam}'
 
 
+def set_split_kernel(model: nn.Module, kernel: str) -> int:
+    """Set `split_kernel` ("auto" or one of SPLIT_KERNELS) on every `DifferentialAttention` in
+    `model`; returns how many layers it set."""
+    if kernel != 'auto' and kernel not in SPLIT_KERNELS:
+        raise ValueError(f'split_kernel={kernel!r}: expected "auto" or one of {SPLIT_KERNELS}')
+    layers = [m for m in model.modules() if isinstance(m, DifferentialAttention)]
+    for layer in layers:
+        layer.split_kernel = kernel
+    return len(layers)
+
+
 @functools.lru_cache(maxsize=None)
 def diff_attn_layer(variant: str = 'split', lambda_init: LambdaInit = 'depth') -> Type[DifferentialAttention]:
     """A `DifferentialAttention` class with `variant` and `lambda_init` bound as defaults.

@@ -4,6 +4,7 @@ import io
 import json
 
 import pytest
+import torch
 
 from diffzoo.bench import attention
 from diffzoo.bench.__main__ import main
@@ -66,7 +67,8 @@ def test_layer_rows_exist_for_every_variant_and_token_count(smoke):
     layers = results['layers']
     tokens = results['config']['tokens']
     assert {(r['variant'], r['tokens']) for r in layers['rows']} == {
-        (v, n) for v in attention.VARIANTS for n in tokens}
+        (v, n) for v in attention.variants(torch.device('cpu')) for n in tokens}
+    assert 'split-triton' not in attention.variants(torch.device('cpu'))  # the interpreter is not timed
     by = {(r['variant'], r['tokens']): r for r in layers['rows']}
     for r in layers['rows']:
         _positive_stats(r['fwd_bwd_s'])
@@ -118,6 +120,29 @@ def test_targets_follow_the_run_settings(smoke):
     assert no_nn['status'] == 'PASS' and no_nn['ratio'] == pytest.approx(0.1)
 
 
+def test_profile_rows_split_the_step_and_compare_with_the_baseline(smoke, tmp_path_factory):
+    results, stdout = smoke
+    prof = results['profile']
+    rows = {r['model']: r for r in prof['rows']}
+    assert tuple(rows) == SMOKE_MODELS and prof['baseline'] == 'clip-tiny-baseline'
+    for r in rows.values():
+        assert r['attention_ms'] > 0 and r['gemm_ms'] > 0 and r['other_ms'] > 0
+        assert r['total_ms'] == pytest.approx(r['attention_ms'] + r['gemm_ms'] + r['other_ms'])
+        assert all(k['name'].startswith('aten::') for c in r['top'].values() for k in c)
+    diff, base = rows['diffclip-tiny'], rows['clip-tiny-baseline']
+    assert diff['vs_baseline']['attention_time'] == pytest.approx(diff['attention_ms'] / base['attention_ms'])
+    assert diff['vs_baseline']['other_ms_more'] == pytest.approx(diff['other_ms'] - base['other_ms'])
+    assert any('scaled_dot_product' in k['name'] for k in diff['top']['attention'])
+    assert 'One training step profiled' in stdout
+
+
+def test_categories():
+    from diffzoo.bench.profile import category
+    assert category('_diff_attn_bwd_dkdv') == category('aten::_scaled_dot_product_flash_attention_for_cpu') == 'attention'
+    assert category('sm90_xmma_gemm_bf16bf16_bf16f32') == category('aten::addmm') == 'gemm'
+    assert category('aten::add_') == category('vectorized_elementwise_kernel') == 'other'
+
+
 def test_cli_prints_the_tables_and_target_lines(smoke):
     _, stdout = smoke
     for heading in ('Whole model', 'Attention layer alone', 'Data pipeline', 'Targets'):
@@ -133,6 +158,7 @@ def test_cli_prints_the_tables_and_target_lines(smoke):
     (['--batch', '0'], '--batch 0'),
     (['--device', 'tpu'], '--device tpu'),
     (['--sections', 'layer', '--compile'], '--compile'),
+    (['--split-kernel', 'flash'], '--split-kernel flash'),
 ])
 def test_bad_input_is_named(argv, message, capsys, tmp_path):
     assert main(['--smoke', '--out', str(tmp_path / 'x.json')] + argv) == 2

@@ -107,7 +107,7 @@ def _online_update(s, m, l, acc, v, PRECISION: tl.constexpr, DOT_UPCAST: tl.cons
 
 
 @triton.jit
-def _fwd_kernel(
+def _diff_attn_fwd(
         Q, K, V, KB, LAM, W, Y, D, LSE, RSTD,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         n_ctx, n_heads, qk_scale, eps,
@@ -191,7 +191,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _norm_bwd_kernel(
+def _diff_attn_norm_bwd(
         D, G, RSTD, W, DD, Y, DW,
         n_rows, n_ctx, n_heads,
         HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_Y: tl.constexpr,
@@ -222,7 +222,7 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def _diff_attn_bwd_dq(
         Q, K, V, KB, LAM, DD, LSE, DELTA, DQ,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdq_b, sdq_h, sdq_n,
         n_ctx, n_heads, qk_scale, sm_scale,
@@ -317,7 +317,7 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def _diff_attn_bwd_dkdv(
         Q, K, V, KB, LAM, DD, LSE, DELTA, DK, DV,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
@@ -380,7 +380,7 @@ def _bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
-INTERPRETED = isinstance(_fwd_kernel, InterpretedFunction)  # TRITON_INTERPRET=1 was set at import
+INTERPRETED = isinstance(_diff_attn_fwd, InterpretedFunction)  # TRITON_INTERPRET=1 was set at import
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -417,7 +417,7 @@ def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal:
     rstd = torch.empty(B, h, N, device=q.device, dtype=torch.float32)
     block_m, block_n, one_tile, warps = _blocks(N, dv)
     grid = (triton.cdiv(N, block_m), B * h)
-    _fwd_kernel[grid](
+    _diff_attn_fwd[grid](
         q, k, v, key_bias, lam, weight, y, D, lse, rstd,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -441,7 +441,7 @@ def backward(dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale: float, is_
     dD = torch.empty_like(D)
     y = torch.empty_like(D) if want_y else None
     dw_parts = torch.empty(n_row_blocks, h, block_dv, device=q.device, dtype=torch.float32)
-    _norm_bwd_kernel[(n_row_blocks, h)](
+    _diff_attn_norm_bwd[(n_row_blocks, h)](
         D, dy, rstd, weight, dD, y, dw_parts, rows, N, h,
         HEAD_DV=dv_width, BLOCK_DV=block_dv, BLOCK_R=block_r, WRITE_Y=want_y,
     )
@@ -457,13 +457,13 @@ def backward(dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale: float, is_
                   IS_CAUSAL=is_causal, HAS_BIAS=key_bias is not None, **_dot_args(q.dtype))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
-    _bwd_dq_kernel[(triton.cdiv(N, block_m), B * h)](
+    _diff_attn_bwd_dq[(triton.cdiv(N, block_m), B * h)](
         q, k, v, key_bias, lam, dD, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         N, h, scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile,
         num_warps=warps, **common,
     )
     kv_block_n, kv_block_m = (32, 32) if one_tile and N <= 64 else (64, 32)
-    _bwd_dkdv_kernel[(triton.cdiv(N, kv_block_n), B * h)](
+    _diff_attn_bwd_dkdv[(triton.cdiv(N, kv_block_n), B * h)](
         q, k, v, key_bias, lam, dD, lse, delta, dk, dv, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         N, h, scale * LOG2E, scale, BLOCK_M=kv_block_m, BLOCK_N=kv_block_n,
