@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 HAS_TRITON = split_triton is not None
 INTERPRETED = HAS_TRITON and split_triton.INTERPRETED
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: on CPU tensors under the interpreter
 
 
 def unsupported(q: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float) -> Optional[str]:
@@ -31,7 +31,9 @@ def unsupported(q: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: f
     if q.device.type != 'cuda' and not (INTERPRETED and q.device.type == 'cpu'):
         return f'it runs on CUDA tensors (got {q.device.type}; TRITON_INTERPRET=1 runs it on CPU)'
     if q.dtype not in DTYPES:
-        return f'dtype {q.dtype} (bf16, fp16 or fp32)'
+        return f'dtype {q.dtype} (bf16, fp16, or fp32 under the interpreter)'
+    if q.dtype == torch.float32 and q.device.type == 'cuda':
+        return 'fp32 inputs on CUDA (its IEEE fp32 products spill registers; SDPA is the faster fp32 path)'
     if dropout_p > 0:
         return 'attention dropout'
     if attn_mask is not None and (

@@ -1,0 +1,59 @@
+"""Compile diffzoo's Triton kernels for sm_90 with Triton's real compiler (no GPU needed) and print,
+as JSON, ptxas's registers and stack bytes per kernel for the launch configurations the layer uses.
+
+Run without TRITON_INTERPRET (the interpreter's kernels cannot be compiled):
+    python tests/layers/sm90_resources.py 77 197 4096
+"""
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from diffzoo.layers.kernels import split_triton as st
+
+FP32 = {'KB', 'LAM', 'LSE', 'RSTD', 'DW', 'DELTA'}
+POINTERS = FP32 | {'Q', 'K', 'V', 'W', 'Y', 'D', 'G', 'DD', 'DQ', 'DK', 'DV'}
+
+
+def resources(kernel, constexprs, num_warps, workdir: Path):
+    signature = {
+        name: 'constexpr' if name in constexprs else ('*fp32' if name in FP32 else '*bf16') if name in POINTERS
+        else 'fp32' if name in ('qk_scale', 'sm_scale', 'eps') else 'i32'
+        for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget('cuda', 90, 32), options={'num_warps': num_warps})
+    cubin = workdir / f'{kernel.__name__}.cubin'
+    cubin.write_bytes(compiled.asm['cubin'])
+    tool = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'
+    usage = subprocess.run([str(tool), '--dump-resource-usage', str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    return {k: int(v) for k, v in re.findall(r'(REG|STACK):(\d+)', usage)}
+
+
+def main(tokens):
+    rows = []
+    workdir = Path(tempfile.mkdtemp())
+    for n in tokens:
+        for causal in (False, True):
+            common = dict(HEAD_D=64, HEAD_DV=128, BLOCK_D=64, BLOCK_DV=128, IS_CAUSAL=causal, HAS_BIAS=not causal,
+                          PRECISION='tf32', DOT_UPCAST=False)
+            block_m, block_n, one_tile, warps = st._blocks(n)
+            kv_m, kv_n, kv_warps = st.DKDV_BLOCKS
+            for kernel, constexprs, num_warps in (
+                    (st._diff_attn_fwd, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile), warps),
+                    (st._diff_attn_bwd_dq, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile), warps),
+                    (st._diff_attn_bwd_dkdv, dict(common, BLOCK_M=kv_m, BLOCK_N=kv_n), kv_warps),
+                    (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True), 4)):
+                rows.append({'kernel': kernel.__name__, 'tokens': n, 'causal': causal, 'num_warps': num_warps,
+                             **resources(kernel, constexprs, num_warps, workdir)})
+    print(json.dumps(rows))
+
+
+if __name__ == '__main__':
+    main([int(t) for t in sys.argv[1:]])
