@@ -27,6 +27,9 @@ saved for backward); `diffzoo_eager` computes the maps in fp32 and returns A1 âˆ
 attention weights (`output_attentions=True`). Layers not made differential use the model's own
 SDPA / eager code.
 
+eRAM-V's injected keys and values reach the attention functions as the forward keyword
+`diffzoo_injected` (`INJECTED`; `diffzoo.vlm.eramv.InjectedFeatures`), appended in the layers it names.
+
 `mlp="swiglu"` is the paper's SwiGLU option: a gated feed-forward (gate_proj, up_proj, down_proj)
 keeps its weights and takes SiLU as its gate activation (Llama/Qwen2 already have it; Gemma's GELU
 gate becomes SiLU).
@@ -39,10 +42,16 @@ import sys
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
+import safetensors
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from timm.layers import RmsNorm
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
 from diffzoo.layers.diff_attention import resolve_lambda_init, sub_normed_difference
 
@@ -50,6 +59,7 @@ VARIANTS = ('duplicate', 'split')
 MLPS = ('original', 'swiglu')
 DIFF_SDPA, DIFF_EAGER = 'diffzoo_sdpa', 'diffzoo_eager'
 CONFIG_KEY = 'diffzoo_differential'
+INJECTED = 'diffzoo_injected'  # the forward keyword carrying eRAM-V's injected keys/values (eramv.InjectedFeatures)
 PARAMETER_NAMES = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')
 SUB_NORM_EPS = 1e-5  # unilm's and timm's DiffAttention sub-norm
 
@@ -250,28 +260,26 @@ def _differential_forward(module, query, key, value, attention_mask, dropout=0.0
 
 @functools.lru_cache(maxsize=None)
 def _model_eager(module_type: type):
-    """The modelling file's own eager attention (Gemma 2's soft-capping included)."""
-    fn = getattr(sys.modules[module_type.__module__], 'eager_attention_forward', None)
-    if fn is None:  # a modelling file without its own: Llama's is the common one
-        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
-    return fn
+    """The modelling file's own eager attention (Gemma 2's soft-capping included; Llama's where a
+    modelling file has none of its own)."""
+    return getattr(sys.modules[module_type.__module__], 'eager_attention_forward', llama_eager_attention)
 
 
 def _with_injected(module, query, key, value, attention_mask, kwargs):
-    """eRAM-V: the layer's injected keys/values appended (diffzoo.vlm.eramv), when it has them."""
-    if getattr(module, 'injected_kv', None) is None:
+    """eRAM-V: the injected keys/values given as the `diffzoo_injected` input (`eramv.InjectedFeatures`)
+    appended where this layer is one of its layers."""
+    injected = kwargs.pop(INJECTED, None)
+    if injected is None or module.layer_idx not in injected.kv:
         return key, value, attention_mask
-    from .eramv import append_injected
     kwargs['is_causal'] = False
-    return append_injected(module, query, key, value, attention_mask)
+    return injected.extend(module.layer_idx, query, key, value, attention_mask)
 
 
 def diffzoo_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     """`AttentionInterface` entry `diffzoo_sdpa`: differential heads where attached, else transformers' SDPA;
-    eRAM-V's injected keys/values appended where a layer has them."""
+    eRAM-V's injected keys/values appended where given for the layer."""
     key, value, attention_mask = _with_injected(module, query, key, value, attention_mask, kwargs)
     if not hasattr(module, 'differential'):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return _differential_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -286,8 +294,6 @@ def diffzoo_eager_attention(module, query, key, value, attention_mask, **kwargs)
 
 def register_attention() -> None:
     """Register `diffzoo_sdpa` / `diffzoo_eager` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
     AttentionInterface.register(DIFF_SDPA, diffzoo_sdpa_attention)
     AttentionInterface.register(DIFF_EAGER, diffzoo_eager_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(DIFF_SDPA, sdpa_mask)
@@ -296,13 +302,12 @@ def register_attention() -> None:
 
 def _saved_tensors(path: Path, names: Sequence[str]) -> dict:
     """The checkpoint tensors whose names end with one of `names`' layer-relative suffixes."""
-    from safetensors import safe_open
     files = sorted(path.glob('*.safetensors'))
     if not files:
         raise FileNotFoundError(f'{path}: no *.safetensors files; save the model with save_pretrained first')
     found = {}
     for f in files:
-        with safe_open(str(f), framework='pt') as sf:
+        with safetensors.safe_open(str(f), framework='pt') as sf:
             for key in sf.keys():
                 if key.endswith(PARAMETER_NAMES) and '.self_attn.' in key:
                     found[key] = sf.get_tensor(key)
@@ -318,7 +323,6 @@ def _suffix(name: str) -> str:
 def load_differential(path: Union[str, Path], model_class=None, **kwargs) -> nn.Module:
     """A model written by `save_pretrained` after `differentialize`: loaded with transformers, made
     differential with the saved settings, and given its saved Î» / sub-norm parameters."""
-    import transformers
     path = Path(path)
     config = transformers.AutoConfig.from_pretrained(path)
     spec = getattr(config.get_text_config(), CONFIG_KEY, None) or getattr(config, CONFIG_KEY, None)

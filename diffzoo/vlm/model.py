@@ -23,8 +23,14 @@ an optional `,pretrained` tag.
 """
 from typing import Optional, Sequence, Union
 
+import open_clip
+import timm
 import torch
 import torch.nn as nn
+from transformers import DynamicCache
+
+from .differential import DIFF_EAGER, DIFF_SDPA, INJECTED, find_decoder, register_attention
+from .eramv import InjectedFeatures, PostProjectionMLP, cls_attention, default_inject_layers, select_anchors
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
 INTEGRATIONS = ('full', 'eramv')
@@ -57,9 +63,7 @@ def build_vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
         return vision
     if isinstance(vision, str):
         if vision.startswith('timm:'):
-            import timm
             return _timm_tokens(timm.create_model(vision[len('timm:'):], pretrained=False))
-        import open_clip  # diffzoo's configs are registered on `import diffzoo`
         name, _, pretrained = vision.partition(',')
         if open_clip.get_model_config(name) is None:
             raise ValueError(f'vision={vision!r}: not an open_clip model name; use an open_clip name (e.g. '
@@ -107,8 +111,6 @@ class VisionLanguageModel(nn.Module):
         self.embed_scale = self.hidden_size ** -0.5 if scales_inputs else 1.0  # module docstring
         self.integration = integration
         if integration == 'eramv':  # diffzoo.vlm.eramv
-            from .differential import DIFF_EAGER, DIFF_SDPA, find_decoder, register_attention
-            from .eramv import PostProjectionMLP, default_inject_layers
             depth = len(find_decoder(language_model).layers)
             self.anchors = int(anchors)
             self.inject_layers = default_inject_layers(depth) if inject_layers is None else sorted(set(inject_layers))
@@ -133,18 +135,19 @@ class VisionLanguageModel(nn.Module):
         """(sequence image embeddings (B, P or k, D), injected features (B, P, D) or None, anchor indices)."""
         if self.integration == 'full':
             return self.image_embeddings(pixel_values), None, None
-        from .eramv import cls_attention, select_anchors
         tokens, scores = cls_attention(self.vision, pixel_values.to(self.projector.weight.dtype))
         features = self.post_mlp(self.projector(tokens))  # (B, P, D): every patch, fine-grained
         anchors, index = select_anchors(features, scores, self.anchors)  # (B, k, D), original order
         return anchors * self.embed_scale, features, index
 
-    def _injecting(self, features, queries):
-        from .eramv import injecting
-        from .differential import find_decoder
+    def _injected(self, features, embeds, input_ids) -> dict:
+        """The language model's extra forward keyword: eRAM-V's injected keys/values ({} without)."""
         if features is None:
-            return injecting(None, (), None, queries)
-        return injecting(find_decoder(self.language_model), self.inject_layers, features, queries)
+            return {}
+        text = torch.arange(embeds.shape[1], device=input_ids.device) >= embeds.shape[1] - input_ids.shape[1]
+        queries = text[None].expand(input_ids.shape[0], -1)  # (B, L): the text positions read the features
+        decoder = find_decoder(self.language_model)
+        return {INJECTED: InjectedFeatures.from_features(decoder, self.inject_layers, features, queries)}
 
     def _inputs(self, pixel_values, input_ids, attention_mask, prefix_mask):
         """inputs_embeds (B, P + T, D), 4D mask, position ids for [image | text], injected features."""
@@ -166,8 +169,8 @@ class VisionLanguageModel(nn.Module):
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         prefix_mask = attention_mask if prefix_mask is None else prefix_mask
         embeds, mask, positions, valid, features = self._inputs(pixel_values, input_ids, attention_mask, prefix_mask)
-        with self._injecting(features, self._text_queries(embeds, input_ids)):
-            out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **kwargs)
+        out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                                  **self._injected(features, embeds, input_ids), **kwargs)
         if labels is not None:
             P = embeds.shape[1] - input_ids.shape[1]
             logits = out.logits[:, P:-1].float()  # (B, T - 1, V): text position t predicts t + 1
@@ -181,23 +184,18 @@ class VisionLanguageModel(nn.Module):
         """Greedy answers (B, ≤ max_new_tokens) to prompts `input_ids` (all prefix), right padding allowed."""
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         embeds, mask, positions, valid, features = self._inputs(pixel_values, input_ids, attention_mask, attention_mask)
-        with self._injecting(features, self._text_queries(embeds, input_ids)):
-            return self._generate(embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache)
+        injected = self._injected(features, embeds, input_ids)
+        return self._generate(embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache,
+                              injected)
 
-    @staticmethod
-    def _text_queries(embeds, input_ids):
-        """(B, L) bool: the text positions of [image | text] (eRAM-V's injected features are read by these)."""
-        text = torch.arange(embeds.shape[1], device=input_ids.device) >= embeds.shape[1] - input_ids.shape[1]
-        return text[None].expand(input_ids.shape[0], -1)
-
-    def _generate(self, embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache):
-        from transformers import DynamicCache
+    def _generate(self, embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache,
+                  injected):
         B = input_ids.shape[0]
         prompt = valid  # (B, P + T): image and prompt tokens, the prefix
         last = valid.sum(1) - 1  # (B,) index of each prompt's last valid token
         cache = DynamicCache(config=self.language_model.config) if use_cache else None
         out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                  past_key_values=cache, use_cache=use_cache)
+                                  past_key_values=cache, use_cache=use_cache, **injected)
         rows = torch.arange(B, device=input_ids.device)
         token = out.logits[rows, last].argmax(-1)  # (B,)
         answers, done = [token], torch.zeros(B, dtype=torch.bool, device=token.device)
@@ -214,14 +212,15 @@ class VisionLanguageModel(nn.Module):
                 step = torch.zeros(B, 1, 1, valid.shape[1], dtype=embeds.dtype, device=valid.device)
                 step.masked_fill_(~valid.bool()[:, None, None], torch.finfo(embeds.dtype).min)
                 out = self.language_model(inputs_embeds=embed(token)[:, None], attention_mask=step,
-                                          position_ids=position[:, None], past_key_values=cache, use_cache=True)
+                                          position_ids=position[:, None], past_key_values=cache, use_cache=True,
+                                          **injected)
                 token = out.logits[:, -1].argmax(-1)
             else:  # the whole sequence again: [image | prompt (padded) | answers so far]
                 embeds = torch.cat([embeds, embed(token)[:, None]], 1)
                 positions = torch.cat([positions, position[:, None]], 1)
                 prefix = torch.cat([prompt, valid.new_zeros(B, valid.shape[1] - prompt.shape[1])], 1)
                 out = self.language_model(inputs_embeds=embeds, attention_mask=prefix_lm_mask(valid, prefix, embeds.dtype),
-                                          position_ids=positions)
+                                          position_ids=positions, **injected)
                 token = out.logits[:, -1].argmax(-1)
             answers.append(token)
         result = torch.stack(answers, 1)  # (B, n)

@@ -4,7 +4,8 @@ import transformers
 
 from diffzoo.layers import capture_attention_maps
 from diffzoo.vlm import build_vlm, differentialize
-from diffzoo.vlm.eramv import cost_report, default_inject_layers
+from diffzoo.bench.eramv import cost_report
+from diffzoo.vlm.eramv import default_inject_layers
 
 VOCAB = 50
 PATCHES = 64  # diffclip-tiny: 64 px images, 8 px patches

@@ -1,0 +1,98 @@
+"""python -m diffzoo.bench.eramv: eRAM-V's FLOPs and latency against the full-token model of the same parts.
+
+`cost_report(models, pixel_values, input_ids)` counts forward FLOPs (torch.utils.flop_counter), in
+total and per part (vision tower, projector, post-MLP, language model: eRAM-V saves in the last), and
+times forward passes with the bench's timer (`measure.time_call`, which synchronises CUDA), with
+ratios against the first model (the full-token one).
+"""
+import argparse
+import json
+import sys
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .measure import summarize, time_call
+
+
+def cost_report(models: Dict[str, nn.Module], pixel_values: torch.Tensor, input_ids: torch.Tensor,
+                reps: int = 5) -> Dict:
+    """Forward FLOPs (total and per top-level part: vision, projector, post_mlp, language_model) and the
+    median latency of each model on the same inputs; ratios against the first model."""
+    rows = {}
+    for name, model in models.items():
+        model.eval()
+        with torch.no_grad():
+            counter = FlopCounterMode(display=False)
+            with counter:
+                out = model(pixel_values, input_ids)
+            counts = counter.get_flop_counts()
+            parts = {child: sum(counts.get(f'{type(model).__name__}.{child}', {}).values())
+                     for child, _ in model.named_children()}
+            model(pixel_values, input_ids)  # warm-up
+            latency = summarize([time_call(lambda: model(pixel_values, input_ids), pixel_values.device)
+                                 for _ in range(reps)])
+        rows[name] = {'flops': counter.get_total_flops(), 'flops_by_part': parts, 'latency_s': latency['median'],
+                      'latency': latency, 'sequence_length': out.logits.shape[1]}
+    first = next(iter(rows.values()))
+    for r in rows.values():
+        r['flops_ratio'] = r['flops'] / first['flops']
+        r['language_model_flops_ratio'] = r['flops_by_part']['language_model'] / first['flops_by_part']['language_model']
+        r['latency_ratio'] = r['latency_s'] / first['latency_s']
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m diffzoo.bench.eramv', description=__doc__.split('\n')[0])
+    p.add_argument('--vision', required=True, help='open_clip name[,pretrained] or timm:<name> with a CLS token')
+    p.add_argument('--language-model', required=True, metavar='DIR', help='a local transformers causal LM')
+    p.add_argument('--anchors', type=int, default=64)
+    p.add_argument('--inject-layers', type=int, nargs='*', help="default: eRAM-V's every second layer 8-22 of 32, scaled")
+    p.add_argument('--prompt-tokens', type=int, default=32)
+    p.add_argument('--batch', type=int, default=1)
+    p.add_argument('--reps', type=int, default=5)
+    p.add_argument('--out', metavar='FILE', help='write the report as JSON')
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parser().parse_args(argv)
+    # torch, transformers and the models load after parsing, so --help answers at once
+    import transformers
+
+    import diffzoo  # noqa: F401  registers the vision towers
+    from diffzoo.vlm.model import build_vlm
+    models = {}
+    for integration in ('full', 'eramv'):
+        lm = transformers.AutoModelForCausalLM.from_pretrained(a.language_model)
+        torch.manual_seed(0)  # the same tower and projector in both
+        kw = {'anchors': a.anchors, 'inject_layers': a.inject_layers} if integration == 'eramv' else {}
+        models[integration] = build_vlm(a.vision, lm, integration, **kw)
+    h, w = models['full'].vision.image_size
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(a.batch, 3, h, w, generator=g)
+    ids = torch.randint(0, lm.config.get_text_config().vocab_size, (a.batch, a.prompt_tokens), generator=g)
+    print(f'timing {a.reps} forward passes of each model (batch {a.batch}, {a.prompt_tokens} prompt tokens)', flush=True)
+    report = cost_report(models, pixels, ids, a.reps)
+    report['config'] = {**vars(a), 'inject_layers': models['eramv'].inject_layers,
+                        'visual_tokens': models['full'].vision(pixels[:1]).shape[1]}
+    print(f'\n{"model":<7}{"sequence":>9}{"GFLOPs":>9}{"LM GFLOPs":>11}{"x FLOPs":>9}{"x LM":>7}{"ms":>9}{"x time":>8}')
+    for name in ('full', 'eramv'):
+        r = report[name]
+        print(f'{name:<7}{r["sequence_length"]:>9}{r["flops"] / 1e9:>9.3f}{r["flops_by_part"]["language_model"] / 1e9:>11.3f}'
+              f'{r["flops_ratio"]:>9.2f}{r["language_model_flops_ratio"]:>7.2f}{r["latency_s"] * 1e3:>9.1f}'
+              f'{r["latency_ratio"]:>8.2f}')
+    print(f'anchors {a.anchors} of {report["config"]["visual_tokens"]} visual tokens, injected at layers '
+          f'{models["eramv"].inject_layers}')
+    if a.out:
+        with open(a.out, 'w') as f:
+            json.dump(report, f, indent=1)
+        print(f'report: {a.out}')
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
