@@ -19,6 +19,7 @@ diffzoo's attention functions, which append them where the layer is one of the c
 compose with `differentialize` (both maps then span the injected keys as well), SDPA, eager and the
 KV cache. `python -m diffzoo.bench.eramv` reports eRAM-V's FLOPs and latency.
 """
+import runpy
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -121,5 +122,4 @@ class InjectedFeatures:
 
 
 if __name__ == '__main__':  # the earlier command line, kept: the report lives in diffzoo.bench.eramv
-    from diffzoo.bench.eramv import main
-    raise SystemExit(main())
+    runpy.run_module('diffzoo.bench.eramv', run_name='__main__', alter_sys=True)
