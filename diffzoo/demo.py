@@ -147,7 +147,7 @@ def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], D
     import torch
     from PIL import Image
 
-    from diffzoo import attention
+    from diffzoo.analysis import maps, plots, report
     from diffzoo.data.shards import iter_samples, list_shards
     from diffzoo.train.metrics import plot_lambda
 
@@ -162,24 +162,24 @@ def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], D
     for name, loaded in models.items():
         model, preprocess, tokenizer = loaded.model, loaded.preprocess, loaded.tokenizer
         images = torch.stack([preprocess(pil[i]) for i in shown])
-        query_maps[name] = torch.cat([attention.query_attention(model, tokenizer, image[None], texts)
+        query_maps[name] = torch.cat([maps.query_attention(model, tokenizer, image[None], texts)
                                       for image, texts in zip(images, queries)])  # (B, 2, gh, gw)
         with torch.no_grad():
-            cls_maps[name] = attention.cls_attention(model, images)
-            entropies[name] = attention.attention_entropy(model, torch.stack([preprocess(p) for p in pil[:64]]))
-        trunk = attention.vision_trunk(model)
+            cls_maps[name] = maps.cls_attention(model, images)
+            entropies[name] = maps.block_entropy(model, torch.stack([preprocess(p) for p in pil[:64]]))
+        trunk = maps.vision_trunk(model)
         n_tokens[name] = trunk.patch_embed.num_patches + trunk.num_prefix_tokens
     captions = [scenes[i]['caption'] for i in shown]
     paths = {
-        'attention_maps': attention.plot_overlays([pil[i] for i in shown], cls_maps, out / 'attention_maps.png'),
-        'attention_queries': attention.plot_overlays([pil[i] for i in shown], query_maps,
-                                                     out / 'attention_queries.png', queries=queries),
-        'attention_entropy': attention.plot_entropy(entropies, out / 'attention_entropy.png', n_tokens),
+        'attention_maps': plots.plot_overlays([pil[i] for i in shown], cls_maps, out / 'attention_maps.png'),
+        'attention_queries': plots.plot_overlays([pil[i] for i in shown], query_maps,
+                                                 out / 'attention_queries.png', queries=queries),
+        'attention_entropy': plots.plot_entropy(entropies, out / 'attention_entropy.png', n_tokens),
         'lambda': plot_lambda(str(run_dir(models[model_name])), str(out / 'lambda.png')),
         'loss': loss_curves({n: run_dir(m) for n, m in models.items()}, out / 'loss.png'),
     }
     print('\n      val images in the attention figures: ' + '; '.join(f'"{c}"' for c in captions))
-    print('\n' + attention.entropy_table(entropies, n_tokens))
+    print('\n' + report.entropy_table(entropies, n_tokens))
     return {k: str(v) for k, v in paths.items()}, {n: e.tolist() for n, e in entropies.items()}
 
 

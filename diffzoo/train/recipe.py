@@ -15,22 +15,21 @@ A recipe key is either one of open_clip_train's own flags, spelt with underscore
 `train_data` is a shard directory (all its `*.tar`), a brace pattern or a `::` list; `${VAR}`
 in any string value is read from the environment.
 """
-import difflib
 import functools
 import importlib.util
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import yaml
-
 from diffzoo.data.shards import SIZES_FILE, list_shards
-from diffzoo.flags import FlagError, YamlLoader, parse_pairs
+from diffzoo.recipes import RecipeError, expand_env, unknown_keys_error
+from diffzoo.recipes import parse_overrides as _parse_overrides
+from diffzoo.recipes import find_recipe as _find
+from diffzoo.recipes import load_recipe as _load
+from diffzoo.recipes import recipe_names as _names
 
 DIFFZOO_KEYS = {
     'base': 'recipe this one extends',
@@ -43,11 +42,7 @@ DIFFZOO_KEYS = {
 # open_clip flags that diffzoo computes; a recipe gives the diffzoo key instead.
 DERIVED = {'batch_size': 'global_batch_size', 'accum_freq': 'global_batch_size',
            'warmup': 'warmup_epochs', 'local_loss': 'distributed_loss', 'gather_with_grad': 'distributed_loss'}
-_ENV_RE = re.compile(r'\$\{([A-Za-z_][A-Za-z0-9_]*)\}')
-
-
-class RecipeError(ValueError):
-    """A recipe or override that cannot be turned into a run; the message names the fix."""
+__all__ = ['RecipeError', 'expand_env', 'parse_overrides', 'recipe_names', 'find_recipe', 'load_recipe', 'resolve']
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,83 +57,37 @@ def valid_keys() -> List[str]:
 
 
 def recipe_names() -> List[str]:
-    return sorted(p.name[:-5] for p in resources.files('diffzoo').joinpath('recipes').iterdir()
-                  if p.name.endswith('.yaml') and not p.name.startswith('_'))
-
-
-def _shipped(name: str) -> Path:
-    return Path(str(resources.files('diffzoo').joinpath('recipes', f'{name}.yaml')))
+    return _names('clip')
 
 
 def find_recipe(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
-    candidates = [Path(name_or_path)]
-    if relative_to is not None:
-        candidates.insert(0, relative_to / name_or_path)
-    candidates.append(_shipped(Path(name_or_path).stem if name_or_path.endswith('.yaml') else name_or_path))
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise RecipeError(f'no recipe {name_or_path!r}: not a file, and not a shipped recipe '
-                      f'({", ".join(recipe_names())})')
+    return _find(name_or_path, relative_to, 'clip')
 
 
-def load_recipe(name_or_path: str, relative_to: Optional[Path] = None, _seen=()) -> Dict:
+def load_recipe(name_or_path: str, relative_to: Optional[Path] = None) -> Dict:
     """The recipe's keys with its `base` chain merged underneath (later files win)."""
-    path = find_recipe(name_or_path, relative_to).resolve()
-    if path in _seen:
-        raise RecipeError(f'recipe {path} extends itself through `base`')
-    with open(path) as f:
-        data = yaml.load(f, Loader=YamlLoader) or {}
-    if not isinstance(data, dict):
-        raise RecipeError(f'recipe {path} is not a mapping of keys to values')
-    base = data.pop('base', None)
-    merged = load_recipe(base, path.parent, _seen + (path,)) if base else {}
-    merged.update(data)
-    return merged
+    return _load(name_or_path, relative_to, 'clip')
 
 
 def parse_overrides(tokens: List[str]) -> Dict:
     """['--lr', '1e-3', '--epochs=2', '--grad-checkpointing'] -> {'lr': 0.001, 'epochs': 2, …}."""
     try:
-        return parse_pairs(tokens)
-    except FlagError as exc:
-        raise RecipeError(f'overrides are --key value pairs; got {exc.token!r} '
-                          f'(open_clip_train flags go after a lone --)') from None
+        return _parse_overrides(tokens)
+    except RecipeError as exc:
+        raise RecipeError(f'{exc} (open_clip_train flags go after a lone --)') from None
 
 
 def check_keys(recipe: Dict) -> None:
     known = set(valid_keys())
     unknown = [k for k in recipe if k not in known]
     if unknown:
-        lines = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            lines.append(f'  {key}' + (f' (did you mean {", ".join(close)}?)' if close else ''))
-        ours = '\n'.join(f'  {k:<18} {v}' for k, v in DIFFZOO_KEYS.items())
-        raise RecipeError('unknown recipe keys:\n' + '\n'.join(lines)
-                          + f'\nvalid keys are diffzoo\'s:\n{ours}\nand every open_clip_train flag with '
-                            f'underscores for dashes (python -m open_clip_train.main --help)')
+        error = unknown_keys_error(unknown, DIFFZOO_KEYS)
+        raise RecipeError(f'{error}\nand every open_clip_train flag with underscores for dashes '
+                          f'(python -m open_clip_train.main --help)')
     derived = [k for k in recipe if k in DERIVED]
     if derived:
         raise RecipeError(f'{", ".join(derived)}: diffzoo computes these; set '
                           f'{", ".join(sorted({DERIVED[k] for k in derived}))} instead')
-
-
-def expand_env(recipe: Dict) -> Dict:
-    def expand(key, value):
-        if isinstance(value, str):
-            def sub(m):
-                if m.group(1) not in os.environ:
-                    raise RecipeError(f'recipe key {key} uses ${{{m.group(1)}}}, which is not set; '
-                                      f'export {m.group(1)}=… or pass --{key} …')
-                return os.environ[m.group(1)]
-            return _ENV_RE.sub(sub, value)
-        if isinstance(value, list):
-            return [expand(key, v) for v in value]
-        if isinstance(value, dict):
-            return {k: expand(key, v) for k, v in value.items()}
-        return value
-    return {k: expand(k, v) for k, v in recipe.items()}
 
 
 def _is_remote(url: str) -> bool:

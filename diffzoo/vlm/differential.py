@@ -40,7 +40,7 @@ writes them with the weights and `load_differential(path)` rebuilds and reloads 
 import functools
 import sys
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import safetensors
 import torch
@@ -179,6 +179,12 @@ def _lambda(module: nn.Module) -> torch.Tensor:
     lq1, lk1 = module.lambda_q1.float(), module.lambda_k1.float()
     lq2, lk2 = module.lambda_q2.float(), module.lambda_k2.float()
     return torch.exp(torch.dot(lq1, lk1)) - torch.exp(torch.dot(lq2, lk2)) + module.differential.lambda_init
+
+
+@torch.no_grad()
+def layer_lambdas(model: nn.Module) -> Dict[int, float]:
+    """{decoder layer index: λ} of every differential layer of `model`."""
+    return {m.layer_idx: _lambda(m).item() for m in model.modules() if hasattr(m, 'differential')}
 
 
 def _sub_norm_weight(module: nn.Module, like: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,12 @@ settings, attaches the adapter and loads the extra tensors.
 """
 import json
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 import torch
 import torch.nn as nn
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from .differential import (CONFIG_KEY, _suffix, differential_parameters, differential_state_dict, differentialize,
                            find_decoder)
@@ -25,6 +27,7 @@ from .model import VisionLanguageModel
 ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
 MLP_TARGETS = ('gate_proj', 'up_proj', 'down_proj')
 EXTRA_WEIGHTS, EXTRA_CONFIG = 'diffzoo_extra.safetensors', 'diffzoo_extra.json'
+ADAPTER_WEIGHTS = 'adapter_model.safetensors'  # peft's
 
 
 def _decoder_path(model: nn.Module) -> str:
@@ -41,7 +44,6 @@ def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.
     """LoRA adapters on the decoder of `model` (in place for a `VisionLanguageModel`, whose
     `language_model` becomes the peft model; otherwise the peft model is returned), differential
     parameters trainable, everything else frozen."""
-    from peft import LoraConfig, get_peft_model
     target = model.language_model if isinstance(model, VisionLanguageModel) else model
     path = _decoder_path(target)
     names = ATTENTION_TARGETS + (MLP_TARGETS if mlp else ())
@@ -70,7 +72,6 @@ def projection_parameters(model: VisionLanguageModel):
 
 
 def _peft_model(model: nn.Module):
-    from peft import PeftModel
     target = model.language_model if isinstance(model, VisionLanguageModel) else model
     if not isinstance(target, PeftModel):
         raise ValueError(f'{type(model).__name__} has no LoRA adapter; call add_lora first')
@@ -90,7 +91,6 @@ def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 def save_adapter(model: nn.Module, directory: Union[str, Path]) -> Path:
     """peft's adapter files + the differential parameters (and a trained projector) + their settings."""
-    from safetensors.torch import save_file
     directory = Path(directory)
     peft_model = _peft_model(model)
     peft_model.save_pretrained(directory)
@@ -100,15 +100,17 @@ def save_adapter(model: nn.Module, directory: Union[str, Path]) -> Path:
     return directory
 
 
+def _check_adapter_dir(directory: Path) -> None:
+    for name in (EXTRA_CONFIG, EXTRA_WEIGHTS, ADAPTER_WEIGHTS):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f'{directory}: no {name}; pass a directory written by save_adapter')
+
+
 def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool = False) -> nn.Module:
     """`model` (a base, not differential yet) made differential as saved, with the adapter and the
     extra tensors loaded; returns the model (the peft model for a plain transformers model)."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
     directory = Path(directory)
-    for name in (EXTRA_CONFIG, EXTRA_WEIGHTS, 'adapter_config.json'):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f'{directory}: no {name}; pass a directory written by save_adapter')
+    _check_adapter_dir(directory)
     spec = json.loads((directory / EXTRA_CONFIG).read_text())['differential']
     target = model.language_model if isinstance(model, VisionLanguageModel) else model
     if spec:
@@ -116,8 +118,29 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
     peft_model = PeftModel.from_pretrained(target, str(directory), is_trainable=trainable)
     if isinstance(model, VisionLanguageModel):
         model.language_model = peft_model
-    extra = load_file(str(directory / EXTRA_WEIGHTS))
     owner = model if isinstance(model, VisionLanguageModel) else peft_model
+    _load_extra(owner, directory, trainable)
+    return model if isinstance(model, VisionLanguageModel) else peft_model
+
+
+def load_adapter_weights(model: nn.Module, directory: Union[str, Path]) -> nn.Module:
+    """The adapter and extra tensors `save_adapter` wrote, loaded into a model already prepared the
+    same way (differential as saved, `add_lora` with the same settings): resuming a checkpoint."""
+    directory = Path(directory)
+    _check_adapter_dir(directory)
+    peft_model = _peft_model(model)
+    unexpected = set_peft_model_state_dict(peft_model, load_file(str(directory / ADAPTER_WEIGHTS))).unexpected_keys
+    if unexpected:
+        raise ValueError(f'{directory}: adapter tensors without a LoRA parameter in the model (e.g. {unexpected[0]}); '
+                         f'resume with the recipe that wrote it')
+    _load_extra(model if isinstance(model, VisionLanguageModel) else peft_model, directory, trainable=None)
+    return model
+
+
+def _load_extra(owner: nn.Module, directory: Path, trainable: Optional[bool]) -> None:
+    """Copy the saved differential parameters (and projector, post-MLP) into `owner`'s parameters,
+    setting their requires_grad to `trainable` (None: left as they are)."""
+    extra = load_file(str(directory / EXTRA_WEIGHTS))
     loaded = set()
     with torch.no_grad():
         for name, p in owner.named_parameters():
@@ -125,13 +148,13 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
             if key in extra and (name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight'))
                                  or key.startswith(('projector.', 'post_mlp.'))):
                 p.copy_(extra[key])
-                p.requires_grad_(trainable)
+                if trainable is not None:
+                    p.requires_grad_(trainable)
                 loaded.add(key)
     missing = sorted(set(extra) - loaded)
     if missing:
         raise ValueError(f'{directory}: {len(missing)} saved tensors have no parameter in the model '
                          f'(e.g. {missing[0]}); is it the base model the adapter was trained on?')
-    return model if isinstance(model, VisionLanguageModel) else peft_model
 
 
 def trainable_parameters(model: nn.Module) -> Dict[str, int]:

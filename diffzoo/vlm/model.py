@@ -24,7 +24,9 @@ an optional `,pretrained` tag.
 from typing import Optional, Sequence, Union
 
 import open_clip
+import open_clip.transform
 import timm
+import timm.data
 import torch
 import torch.nn as nn
 from transformers import DynamicCache
@@ -37,12 +39,16 @@ INTEGRATIONS = ('full', 'eramv')
 
 
 class VisionTokens(nn.Module):
-    """Patch tokens (B, P, D_v) of a vision tower; `dim` = D_v, `image_size` = (H, W)."""
+    """Patch tokens (B, P, D_v) of a vision tower; `dim` = D_v, `image_size` = (H, W), `preprocess`
+    the tower's own evaluation transform (PIL image → (3, H, W)): open_clip's preprocess
+    configuration (a pretrained tag's mean/std included) or timm's data configuration."""
 
-    def __init__(self, tower: nn.Module, kind: str, dim: int, image_size, prefix_tokens: int = 0):
+    def __init__(self, tower: nn.Module, kind: str, dim: int, image_size, prefix_tokens: int = 0,
+                 preprocess=None):
         super().__init__()
         self.tower, self.kind, self.dim = tower, kind, dim
         self.image_size, self.prefix_tokens = tuple(image_size), prefix_tokens
+        self.preprocess = preprocess
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if self.kind == 'timm':
@@ -52,9 +58,17 @@ class VisionTokens(nn.Module):
         return tokens  # (B, P, D_v)
 
 
-def _timm_tokens(model: nn.Module) -> VisionTokens:
+def _timm_tokens(model: nn.Module, preprocess=None) -> VisionTokens:
     size = model.patch_embed.img_size if hasattr(model, 'patch_embed') else model.pretrained_cfg['input_size'][1:]
-    return VisionTokens(model, 'timm', model.num_features, size, getattr(model, 'num_prefix_tokens', 0))
+    if preprocess is None:
+        preprocess = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    return VisionTokens(model, 'timm', model.num_features, size, getattr(model, 'num_prefix_tokens', 0), preprocess)
+
+
+def _open_clip_preprocess(visual: nn.Module):
+    """open_clip's evaluation transform from the preprocess configuration create_model set on `visual`."""
+    cfg = getattr(visual, 'preprocess_cfg', None)
+    return None if cfg is None else open_clip.transform.image_transform_v2(open_clip.transform.PreprocessCfg(**cfg), is_train=False)
 
 
 def build_vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
@@ -72,12 +86,13 @@ def build_vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
     visual = getattr(vision, 'visual', vision)
     trunk = getattr(visual, 'trunk', None)
     if trunk is not None and hasattr(trunk, 'forward_features'):
-        return _timm_tokens(trunk)
+        return _timm_tokens(trunk, _open_clip_preprocess(visual))
     if hasattr(visual, 'forward_features') and hasattr(visual, 'num_features'):
         return _timm_tokens(visual)
     if hasattr(visual, 'output_tokens') and hasattr(visual, 'transformer'):
         visual.output_tokens = True
-        return VisionTokens(visual, 'open_clip', visual.transformer.width, visual.image_size)
+        return VisionTokens(visual, 'open_clip', visual.transformer.width, visual.image_size,
+                            preprocess=_open_clip_preprocess(visual))
     raise ValueError(f'vision: {type(vision).__name__} is not a timm model or an open_clip vision tower')
 
 

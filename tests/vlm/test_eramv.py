@@ -127,15 +127,15 @@ def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path):
 def test_analysis_counts_injected_keys_as_visual_attention(tmp_path):
     from PIL import Image
     from diffzoo.analysis import analyse_vlm
-    from diffzoo.vlm.train import image_transform
+    from diffzoo.vlm.factory import BuiltVLM
     from tests.vlm.test_train import _write_language_model
     _write_language_model(tmp_path / 'lm')
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / 'lm')
     lm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'lm')
     model = build_vlm('diffclip-tiny', lm, integration='eramv', anchors=8, inject_layers=[1])
     images = [Image.new('RGB', (64, 64), (200, 20, 20))]
-    result = analyse_vlm(model, tokenizer, images, ['what color is the shape?', 'what shape is it?'],
-                         transform=image_transform('diffclip-tiny', model))
+    result = analyse_vlm(BuiltVLM(model, tokenizer, model.vision.preprocess), images,
+                         ['what color is the shape?', 'what shape is it?'])
     mass = result['per_layer']['mass_visual']
     assert len(mass) == 2 and mass[1] > 0  # layer 1 reads the injected features
     for layer in range(2):
@@ -152,7 +152,7 @@ def test_an_eramv_recipe_fine_tunes_and_its_adapter_carries_the_post_projection_
     _write_split(tmp_path / 'vqav2', 'val', 2, seed=1)
     _write_language_model(tmp_path / 'lm')
     recipe = _recipe(tmp_path, tmp_path / 'runs', max_steps=4, log_every=2, save_every=4,
-                     model={'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
+                     model={'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
                             'integration': 'eramv', 'anchors': 8, 'inject_layers': [1]})
     _train(recipe)
     run = tmp_path / 'runs' / 'tiny-vqa'

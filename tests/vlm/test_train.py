@@ -86,7 +86,7 @@ def assets(tmp_path_factory):
 
 def _recipe(assets: Path, out: Path, **extra) -> Path:
     recipe = {
-        'model': {'paligemma': None, 'vision': 'diffclip-tiny', 'language_model': str(assets / 'lm')},
+        'model': {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(assets / 'lm')},
         'differential': {'variant': 'split', 'lambda_init': 0.8},
         'lora': {'r': 8, 'alpha': 16},
         'train_projector': True,
@@ -203,7 +203,7 @@ def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, tmp_path):
     assert 'resuming tiny-vqa from step 160' in resumed
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
     assert log[-1]['step'] == 170
-    assert not (run / 'checkpoint.partial').exists() and (run / 'checkpoint' / 'state.pt').is_file()
+    assert (run / 'checkpoints' / 'checkpoint-170' / 'adapter_model.safetensors').is_file()
     refused = subprocess.run([sys.executable, '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), '--max_steps', '180',
                               '--lr', '1e-4'], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "other settings for ['lr']" in refused.stderr
@@ -273,7 +273,7 @@ def _write_paligemma(directory: Path) -> None:
 
 def test_paligemma_checkpoint_fine_tunes_differential_and_loads_its_adapter(assets, tmp_path):
     _write_paligemma(tmp_path / 'paligemma')
-    recipe = _recipe(assets, tmp_path / 'runs', model={'paligemma': str(tmp_path / 'paligemma')},
+    recipe = _recipe(assets, tmp_path / 'runs', model={'type': 'paligemma', 'path': str(tmp_path / 'paligemma')},
                      differential={'variant': 'duplicate', 'lambda_init': 'depth'}, train_projector=False,
                      max_steps=8, log_every=4, save_every=8)
     _train(recipe)

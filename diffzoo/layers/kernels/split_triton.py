@@ -29,8 +29,7 @@ the dK/dV kernel (one program per key tile).
 Masks: `is_causal`, and a key-padding bias (0 or −inf per batch and key). Inputs bf16, fp16 or
 fp32; products take the input dtype (fp32 products are IEEE), softmax and statistics are fp32.
 """
-import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton

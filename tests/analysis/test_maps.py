@@ -1,4 +1,5 @@
 import math
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from diffzoo import attention
+from diffzoo.analysis import maps as attention
+from diffzoo.analysis import plots, report
+from diffzoo.analysis.metrics import attention_entropy
+from diffzoo.analysis.overlays import main
 from diffzoo.data.synthetic import CorpusConfig, make_scene
 from diffzoo.layers import DifferentialAttention, capture_attention_maps
 
@@ -104,7 +108,7 @@ def test_every_function_leaves_the_model_as_it_was(built, name):
     attention.attention_maps(model, images)
     attention.cls_attention(model, images)
     attention.query_attention(model, open_clip.get_tokenizer(name), images, ['circle'])
-    attention.attention_entropy(model, images)
+    attention.block_entropy(model, images)
     def fail(*_):
         raise KeyboardInterrupt
 
@@ -148,12 +152,12 @@ def test_query_attention_depends_on_the_query_and_works_under_no_grad(built, nam
 def test_row_entropy_of_known_distributions():
     n = 65
     uniform = torch.full((3, n), 1 / n)
-    torch.testing.assert_close(attention.row_entropy(uniform), torch.full((3,), math.log(n)))
-    assert attention.row_entropy(torch.eye(4)).tolist() == [0.0] * 4
-    assert attention.row_entropy(torch.tensor([0.5, 0.25, 0.25])).item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
+    torch.testing.assert_close(attention_entropy(uniform), torch.full((3,), math.log(n)))
+    assert attention_entropy(torch.eye(4)).tolist() == [0.0] * 4
+    assert attention_entropy(torch.tensor([0.5, 0.25, 0.25])).item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
     # a signed differential row counts by magnitude: |0.6| and |-0.2| → (0.75, 0.25)
     expected = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
-    assert attention.row_entropy(torch.tensor([0.6, -0.2])).item() == pytest.approx(expected, abs=1e-6)
+    assert attention_entropy(torch.tensor([0.6, -0.2])).item() == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize('name', MODELS)
@@ -163,22 +167,22 @@ def test_entropy_of_a_model_with_uniform_attention_is_log_n(name):
         for block in model.visual.trunk.blocks:  # q = k = 0: every softmax is uniform, A1 − λA2 too
             block.attn.qkv.weight.zero_()
             block.attn.qkv.bias.zero_()
-    entropy = attention.attention_entropy(model, _images(preprocess, 3), batch_size=2)
+    entropy = attention.block_entropy(model, _images(preprocess, 3), batch_size=2)
     heads = 2 if name == 'diffclip-tiny' else 4
     torch.testing.assert_close(entropy, torch.full((4, heads), math.log(N_TOKENS)), rtol=0, atol=1e-5)
 
 
 def test_entropy_table_and_plot(tmp_path, built):
-    entropies = {name: attention.attention_entropy(model, _images(pre)) for name, (model, pre) in built.items()}
+    entropies = {name: attention.block_entropy(model, _images(pre)) for name, (model, pre) in built.items()}
     n_tokens = {name: N_TOKENS for name in entropies}
-    table = attention.entropy_table(entropies, n_tokens)
+    table = report.entropy_table(entropies, n_tokens)
     lines = table.splitlines()
     assert lines[0].split() == ['block', *MODELS]
     assert [line.split()[0] for line in lines[2:6]] == ['0', '1', '2', '3']
     means = {line.split()[0]: float(line.split()[1]) for line in lines[-2:]}
     assert means == {name: pytest.approx(e.mean().item(), abs=5e-4) for name, e in entropies.items()}
     assert f'log {N_TOKENS} = {math.log(N_TOKENS):.3f}' in lines[-1]
-    png = attention.plot_entropy(entropies, tmp_path / 'entropy.png', n_tokens)
+    png = plots.plot_entropy(entropies, tmp_path / 'entropy.png', n_tokens)
     with Image.open(png) as img:
         assert img.size == (840, 480) and np.asarray(img.convert('L')).std() > 10
 
@@ -186,19 +190,19 @@ def test_entropy_table_and_plot(tmp_path, built):
 def test_plot_overlays_grid_and_shape_checks(tmp_path):
     pil = _scenes(2)
     maps = {name: torch.rand(2, 2, 8, 8) - 0.2 for name in MODELS}  # (B, Q, gh, gw), some negative
-    png = attention.plot_overlays(pil, maps, tmp_path / 'sub' / 'q.png', queries=['circle', 'square'])
+    png = plots.plot_overlays(pil, maps, tmp_path / 'sub' / 'q.png', queries=['circle', 'square'])
     with Image.open(png) as img:
         assert img.size == (720, 990)  # 3 columns × 4 rows (2 images × 2 queries) of 240 px, + title
     with pytest.raises(ValueError, match=r"maps\['diffclip-tiny'\] covers 2 images .* expected 3 images"):
-        attention.plot_overlays(pil + pil[:1], maps, tmp_path / 'x.png')
+        plots.plot_overlays(pil + pil[:1], maps, tmp_path / 'x.png')
     with pytest.raises(ValueError, match=r"queries \['circle'\] do not label 2 queries per image for 2 images"):
-        attention.plot_overlays(pil, maps, tmp_path / 'x.png', queries=['circle'])
+        plots.plot_overlays(pil, maps, tmp_path / 'x.png', queries=['circle'])
     per_image = [['red circle', 'blue square'], ['green square', 'red triangle']]
-    png = attention.plot_overlays(pil, maps, tmp_path / 'per_image.png', queries=per_image)
+    png = plots.plot_overlays(pil, maps, tmp_path / 'per_image.png', queries=per_image)
     with Image.open(png) as img:
         assert img.size == (720, 990)
     with pytest.raises(ValueError, match='do not label 2 queries per image'):
-        attention.plot_overlays(pil, maps, tmp_path / 'x.png', queries=per_image[:1])
+        plots.plot_overlays(pil, maps, tmp_path / 'x.png', queries=per_image[:1])
 
 
 def test_a_vision_tower_that_is_not_a_timm_vit_is_refused():
@@ -237,17 +241,19 @@ def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
 def test_cli_errors_name_the_bad_input_and_the_fix(tmp_path, capsys):
     image = tmp_path / 'scene.png'
     _scenes(1)[0].save(image)
-    with pytest.raises(SystemExit, match=r'IMAGE .*nope\.jpg: no such file; pass the path of an existing image'):
-        attention.main([str(tmp_path / 'nope.jpg'), '--model', 'diffclip-tiny'])
+
+    def refused(argv, pattern):
+        assert main(argv) == 2
+        assert re.search(pattern, capsys.readouterr().err)
+
+    refused([str(tmp_path / 'nope.jpg'), '--model', 'diffclip-tiny'],
+            r'IMAGE .*nope\.jpg: no such file; pass the path of an existing image')
     (tmp_path / 'notes.txt').write_text('not an image')
-    with pytest.raises(SystemExit, match=r'notes\.txt: not an image PIL can read'):
-        attention.main([str(tmp_path / 'notes.txt'), '--model', 'diffclip-tiny'])
-    with pytest.raises(SystemExit, match="--model diffclip-tinny: 'diffclip-tinny' is not an open_clip model; "
-                                         'did you mean diffclip-tiny'):
-        attention.main([str(image), '--model', 'diffclip-tinny'])
-    with pytest.raises(SystemExit, match="--model diffclip-tiny,nonsense: 'nonsense' is neither a checkpoint file "
-                                         'nor a pretrained tag'):
-        attention.main([str(image), '--model', 'diffclip-tiny,nonsense'])
+    refused([str(tmp_path / 'notes.txt'), '--model', 'diffclip-tiny'], r'notes\.txt: not an image PIL can read')
+    refused([str(image), '--model', 'diffclip-tinny'],
+            "--model diffclip-tinny: 'diffclip-tinny' is not an open_clip model; did you mean diffclip-tiny")
+    refused([str(image), '--model', 'diffclip-tiny,nonsense'],
+            "--model diffclip-tiny,nonsense: 'nonsense' is neither a checkpoint file nor a pretrained tag")
 
 
 def test_an_attention_layer_without_a_map_to_read_is_refused_before_anything_changes():

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from diffzoo.vlm.needle import (ABSENT, UNREADABLE, HaystackConfig, Location, NeedleError, build, caption_key,
-                                evaluate, main, parse_answer, parse_step, read_answers, read_captions,
-                                read_haystacks, score_answers, write, write_answers)
+from diffzoo.eval.needle import (ABSENT, UNREADABLE, HaystackConfig, Location, NeedleError, build, caption_key,
+                                 evaluate, parse_answer, parse_step, read_answers, read_captions, read_haystacks,
+                                 score_answers, write, write_answers)
+from diffzoo.eval.needle.cli import main
 
 COLOURS = {'red': (220, 30, 30), 'green': (30, 170, 60), 'blue': (40, 70, 220), 'yellow': (235, 210, 30),
            'purple': (140, 50, 190), 'orange': (245, 130, 20), 'black': (10, 10, 10), 'teal': (20, 160, 160)}

@@ -7,8 +7,9 @@ import sys
 import pytest
 import yaml
 
-from diffzoo.vlm.needle import HaystackConfig, build, evaluate, model_answer_fn, read_captions, write
-from tests.vlm.test_needle import _corpus
+from diffzoo.eval.needle import HaystackConfig, build, evaluate, read_captions, write
+from diffzoo.eval.needle.cli import model_answer_fn
+from tests.eval.test_needle import _corpus
 from tests.vlm.test_train import _write_language_model
 
 
@@ -20,7 +21,7 @@ def haystacks(tmp_path_factory):
                     HaystackConfig(m=1, n=2, size=32, samples=4, seed=0))
     write(samples, root / 'set', {'source': str(images), 'm': 1, 'n': 2, 'size': 32, 'seed': 0}, log=None)
     _write_language_model(root / 'lm')
-    recipe = {'model': {'vision': 'diffclip-tiny', 'language_model': str(root / 'lm')},
+    recipe = {'model': {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(root / 'lm')},
               'differential': {'variant': 'split', 'lambda_init': 0.8}}
     (root / 'recipe.yaml').write_text(yaml.safe_dump(recipe))
     return root, samples
@@ -28,7 +29,7 @@ def haystacks(tmp_path_factory):
 
 def test_two_step_protocol_asks_a_differential_vlm_and_scores_every_sample(haystacks):
     root, samples = haystacks
-    answer = model_answer_fn(yaml.safe_load((root / 'recipe.yaml').read_text()), max_new_tokens=3)
+    answer = model_answer_fn(str(root / 'recipe.yaml'), max_new_tokens=3)
     result = evaluate(samples, answer, 'two_step')
     assert len(result['records']) == 4
     for record in result['records']:

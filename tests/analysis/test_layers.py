@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -12,11 +13,12 @@ import yaml
 
 from diffzoo import analysis
 from diffzoo.analysis import SPECIAL, TEXT, VISUAL
-from diffzoo.attention import attention_maps
+from diffzoo.analysis.cli import main
+from diffzoo.analysis.maps import attention_maps
 from diffzoo.data.synthetic import CorpusConfig, make_scene
 from diffzoo.vlm import build_vlm, differentialize
 from diffzoo.vlm.lora import add_lora, save_adapter
-from diffzoo.vlm.train import image_transform
+from diffzoo.vlm.factory import BuiltVLM, PaliGemmaVLM
 from tests.vlm.test_train import _write_language_model, _write_paligemma
 
 PROMPTS = ['answer en what color is the shape?', 'answer en what shape is it?']  # words of the tiny LM's vocabulary
@@ -137,10 +139,10 @@ def _tiny_vlm(lm_dir, differential):
 def test_tiny_vlm_end_to_end_matches_transformers_own_outputs(lm_dir, differential):
     model = _tiny_vlm(lm_dir, differential)
     tokenizer = transformers.AutoTokenizer.from_pretrained(lm_dir)
-    transform = image_transform('diffclip-tiny', model)
+    transform = model.vision.preprocess
     images = _scenes(2)
     kernel = model.language_model.config._attn_implementation
-    report = analysis.analyse_vlm(model, tokenizer, images, PROMPTS, transform, top_k=25)
+    report = analysis.analyse_vlm(BuiltVLM(model, tokenizer, transform), images, PROMPTS, top_k=25)
 
     assert model.language_model.config._attn_implementation == kernel  # sdpa / diffzoo_sdpa again
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
@@ -192,7 +194,7 @@ def test_paligemma_visual_tokens_are_its_image_token_positions(tmp_path):
     model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(tmp_path / 'paligemma').eval()
     differentialize(model, variant='duplicate', lambda_init=0.8)
     processor = transformers.AutoProcessor.from_pretrained(tmp_path / 'paligemma')
-    report = analysis.analyse_vlm(model, processor, _scenes(1), PROMPTS, top_k=5)
+    report = analysis.analyse_vlm(PaliGemmaVLM(model, processor), _scenes(1), PROMPTS, top_k=5)
     sample = report['samples'][0]
     assert sample['tokens']['visual'] == 16 and sample['tokens']['special'] == 1  # 4×4 patches; BOS
     assert report['layers'] == 2 and len(sample['top_visual_tokens']) == 5
@@ -237,7 +239,7 @@ def test_cli_compares_a_differential_vlm_with_its_adapter_to_a_vanilla_one(lm_di
     images.mkdir()
     for i, im in enumerate(_scenes(2)):
         im.save(images / f'scene{i}.png')
-    model = {'vision': 'diffclip-tiny', 'language_model': str(lm_dir)}
+    model = {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(lm_dir)}
     differential = {'variant': 'split', 'lambda_init': 0.8}
     (tmp_path / 'diff.yaml').write_text(yaml.safe_dump({'model': model, 'differential': differential}))
     (tmp_path / 'vanilla.yaml').write_text(yaml.safe_dump({'model': model, 'differential': None}))
@@ -272,7 +274,7 @@ def test_cli_on_clip_towers_and_its_input_errors(tmp_path, capsys):
     images.mkdir()
     _scenes(1)[0].save(images / 'a.jpg')
     out = tmp_path / 'out'
-    assert analysis.main(['--clip', 'diffclip-tiny', '--compare', 'clip-tiny-baseline', '--images', str(images),
+    assert main(['--clip', 'diffclip-tiny', '--compare', 'clip-tiny-baseline', '--images', str(images),
                           '--out', str(out), '--device', 'cpu']) == 0
     data = json.loads((out / 'analysis.json').read_text())
     assert list(data['models']) == ['diffclip-tiny', 'clip-tiny-baseline']
@@ -281,11 +283,11 @@ def test_cli_on_clip_towers_and_its_input_errors(tmp_path, capsys):
     assert not (out / 'attention_mass.png').exists()
     assert 'CLS ent' in capsys.readouterr().out
 
-    with pytest.raises(SystemExit, match=r'--images .*empty: no image files'):
-        (tmp_path / 'empty').mkdir()
-        analysis.main(['--clip', 'diffclip-tiny', '--images', str(tmp_path / 'empty'), '--out', str(out)])
-    with pytest.raises(SystemExit, match=r"no-such-clip \(no-such-clip\): .*not an open_clip model"):
-        analysis.main(['--clip', 'no-such-clip', '--images', str(images), '--out', str(tmp_path / 'bad')])
+    (tmp_path / 'empty').mkdir()
+    assert main(['--clip', 'diffclip-tiny', '--images', str(tmp_path / 'empty'), '--out', str(out)]) == 2
+    assert re.search(r'--images .*empty: no image files', capsys.readouterr().err)
+    assert main(['--clip', 'no-such-clip', '--images', str(images), '--out', str(tmp_path / 'bad')]) == 2
+    assert re.search(r"no-such-clip \(no-such-clip\): .*not an open_clip model", capsys.readouterr().err)
     with pytest.raises(SystemExit):
-        analysis.main(['--vlm-recipe', 'x.yaml', '--images', str(images)])  # no --prompts
+        main(['--vlm-recipe', 'x.yaml', '--images', str(images)])  # no --prompts
     assert '--vlm-recipe needs --prompts' in capsys.readouterr().err

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from diffzoo.vlm.vqa import VQAInputError, evaluate, main, normalize_answer, vqa_accuracy
+from diffzoo.eval.vqa import VQAInputError, evaluate, main, normalize_answer, vqa_accuracy
 
 
 @pytest.mark.parametrize('matches, expected', [

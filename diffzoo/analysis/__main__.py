@@ -1,0 +1,5 @@
+import sys
+
+from diffzoo.analysis.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""Text tables of the analysis: per-layer metrics of one or two models, entropy per block."""
+import math
+from typing import Dict, Mapping, Optional
+
+import torch
+
+
+def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapping[str, int]] = None) -> str:
+    """Block × model mean-over-heads entropy, then one summary number per model."""
+    names = list(entropies)
+    width = max(14, *(len(n) + 2 for n in names))
+    depth = max(e.shape[0] for e in entropies.values())
+    lines = [f'  {"block":<8}' + ''.join(f'{n:>{width}}' for n in names)]
+    lines.append('  ' + '─' * (len(lines[0]) - 2))
+    for b in range(depth):
+        cells = [f'{e[b].float().mean().item():>{width}.3f}' if b < e.shape[0] else f'{"":>{width}}'
+                 for e in entropies.values()]
+        lines.append(f'  {b:<8}' + ''.join(cells))
+    if n_tokens:
+        lines.append(f'  {"log N":<8}' + ''.join(
+            f'{math.log(n_tokens[n]):>{width}.3f}' if n in n_tokens else f'{"":>{width}}' for n in names))
+    lines.append('\n  mean attention entropy over layers and heads, in nats (lower = less diffuse/noise):')
+    for name, e in entropies.items():
+        uniform = f'   (uniform: log {n_tokens[name]} = {math.log(n_tokens[name]):.3f})' \
+            if n_tokens and name in n_tokens else ''
+        lines.append(f'    {name:<{width}}{e.float().mean().item():.3f}{uniform}')
+    return '\n'.join(lines)
+
+
+def _fmt(value: Optional[float], width: int) -> str:
+    return f'{value:>{width}.3f}' if value is not None else f'{"–":>{width}}'
+
+
+def summary_table(reports: Mapping[str, Dict]) -> str:
+    """Layers × (metric, model), a mean-over-layers row, the top-k Jaccard, and which letter is which model."""
+    kind = next(iter(reports.values()))['kind']
+    metrics = {'cosine_visual': 'cos vis', 'cosine_text': 'cos txt', 'entropy': 'entropy',
+               'mass_visual': 'mass vis', 'mass_text': 'mass txt', 'mass_special': 'mass spc'}
+    if kind == 'clip':
+        metrics = {'cosine_visual': 'cos vis', 'entropy': 'CLS ent'}
+    letters = {name: chr(ord('A') + i) for i, name in enumerate(reports)}
+    width = 9
+    group = width * len(reports)
+    what = 'layer' if kind == 'vlm' else 'block'
+    titles = ''.join(f'{title:>{group}}' for title in metrics.values())
+    if len(reports) == 1:
+        lines = [f'  {what:<7}' + titles]
+    else:
+        lines = [f'  {"":<7}' + titles,
+                 f'  {what:<7}' + ''.join(f'{letters[n]:>{width}}' for _ in metrics for n in reports)]
+    lines.append('  ' + '─' * (len(lines[-1]) - 2))
+    depth = max(r['layers'] for r in reports.values())
+    for l in range(depth):
+        cells = [_fmt(r['per_layer'][m][l] if l < r['layers'] else None, width)
+                 for m in metrics for r in reports.values()]
+        lines.append(f'  {l:<7}' + ''.join(cells))
+    lines.append('  ' + '─' * (len(lines[-1]) - 2))
+    lines.append(f'  {"mean":<7}' + ''.join(_fmt(r['mean'][m], width) for m in metrics for r in reports.values()))
+    if kind == 'vlm':
+        for name, r in reports.items():
+            j = r['jaccard']
+            shown = f'{j["mean"]:.3f} over {len(j["pairs"])} prompt pair(s)' if j['pairs'] else \
+                'n/a (give two or more --prompts)'
+            lines.append(f'  top-{j["k"]} visual-token Jaccard across prompts, {letters[name]}: {shown}')
+    lines.append('  ' + '; '.join(f'{letters[n]} = {n}' for n in reports)
+                 + '   (entropy in nats; uniform = log N ≈ '
+                 + ', '.join(f'{r["max_entropy"]:.2f}' for r in reports.values()) + ')')
+    return '\n'.join(lines)

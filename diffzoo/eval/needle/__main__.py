@@ -1,0 +1,5 @@
+import sys
+
+from diffzoo.eval.needle.cli import main
+
+sys.exit(main())

@@ -1,0 +1,362 @@
+"""VQA accuracy as the official VQAv2 evaluation computes it, and a VLM's answers to VQA questions.
+
+    python -m diffzoo.eval.vqa --predictions RESULTS.json --annotations ANNOTATIONS.json
+
+The reference is `PythonEvaluationTools/vqaEvaluation/vqaEval.py` of github.com/GT-Vision-Lab/VQA
+(master, a013f00) with `loadRes` of `PythonHelperTools/vqaTools/vqa.py`. What it does, and where
+this module follows it:
+
+- Every human answer and the prediction have '\\n' and '\\t' replaced by spaces and are stripped.
+- Only if the human answers of a question still differ among themselves are they and the prediction
+  normalised (`normalize_answer`); when all humans agree, the comparison is exact, case included.
+  (Per the maintainer, GT-Vision-Lab/VQA#14, so that answers reading text in the image stay raw.)
+- Accuracy of one question with human answers a_1..a_n (n = 10 in VQAv2), leaving each out in turn:
+
+      acc = 1/n · Σ_i min(1, #{j ≠ i : a_j = prediction} / 3)
+
+  so of 10 humans, 4 or more matching give 1, 3 give 0.9, 2 give 0.6 and 1 gives 0.3. The official script
+  leaves out an answer dict, and the dicts differ by `answer_id`; here answer i is left out by position.
+- `overall` is the mean over questions, and `perQuestionType` / `perAnswerType` the mean over the
+  questions of each `question_type` / `answer_type`, all as round(100 · mean, 2), summed in annotation
+  order. The script is Python 2, whose round() takes halves away from zero (12.125 → 12.13 where
+  Python 3 gives 12.12); `_percent` does the same on the float's exact value.
+- The results must be a list of {"question_id", "answer"} covering exactly the annotated questions
+  (`loadRes` asserts the two id sets are equal). `evaluate` requires the same by default;
+  `allow_missing=True` scores only the predicted questions. Ids in the results but not in the
+  annotations are always an error, as are duplicate ids (the script silently keeps the last).
+
+Normalisation (`normalize_answer`), in the script's order:
+1. Punctuation: each mark of `PUNCTUATION` is deleted if the text has that mark next to a space, or
+   has a comma between two digits anywhere ("1,000"); otherwise it becomes a space ("a/b" → "a b").
+   Both tests look at the text before any mark was replaced. The apostrophe, colon and period are not
+   in the list: a period is deleted unless a digit follows ("yes." → "yes", "3.5" stays).
+2. Words: lower-case, split on whitespace, number words to digits (`NUMBER_WORDS`, "none" → "0"),
+   articles dropped (`ARTICLES`), then the words of `CONTRACTIONS` restored ("dont" → "don't"),
+   joined by single spaces.
+"""
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+# The script's tables, as data. The keys "Id've", "I'dve", "Im", "Ive" hold capitals and so never
+# match the lower-cased words; "somebody'd" maps to "somebodyd". Both are kept as published.
+CONTRACTIONS: Dict[str, str] = {
+    "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
+    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't",
+    "dont": "don't", "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't",
+    "havent": "haven't", "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's", "howd": "how'd",
+    "howll": "how'll", "hows": "how's", "Id've": "I'd've", "I'dve": "I'd've", "Im": "I'm", "Ive": "I've",
+    "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll", "let's": "let's",
+    "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've", "mightn'tve": "mightn't've",
+    "mightve": "might've", "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
+    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at",
+    "'ow'sat": "'ow's'at", "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've", "she's": "she's",
+    "shouldve": "should've", "shouldnt": "shouldn't", "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've",
+    "somebody'd": "somebodyd", "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've",
+    "somebodyll": "somebody'll", "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've",
+    "someone'dve": "someone'd've", "someonell": "someone'll", "someones": "someone's", "somethingd": "something'd",
+    "somethingd've": "something'd've", "something'dve": "something'd've", "somethingll": "something'll",
+    "thats": "that's", "thered": "there'd", "thered've": "there'd've", "there'dve": "there'd've",
+    "therere": "there're", "theres": "there's", "theyd": "they'd", "theyd've": "they'd've",
+    "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're", "theyve": "they've", "twas": "'twas",
+    "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've", "werent": "weren't",
+    "whatll": "what'll", "whatre": "what're", "whats": "what's", "whatve": "what've", "whens": "when's",
+    "whered": "where'd", "wheres": "where's", "whereve": "where've", "whod": "who'd", "whod've": "who'd've",
+    "who'dve": "who'd've", "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll",
+    "whyre": "why're", "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't",
+    "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've", "yall": "y'all", "yall'll": "y'all'll",
+    "y'allll": "y'all'll", "yall'd've": "y'all'd've", "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've",
+    "youd": "you'd", "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're",
+    "youve": "you've",
+}
+NUMBER_WORDS: Dict[str, str] = {
+    'none': '0', 'zero': '0', 'one': '1', 'two': '2', 'three': '3', 'four': '4', 'five': '5', 'six': '6',
+    'seven': '7', 'eight': '8', 'nine': '9', 'ten': '10',
+}
+ARTICLES = ('a', 'an', 'the')
+PUNCTUATION = (';', '/', '[', ']', '"', '{', '}', '(', ')', '=', '+', '\\', '_', '-', '>', '<', '@', '`', ',', '?',
+               '!')
+
+_DIGIT_COMMA_DIGIT = re.compile(r'\d,\d')
+# The script's pattern is "(?!<=\d)(\.)(?!\d)": its "(?!<=\d)" is a lookahead for the text "<=digit",
+# never true in front of a period, so it is a period not followed by a digit. The script passes
+# re.UNICODE (= 32) where re.sub takes `count`, so at most 32 periods go.
+_PERIOD_NOT_BEFORE_DIGIT = re.compile(r'\.(?!\d)')
+_PERIOD_LIMIT = int(re.UNICODE)
+_MATCHES_FOR_FULL_CREDIT = 3
+
+
+class VQAInputError(ValueError):
+    """Predictions or annotations not in the official format, or not of the same questions."""
+
+
+def clean(text: str) -> str:
+    """Tabs and newlines to spaces, then strip: all the script does to an answer before comparing."""
+    return text.replace('\n', ' ').replace('\t', ' ').strip()
+
+
+def strip_punctuation(text: str) -> str:
+    """The script's processPunctuation (step 1 of the module docstring)."""
+    delete_marks = _DIGIT_COMMA_DIGIT.search(text) is not None
+    out = text
+    for mark in PUNCTUATION:
+        next_to_space = mark + ' ' in text or ' ' + mark in text
+        out = out.replace(mark, '' if delete_marks or next_to_space else ' ')
+    return _PERIOD_NOT_BEFORE_DIGIT.sub('', out, count=_PERIOD_LIMIT)
+
+
+def normalize_words(text: str) -> str:
+    """The script's processDigitArticle (step 2 of the module docstring)."""
+    words = [NUMBER_WORDS.get(word, word) for word in text.lower().split()]
+    return ' '.join(CONTRACTIONS.get(word, word) for word in words if word not in ARTICLES)
+
+
+def normalize_answer(text: str) -> str:
+    """An answer as the script compares it when the human answers differ: "Two dogs." → "2 dogs"."""
+    return normalize_words(strip_punctuation(clean(text)))
+
+
+def vqa_accuracy(prediction: str, answers: Sequence[str]) -> float:
+    """Accuracy in [0, 1] of one prediction against the human answers of one question (10 in VQAv2).
+
+    Leave-one-out over however many answers are given: with n answers and m of them matching,
+    leaving out a match scores min(1, (m-1)/3) and leaving out another min(1, m/3).
+    """
+    if isinstance(answers, str):
+        raise TypeError(f'answers must be a list of the human answers, not the string {answers!r}')
+    if len(answers) < 2:
+        raise ValueError(f'vqa_accuracy needs at least 2 human answers to leave one out, got {len(answers)} '
+                         f'({list(answers)!r}); for a single reference answer compare normalize_answer() outputs')
+    answers = [clean(a) for a in answers]
+    prediction = clean(prediction)
+    if len(set(answers)) > 1:
+        answers = [normalize_answer(a) for a in answers]
+        prediction = normalize_answer(prediction)
+    matches = sum(a == prediction for a in answers)
+    held_out = [min(1, (matches - (a == prediction)) / _MATCHES_FOR_FULL_CREDIT) for a in answers]  # (n,)
+    return sum(held_out) / len(held_out)
+
+
+def _percent(fraction_sum: float, count: int) -> float:
+    """round(100 · sum / count, 2) as the script's Python 2 rounds: halves away from zero."""
+    value = 100 * fraction_sum / count
+    return float(Decimal(value).quantize(Decimal('0.01'), rounding=ROUND_HALF_UP))
+
+
+def _example(ids) -> str:
+    return repr(next(iter(ids)))
+
+
+def _index_predictions(predictions) -> Dict:
+    if not isinstance(predictions, list):
+        keys = f' with keys {sorted(predictions)[:5]}' if isinstance(predictions, Mapping) else ''
+        raise VQAInputError(f'predictions: expected the results format, a list of {{"question_id", "answer"}}, '
+                            f'got a {type(predictions).__name__}{keys}')
+    answers, duplicates = {}, []
+    for i, row in enumerate(predictions):
+        if not isinstance(row, Mapping) or 'question_id' not in row or 'answer' not in row:
+            raise VQAInputError(f'predictions[{i}] = {row!r}: each result needs "question_id" and "answer"')
+        if row['question_id'] in answers:
+            duplicates.append(row['question_id'])
+        answers[row['question_id']] = row['answer']
+    if duplicates:
+        raise VQAInputError(f'predictions: {len(duplicates)} question ids appear more than once '
+                            f'(e.g. {duplicates[0]!r}); keep one answer per question')
+    return answers
+
+
+def _annotation_list(annotations) -> List[Mapping]:
+    rows = annotations.get('annotations') if isinstance(annotations, Mapping) else annotations
+    if not isinstance(rows, list):
+        raise VQAInputError('annotations: expected the official annotation file (a dict with an "annotations" list, '
+                            'e.g. v2_mscoco_val2014_annotations.json) or that list')
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise VQAInputError(f'annotations[{i}] = {row!r}: expected an annotation dict; pass the official file')
+        missing = [k for k in ('question_id', 'question_type', 'answer_type', 'answers') if k not in row]
+        if missing:
+            raise VQAInputError(f'annotations[{i}] (question_id {row.get("question_id")!r}) has no {missing}; '
+                                f'pass the official annotation file, whose entries carry all four')
+    return rows
+
+
+def _question_ids(questions) -> set:
+    rows = questions.get('questions') if isinstance(questions, Mapping) else questions
+    if not isinstance(rows, list):
+        raise VQAInputError('questions: expected the official questions file (a dict with a "questions" list, '
+                            'e.g. v2_OpenEnded_mscoco_val2014_questions.json) or that list')
+    return {row['question_id'] for row in rows}
+
+
+def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = False) -> dict:
+    """Score predictions as the official script does; percentages rounded to 2 decimals as it rounds.
+
+    predictions: the results format, a list of {"question_id", "answer"}.
+    annotations: the official annotation file's dict (or its "annotations" list): entries with
+        "question_id", "question_type", "answer_type" and "answers" (a list of {"answer": ...}).
+    questions: optional official questions file's dict (or its "questions" list); when given, only the
+        annotated questions listed in it are scored (a split's questions against a full annotation file).
+    allow_missing: score only the predicted questions instead of requiring one prediction per question.
+
+    Returns {"overall": %, "perQuestionType": {type: %}, "perAnswerType": {type: %},
+    "perQuestion": {question_id: %}, "num_questions": scored, "num_missing": annotated but unpredicted}.
+    """
+    answers = _index_predictions(predictions)
+    rows = _annotation_list(annotations)
+    annotated_ids = Counter(row['question_id'] for row in rows)
+    repeated = [qid for qid, n in annotated_ids.items() if n > 1]
+    if repeated:
+        raise VQAInputError(f'annotations: {len(repeated)} question ids appear more than once (e.g. {repeated[0]!r})')
+    if questions is not None:
+        listed = _question_ids(questions)
+        unannotated = listed - annotated_ids.keys()
+        if unannotated:
+            raise VQAInputError(f'questions: {len(unannotated)} question ids have no annotation (e.g. '
+                                f'{_example(unannotated)}); pass the annotation file of the same split')
+        rows = [row for row in rows if row['question_id'] in listed]
+    scored_ids = {row['question_id'] for row in rows}
+    unknown = answers.keys() - scored_ids
+    if unknown:
+        raise VQAInputError(f'predictions: {len(unknown)} of {len(answers)} question ids are not among the '
+                            f'{len(scored_ids)} annotated questions (e.g. {_example(unknown)}; ids are compared as '
+                            'given, so 1 and "1" differ); pass the annotations (and questions) of the split predicted')
+    missing = [row['question_id'] for row in rows if row['question_id'] not in answers]
+    if missing and not allow_missing:
+        raise VQAInputError(f'predictions: no answer for {len(missing)} of {len(rows)} annotated questions '
+                            f'(e.g. question_id {missing[0]!r}); predict every question, or pass '
+                            'allow_missing=True (--allow-missing) to score only the predicted ones')
+    rows = [row for row in rows if row['question_id'] in answers]
+    if not rows:
+        raise VQAInputError('predictions: none of the annotated questions is predicted; nothing to score')
+
+    per_question: Dict = {}
+    by_question_type: Dict[str, List[float]] = {}
+    by_answer_type: Dict[str, List[float]] = {}
+    for row in rows:
+        qid = row['question_id']
+        if not isinstance(answers[qid], str):
+            raise VQAInputError(f'predictions: the answer of question_id {qid!r} is {answers[qid]!r}, not a string')
+        humans = row['answers']
+        if (not isinstance(humans, list) or len(humans) < 2
+                or not all(isinstance(a, Mapping) and isinstance(a.get('answer'), str) for a in humans)):
+            raise VQAInputError(f'annotations: question_id {qid!r} has "answers" {humans!r}; expected a list of at '
+                                'least 2 {"answer": str} (10 in VQAv2) to leave one out')
+        accuracy = vqa_accuracy(answers[qid], [a['answer'] for a in humans])
+        per_question[qid] = accuracy
+        by_question_type.setdefault(row['question_type'], []).append(accuracy)
+        by_answer_type.setdefault(row['answer_type'], []).append(accuracy)
+    return {
+        'overall': _percent(sum(per_question.values()), len(per_question)),
+        'perQuestionType': {t: _percent(sum(accs), len(accs)) for t, accs in by_question_type.items()},
+        'perAnswerType': {t: _percent(sum(accs), len(accs)) for t, accs in by_answer_type.items()},
+        'perQuestion': {qid: _percent(acc, 1) for qid, acc in per_question.items()},
+        'num_questions': len(per_question),
+        'num_missing': len(missing),
+        'counts': {'perQuestionType': {t: len(a) for t, a in by_question_type.items()},
+                   'perAnswerType': {t: len(a) for t, a in by_answer_type.items()}},
+    }
+
+
+def answer_questions(vlm, samples: Sequence, batch_size: int = 8, max_new_tokens: int = 8, rank: int = 0,
+                     world: int = 1) -> List[Dict]:
+    """Greedy answers of a `diffzoo.vlm.VLM` to VQA samples (`diffzoo.vlm.data.VQASample`), in the
+    results format [{"question_id", "answer"}]. Under `world` processes each answers every
+    `world`-th sample from `rank`; `gather_answers` joins them."""
+    collate = vlm.collator(train=False)
+    mine = list(samples)[rank::world]
+    answers = []
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        batch = {k: v.to(vlm.device) if hasattr(v, 'to') else v for k, v in collate(chunk).items()}
+        for s, text in zip(chunk, vlm.generate(batch, max_new_tokens)):
+            answers.append({'question_id': s.question_id, 'answer': text})
+    return answers
+
+
+def gather_answers(answers: List[Dict], world: int) -> List[Dict]:
+    """Every process's answers (`answer_questions`), on every process, ordered by question id."""
+    if world > 1:
+        import torch.distributed as dist  # only under torchrun
+        parts = [None] * world
+        dist.all_gather_object(parts, answers)
+        answers = [a for part in parts for a in part]
+    return sorted(answers, key=lambda a: a['question_id'])
+
+
+def accuracy(answers: List[Dict], samples: Sequence) -> float:
+    """Mean VQA accuracy (%) of results-format answers on VQA samples (their human answers)."""
+    humans = {s.question_id: s.answers for s in samples}
+    return 100 * sum(vqa_accuracy(a['answer'], humans[a['question_id']]) for a in answers) / max(1, len(answers))
+
+
+def table(result: dict, top_question_types: int = 10) -> str:
+    """Overall, every answer type and the most frequent question types, one per line."""
+    counts = result['counts']
+    lines = [f'VQA accuracy over {result["num_questions"]} questions'
+             + (f' ({result["num_missing"]} unpredicted, not scored)' if result['num_missing'] else ''),
+             f'  {"overall":<28} {result["num_questions"]:>7} {result["overall"]:>7.2f}', 'answer type']
+    for name, n in sorted(counts['perAnswerType'].items(), key=lambda kv: -kv[1]):
+        lines.append(f'  {name:<28} {n:>7} {result["perAnswerType"][name]:>7.2f}')
+    frequent = sorted(counts['perQuestionType'].items(), key=lambda kv: -kv[1])[:top_question_types]
+    lines.append(f'question type (the {len(frequent)} most frequent of {len(counts["perQuestionType"])})')
+    for name, n in frequent:
+        lines.append(f'  {name:<28} {n:>7} {result["perQuestionType"][name]:>7.2f}')
+    return '\n'.join(lines)
+
+
+def _read_json(path: Path, flag: str, expected: str):
+    if not path.is_file():
+        raise VQAInputError(f'{flag} {path}: no such file; pass {expected}')
+    try:
+        with open(path, encoding='utf-8') as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise VQAInputError(f'{flag} {path}: not valid JSON ({exc}); pass {expected}') from exc
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m diffzoo.eval.vqa', description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--predictions', required=True, metavar='JSON', help='results: [{"question_id", "answer"}, ...]')
+    p.add_argument('--annotations', required=True, metavar='JSON', help='e.g. v2_mscoco_val2014_annotations.json')
+    p.add_argument('--questions', metavar='JSON', help='optional questions file: score only the questions it lists')
+    p.add_argument('--allow-missing', action='store_true',
+                   help='score only the predicted questions (default: every annotated question must be predicted)')
+    p.add_argument('--top', type=int, default=10, metavar='N', help='question types shown in the table')
+    p.add_argument('--output', metavar='JSON', help='default: PREDICTIONS_accuracy.json beside the predictions')
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    results_format = 'the results JSON, a list of {"question_id", "answer"}'
+    annotations_format = 'the official annotation JSON (e.g. v2_mscoco_val2014_annotations.json)'
+    predictions_path = Path(args.predictions)
+    output = Path(args.output) if args.output else predictions_path.with_name(predictions_path.stem + '_accuracy.json')
+    try:
+        predictions = _read_json(predictions_path, '--predictions', results_format)
+        annotations = _read_json(Path(args.annotations), '--annotations', annotations_format)
+        questions = (_read_json(Path(args.questions), '--questions', 'the official questions JSON')
+                     if args.questions else None)
+        print(f'scoring {args.predictions} against {args.annotations}', flush=True)
+        result = evaluate(predictions, annotations, questions, allow_missing=args.allow_missing)
+    except VQAInputError as exc:
+        print(f'error: {exc}\n  (--predictions {args.predictions}, --annotations {args.annotations})', file=sys.stderr)
+        return 2
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, 'w', encoding='utf-8') as f:
+        json.dump(dict(result, predictions=str(predictions_path), annotations=args.annotations,
+                       questions=args.questions), f, indent=1)
+    print(table(result, args.top))
+    print(f'\nresults: {output}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""`python -m diffzoo.train.vlm --recipe NAME|PATH [--key value …]`: LoRA fine-tuning of a VLM on VQAv2.
+
+(`python -m diffzoo.vlm.train` is the same command.) The recipe (`diffzoo.vlm.recipe`; shipped ones
+in recipes/vlm/, `--recipes` lists them) names the model (`diffzoo.vlm.load_vlm`), its differential
+settings, LoRA, the data and the optimisation; `--key value` overrides any key, with dots for nested
+ones (`--data.fraction 0.1`, `--lr 2e-5`, `--differential null` for the vanilla baseline).
+
+The loop is transformers' `Trainer` with peft: DDP under torchrun (gradient accumulation without
+all-reducing the micro-batches in between), AdamW, LR schedule with warm-up, gradient clipping,
+bf16 autocast, progress bars, tensorboard / wandb, checkpoints with optimizer, scheduler and RNG
+state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`):
+
+- λ and the sub-norm train at `lambda_lr` (their own parameter group; default `lr`);
+- a checkpoint holds what trains, as `save_adapter` writes it (adapter, λ/sub-norm, projector);
+- every log line carries λ of each differential layer (`lambda/layer_<i>`, also to tensorboard/wandb);
+- a rerun resumes from the newest checkpoint, and is refused when its settings changed (other than
+  how long it runs and what it logs);
+- the validation questions are answered by every process, each its share, and scored with the
+  official VQA accuracy (`diffzoo.eval.vqa`).
+
+Run directory `<output>/<recipe name>`: `recipe.json` (the settings), `log.jsonl` (one line per
+logged step), `checkpoints/checkpoint-<step>/`, `tensorboard/`, at the end `adapter/`,
+`results.json` (VQA accuracy on the validation subset, trainable-parameter counts),
+`val_answers.json` and `loss.png`.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import matplotlib
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers
+from diffzoo.recipes import RecipeError, apply_overrides, expand_env, parse_overrides, recipe_names
+from diffzoo.vlm.data import load_vqav2
+from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
+from diffzoo.vlm.factory import load_vlm
+from diffzoo.vlm.lora import load_adapter_weights, save_adapter, trainable_parameters
+from diffzoo.vlm.recipe import RESUMABLE_CHANGES, VLM_RECIPE, check, load_vlm_recipe
+
+RUN_RECIPE = 'recipe.json'
+
+
+class VLMTrainer(Trainer):
+    """`Trainer` with λ/sub-norm at their own learning rate, adapter-only checkpoints and λ in the logs."""
+
+    def __init__(self, *args, lambda_lr: Optional[float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lambda_lr = lambda_lr
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            groups = [{'params': [p for n, p in trainable if not n.endswith(PARAMETER_NAMES)]},
+                      {'params': [p for n, p in trainable if n.endswith(PARAMETER_NAMES)],
+                       'lr': self.lambda_lr or self.args.learning_rate}]
+            a = self.args
+            self.optimizer = torch.optim.AdamW([g for g in groups if g['params']], lr=a.learning_rate,
+                                               betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                                               weight_decay=a.weight_decay)
+        return self.optimizer
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        if self.args.should_save:
+            save_adapter(self.model, output_dir or self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_adapter_weights(self.model, resume_from_checkpoint)
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        if 'loss' in logs:
+            logs.update({f'lambda/layer_{i}': lam for i, lam in layer_lambdas(self.model).items()})
+        super().log(logs, start_time)
+
+
+class RunLog(TrainerCallback):
+    """log.jsonl and a progress line per logged step (rank 0); a log and a checkpoint at the last step."""
+
+    def __init__(self, path: Path, samples_per_step: int):
+        self.path, self.samples_per_step = path, samples_per_step
+        self.last_step, self.last_time = 0, time.time()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_step, self.last_time = state.global_step, time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = control.should_save = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or 'loss' not in (logs or {}):
+            return
+        now = time.time()
+        record = {'step': state.global_step, 'epoch': state.epoch, 'loss': logs['loss'],
+                  'samples_per_s': (state.global_step - self.last_step) * self.samples_per_step / (now - self.last_time),
+                  **{k: v for k, v in logs.items() if k.startswith('lambda/')}}
+        self.last_step, self.last_time = state.global_step, now
+        with open(self.path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+        print(f'step {record["step"]}/{state.max_steps}  loss {record["loss"]:.4f}  '
+              f'{record["samples_per_s"]:.1f} samples/s', flush=True)
+
+
+def plot_loss(log: List[Dict], path: Path) -> None:
+    matplotlib.use('Agg')
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
+    ax.plot([r['step'] for r in log], [r['loss'] for r in log])
+    ax.set_xlabel('optimizer step')
+    ax.set_ylabel('answer-token loss')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _check_resume(recipe: Dict, run_dir: Path) -> None:
+    """A run directory with checkpoints of other settings is refused (only RESUMABLE_CHANGES may differ)."""
+    stored = json.loads((run_dir / RUN_RECIPE).read_text())
+    changed = sorted(k for k in set(stored) | set(recipe)
+                     if k not in RESUMABLE_CHANGES and stored.get(k) != recipe.get(k))
+    if changed:
+        raise RecipeError(f'{run_dir}: the checkpoint was trained with other settings for {changed}; resume with '
+                          f'the same recipe (only {", ".join(RESUMABLE_CHANGES)} may change) or set --output elsewhere')
+
+
+def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArguments:
+    precision = recipe['precision'] or ('bf16' if cuda else 'fp32')
+    report = [r for r in recipe['report_to'].split(',') if r and r != 'none']
+    return TrainingArguments(
+        output_dir=str(run_dir / 'checkpoints'), per_device_train_batch_size=recipe['batch_size'],
+        gradient_accumulation_steps=recipe['grad_accum'], learning_rate=recipe['lr'],
+        weight_decay=recipe['weight_decay'], num_train_epochs=recipe['epochs'],
+        max_steps=recipe['max_steps'] or -1, lr_scheduler_type=recipe['lr_scheduler'],
+        warmup_steps=recipe['warmup_steps'], max_grad_norm=recipe['max_grad_norm'], bf16=precision == 'bf16',
+        logging_steps=recipe['log_every'], save_steps=recipe['save_every'], save_total_limit=2,
+        seed=recipe['seed'], use_cpu=not cuda, dataloader_drop_last=True,
+        dataloader_num_workers=recipe['workers'], remove_unused_columns=False, report_to=report or 'none',
+        log_level='warning', disable_tqdm=False)
+
+
+def run(recipe: Dict, name: str) -> Dict:
+    """Fine-tune as the (validated) recipe says; returns what results.json holds."""
+    run_dir = Path(recipe['output']) / name
+    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
+    os.environ.setdefault('TENSORBOARD_LOGGING_DIR', str(run_dir / 'tensorboard'))
+    args = training_arguments(recipe, run_dir, cuda)
+    rank, world = args.process_index, args.world_size
+    data = recipe['data']
+    seed = recipe['seed'] if data['seed'] is None else data['seed']
+    train_set = load_vqav2(data['root'], data['split'], data['fraction'], seed)
+    val_set = load_vqav2(data['root'], data['val_split'], data['val_fraction'], seed) if data['val_split'] else []
+    steps_per_epoch = len(train_set) // (recipe['batch_size'] * world) // recipe['grad_accum']
+    if steps_per_epoch == 0:
+        raise RecipeError(f'{len(train_set)} training samples make no optimizer step at batch {recipe["batch_size"]} × '
+                          f'accumulation {recipe["grad_accum"]} × {world} processes; lower batch_size or raise '
+                          f'data.fraction')
+    max_steps = recipe['max_steps'] or int(steps_per_epoch * recipe['epochs'])
+    checkpoint = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+    if checkpoint is not None:
+        _check_resume(recipe, run_dir)
+
+    torch.manual_seed(recipe['seed'])  # a build_vlm projector (and eRAM-V post-MLP) starts from this seed
+    vlm = load_vlm(recipe['model'], differential=recipe['differential'])
+    vlm.add_lora(**recipe['lora'], train_projector=recipe['train_projector'])
+    counts = trainable_parameters(vlm.model)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
+        print(f'{name}: {len(train_set)} training questions, {max_steps} steps of {recipe["batch_size"]} × '
+              f'{recipe["grad_accum"]} × {world}; trainable {counts}', flush=True)
+        if checkpoint is not None:
+            step = json.loads((Path(checkpoint) / 'trainer_state.json').read_text())['global_step']
+            print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
+    samples_per_step = recipe['batch_size'] * recipe['grad_accum'] * world
+    trainer = VLMTrainer(model=vlm.model, args=args, train_dataset=train_set,
+                         data_collator=vlm.collator(train=True, max_length=data['max_length']),
+                         callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'])
+    trainer.train(resume_from_checkpoint=checkpoint)
+
+    results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
+    if val_set:
+        if rank == 0:
+            print(f'evaluating on {len(val_set)} validation questions ({world} process(es))', flush=True)
+        vlm.model.eval()
+        answers = gather_answers(answer_questions(vlm, val_set, recipe['batch_size'], recipe['eval_max_new_tokens'],
+                                                  rank, world), world)
+        results.update(vqa_accuracy=accuracy(answers, val_set), questions=len(answers))
+    if rank == 0:
+        save_adapter(vlm.model, run_dir / 'adapter')
+        log = [json.loads(line) for line in (run_dir / 'log.jsonl').read_text().splitlines()]
+        results['final_loss'] = log[-1]['loss'] if log else None
+        if val_set:
+            (run_dir / 'val_answers.json').write_text(json.dumps(answers) + '\n')
+        (run_dir / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
+        if log:
+            plot_loss(log, run_dir / 'loss.png')
+        acc = f'{results["vqa_accuracy"]:.2f}' if 'vqa_accuracy' in results else 'n/a'
+        print(f'\n{name}: {results["steps"]} steps, final loss {results["final_loss"]:.4f}, VQA accuracy {acc}\n'
+              f'  {run_dir / "results.json"}\n  {run_dir / "loss.png"}\n  {run_dir / "adapter"}', flush=True)
+    return results
+
+
+def parser() -> argparse.ArgumentParser:
+    keys = '\n'.join(f'  {k:<20} {v.doc}' for k, v in VLM_RECIPE.keys.items())
+    p = argparse.ArgumentParser(prog='python -m diffzoo.train.vlm', description=__doc__.split('\n')[0],
+                                epilog=f'recipe keys:\n{keys}', formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--recipe', help='a YAML file or a shipped name (--recipes lists them)')
+    p.add_argument('--recipes', action='store_true', help='list the shipped VLM recipes and exit')
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    try:
+        if args.recipes:
+            for name in recipe_names('vlm'):
+                print(f'  {name:<32} {load_vlm_recipe(name).get("description", "")}')
+            return 0
+        if not args.recipe:
+            p.error('--recipe is required (or --recipes to list them)')
+        recipe = check(expand_env(apply_overrides(load_vlm_recipe(args.recipe), parse_overrides(rest))))
+        run(recipe, Path(args.recipe).stem)
+    except (RecipeError, ValueError, FileNotFoundError) as exc:
+        print(f'error: {exc}', file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

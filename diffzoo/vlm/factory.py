@@ -1,0 +1,196 @@
+"""One factory for every vision-language model: `load_vlm(spec) -> VLM`.
+
+A spec is a recipe's `model` mapping (`diffzoo.recipes`, kind "vlm"), chosen by its `type`:
+
+    {type: paligemma, path: DIR}                a local PaliGemma checkpoint with its processor
+    {type: build_vlm, vision: NAME, language_model: DIR, integration: full | eramv, anchors,
+     inject_layers, post_mlp}                   `build_vlm`: a timm / open_clip tower (open_clip
+                                                name[,pretrained] or timm:<name>) + a local causal LM
+
+The returned `VLM` holds the model with its own preprocessing (the processor, or the tower's
+transform with its pretrained tag's mean/std) and answers the questions every caller asks —
+training batches, prompts for generation, greedy answers — so
+no caller branches on the kind of model. With `adapter` (a directory `save_adapter` wrote) the model
+is made differential as saved and the adapter loaded; otherwise `differential` (differentialize's
+keywords) is applied when given: the one place a model is made ready to run.
+"""
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+import transformers
+
+from diffzoo.recipes import expand_env
+
+from .data import PaliGemmaCollator, VLMCollator
+from .differential import differentialize
+from .lora import add_lora, load_adapter
+from .model import VisionLanguageModel, build_vlm
+from .recipe import check_model, load_vlm_recipe
+
+
+class VLM:
+    """A vision-language model and its preprocessing (module docstring). `model` is what trains and
+    runs (a peft wrapper once LoRA is added); `tokenizer` its text tokenizer."""
+
+    type = ''
+    image_token_id: Optional[int] = None  # the id of the image positions in input_ids (PaliGemma's <image>)
+
+    def __init__(self, model: nn.Module, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device) -> 'VLM':
+        self.model.to(device)
+        return self
+
+    def differentialize(self, **settings) -> 'VLM':
+        """The decoder made differential (`diffzoo.vlm.differentialize`'s keywords)."""
+        differentialize(self.decoder_model(), **settings)
+        return self
+
+    def add_lora(self, **settings) -> 'VLM':
+        """LoRA on the decoder (`diffzoo.vlm.add_lora`'s keywords); `model` becomes the trained one."""
+        self.model = add_lora(self.model, **settings)
+        return self
+
+    def load_adapter(self, directory, trainable: bool = False) -> 'VLM':
+        self.model = load_adapter(self.model, directory, trainable=trainable)
+        return self
+
+    def decoder_model(self) -> nn.Module:
+        """The transformers model that holds the decoder `differentialize` changes."""
+        raise NotImplementedError
+
+    def collator(self, train: bool = True, max_length: int = 64) -> Callable:
+        """VQA samples → batches for `model(**batch)` (with labels when `train`) or for `generate`."""
+        raise NotImplementedError
+
+    def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """A batch of images and prompts (all prefix, no answer), on the model's device."""
+        raise NotImplementedError
+
+    def generate(self, batch: Mapping[str, torch.Tensor], max_new_tokens: int = 20) -> List[str]:
+        """Greedy answers to a batch from `prompts` or `collator(train=False)`, decoded and stripped."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def answer(self, images: Sequence, prompts: Sequence[str], max_new_tokens: int = 20) -> List[str]:
+        """Greedy answers, one per (image, prompt) pair."""
+        return self.generate(self.prompts(images, prompts), max_new_tokens)
+
+
+class BuiltVLM(VLM):
+    """`build_vlm`'s `VisionLanguageModel`: [image tokens | prompt | answer], the tower's transform."""
+
+    type = 'build_vlm'
+
+    def __init__(self, model: VisionLanguageModel, tokenizer, transform):
+        super().__init__(model, tokenizer)
+        self.transform = transform
+
+    def decoder_model(self) -> nn.Module:
+        return self.model.language_model
+
+    def collator(self, train: bool = True, max_length: int = 64) -> Callable:
+        return VLMCollator(self.tokenizer, self.transform, max_length, train=train)
+
+    def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
+        tok = self.tokenizer
+        rows = [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts]
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):  # right padding, as the collator pads
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        pixels = torch.stack([self.transform(im) for im in images])
+        device = self.device
+        return {'pixel_values': pixels.to(device), 'input_ids': ids.to(device), 'attention_mask': mask.to(device)}
+
+    @torch.no_grad()
+    def generate(self, batch: Mapping[str, torch.Tensor], max_new_tokens: int = 20) -> List[str]:
+        out = self.model.generate(batch['pixel_values'], batch['input_ids'], batch.get('attention_mask'),
+                                    max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id)
+        return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+
+class PaliGemmaVLM(VLM):
+    """A PaliGemma checkpoint with its processor: [<image> × P | BOS prompt | answer]."""
+
+    type = 'paligemma'
+
+    def __init__(self, model: nn.Module, processor):
+        super().__init__(model, processor.tokenizer)
+        self.processor = processor
+        config = model.config
+        self.image_token_id = getattr(config, 'image_token_id', None)
+        if self.image_token_id is None:
+            self.image_token_id = config.image_token_index
+
+    def decoder_model(self) -> nn.Module:
+        return self.model
+
+    def collator(self, train: bool = True, max_length: int = 64) -> Callable:
+        return PaliGemmaCollator(self.processor, train=train)
+
+    def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
+        image = getattr(self.processor, 'image_token', '<image>')  # PaliGemma's prompts start with the image tokens
+        batch = self.processor(text=[image + p for p in prompts], images=list(images), return_tensors='pt',
+                               padding='longest')
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def generate(self, batch: Mapping[str, torch.Tensor], max_new_tokens: int = 20) -> List[str]:
+        batch = {k: v for k, v in batch.items() if k != 'labels'}
+        out = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+        out = out[:, batch['input_ids'].shape[1]:]
+        return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+
+def _build_paligemma(spec: Mapping) -> VLM:
+    path = spec['path']
+    model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(path)
+    return PaliGemmaVLM(model, transformers.AutoProcessor.from_pretrained(path))
+
+
+def _build_vlm(spec: Mapping) -> VLM:
+    lm = transformers.AutoModelForCausalLM.from_pretrained(spec['language_model'])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec['language_model'])
+    eramv = {k: spec[k] for k in ('anchors', 'inject_layers', 'post_mlp') if spec.get(k) is not None}
+    model = build_vlm(spec['vision'], lm, spec.get('integration', 'full'), **eramv)
+    return BuiltVLM(model, tokenizer, model.vision.preprocess)
+
+
+BUILDERS = {'paligemma': _build_paligemma, 'build_vlm': _build_vlm}
+
+
+def load_vlm(spec: Mapping, adapter: Union[str, Path, None] = None, differential: Optional[Mapping] = None,
+             device: Union[str, torch.device] = 'cpu', trainable: bool = False) -> VLM:
+    """The VLM a spec names (module docstring), made differential (`differential`) or given its saved
+    `adapter`, on `device`; `trainable` keeps a loaded adapter's parameters trainable (resuming)."""
+    kind = spec.get('type')
+    if kind not in BUILDERS:
+        raise ValueError(f'model.type={kind!r}: expected one of {sorted(BUILDERS)}')
+    vlm = BUILDERS[kind](spec)
+    if adapter is not None:
+        vlm.load_adapter(adapter, trainable=trainable)
+    elif differential:
+        vlm.differentialize(**differential)
+    return vlm.to(device)
+
+
+def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None] = None,
+                    device: Union[str, torch.device] = 'cpu') -> VLM:
+    """The model a VLM recipe (name, path, or loaded mapping) trains, with `adapter` when given (as
+    saved) or made differential as the recipe says, in eval mode: what MMNeedle and the analysis run."""
+    spec = expand_env(check_model(load_vlm_recipe(recipe) if isinstance(recipe, str) else recipe))
+    vlm = load_vlm(spec['model'], adapter=adapter, differential=spec['differential'], device=device)
+    vlm.model.eval()
+    return vlm
+
+
+__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'load_vlm', 'vlm_from_recipe']

@@ -1,0 +1,106 @@
+"""What a VLM fine-tuning recipe may hold (`diffzoo.recipes`, kind "vlm"; shipped ones in recipes/vlm/).
+
+    model:        {type: paligemma, path: DIR} or {type: build_vlm, vision, language_model, integration, …}
+    differential: differentialize's settings, or null for the vanilla model
+    lora:         {r, alpha, dropout, mlp}; train_projector (build_vlm models)
+    data:         {root, split, fraction, seed, val_split, val_fraction, max_length}
+    optimisation: lr, lambda_lr, weight_decay, batch_size (per process), grad_accum, epochs, max_steps,
+                  lr_scheduler, warmup_steps, max_grad_norm, precision, seed
+    running:      device, workers, log_every, save_every, eval_max_new_tokens, report_to, output
+
+`python -m diffzoo.vlm.train --recipes` lists the shipped recipes; `--help` lists every key.
+"""
+from typing import Dict
+
+from diffzoo.recipes import REQUIRED, Key, Section, Typed, load_recipe, unknown_keys_error, validate
+
+from .differential import MLPS, VARIANTS
+from .model import INTEGRATIONS
+
+TYPE = Key((str,), REQUIRED, 'which model: paligemma or build_vlm')
+MODEL = Typed({
+    'paligemma': Section({
+        'type': TYPE,
+        'path': Key((str,), REQUIRED, 'a local PaliGemma checkpoint directory (transformers weights + processor)'),
+    }),
+    'build_vlm': Section({
+        'type': TYPE,
+        'vision': Key((str,), REQUIRED, 'the vision tower: an open_clip name[,pretrained] or timm:<name>'),
+        'language_model': Key((str,), REQUIRED, 'a local transformers causal LM directory with its tokenizer'),
+        'integration': Key((str,), 'full', 'full (every visual token in the sequence) or eramv', INTEGRATIONS),
+        'anchors': Key((int,), None, "eRAM-V's visual anchors (default: build_vlm's)"),
+        'inject_layers': Key((list,), None, "eRAM-V's injection layers (default: build_vlm's)"),
+        'post_mlp': Key((bool,), None, "eRAM-V's post-projection MLP (default: build_vlm's)"),
+    }),
+}, doc='the model, chosen by type')
+
+VLM_RECIPE = Section({
+    'description': Key((str,), '', 'one line saying what the run reproduces'),
+    'model': MODEL,
+    'differential': Section({
+        'variant': Key((str,), 'duplicate', 'duplicate (Differential PaliGemma, Eq. 5) or split', VARIANTS),
+        'lambda_init': Key((float, str), 'depth', 'a number in [0, 1) or "depth"'),
+        'layers': Key((list,), None, 'decoder layer indices (default: all)'),
+        'mlp': Key((str,), 'original', 'original or swiglu', MLPS),
+    }, doc="differentialize's settings, or null for the vanilla model", optional=True),
+    'lora': Section({
+        'r': Key((int,), 32, 'LoRA rank'),
+        'alpha': Key((int, float), 64, 'LoRA alpha'),
+        'dropout': Key((float,), 0.0, 'LoRA dropout'),
+        'mlp': Key((bool,), False, 'adapters on gate/up/down too'),
+    }, doc='LoRA on the decoder'),
+    'train_projector': Key((bool,), False, 'train a build_vlm projector (and eRAM-V post-MLP)'),
+    'data': Section({
+        'root': Key((str,), REQUIRED, 'a VQAv2 copy: official JSON + COCO images, or Hugging Face parquet'),
+        'split': Key((str,), 'train', 'training split'),
+        'fraction': Key((float,), 1.0, 'seeded subset of the training split, in (0, 1]'),
+        'seed': Key((int,), None, 'subset seed (default: seed)'),
+        'val_split': Key((str,), 'val', 'validation split for VQA accuracy, or null', nullable=True),
+        'val_fraction': Key((float,), 1.0, 'seeded subset of the validation split'),
+        'max_length': Key((int,), 64, 'longest prompt + answer in tokens (build_vlm models)'),
+    }, doc='VQAv2 data'),
+    'lr': Key((float,), REQUIRED, 'learning rate of the LoRA adapters (and projector)'),
+    'lambda_lr': Key((float,), None, 'learning rate of λ and the sub-norm (default: lr)'),
+    'weight_decay': Key((float,), 0.0, 'AdamW weight decay'),
+    'batch_size': Key((int,), 4, 'samples per process and micro-batch'),
+    'grad_accum': Key((int,), 1, 'micro-batches per optimizer step'),
+    'epochs': Key((int, float), 1, 'training epochs (when max_steps is null)'),
+    'max_steps': Key((int,), None, 'optimizer steps (overrides epochs)'),
+    'lr_scheduler': Key((str,), 'constant', "transformers' lr_scheduler_type: constant, linear, cosine, …"),
+    'warmup_steps': Key((int,), 0, 'linear warm-up steps'),
+    'max_grad_norm': Key((float,), 1.0, 'gradient clipping norm (0: off)'),
+    'precision': Key((str,), None, 'fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)', ('fp32', 'bf16')),
+    'seed': Key((int,), 0, 'seed of the model init, data order and subsets'),
+    'device': Key((str,), 'auto', 'auto, cpu or cuda', ('auto', 'cpu', 'cuda')),
+    'workers': Key((int,), 0, 'data loader workers per process'),
+    'log_every': Key((int,), 10, 'optimizer steps between log lines'),
+    'save_every': Key((int,), 500, 'optimizer steps between checkpoints'),
+    'eval_max_new_tokens': Key((int,), 8, 'answer length when scoring VQA'),
+    'report_to': Key((str,), 'tensorboard', 'tensorboard, wandb, both comma-separated, or none'),
+    'output': Key((str,), 'runs/vlm', 'run directories go to <output>/<recipe name>'),
+}, doc='a VLM fine-tuning recipe')
+
+# keys a resumed run may change: how long it runs and what it logs, not what it trains
+RESUMABLE_CHANGES = ('max_steps', 'epochs', 'log_every', 'save_every', 'eval_max_new_tokens', 'workers', 'report_to')
+
+
+def load_vlm_recipe(name_or_path: str) -> Dict:
+    """A VLM recipe with its `base` chain merged (not yet validated: overrides may follow)."""
+    return load_recipe(name_or_path, kind='vlm')
+
+
+MODEL_PART = Section({k: VLM_RECIPE.keys[k] for k in ('model', 'differential')}, doc='the model a recipe builds')
+
+
+def check(recipe: Dict) -> Dict:
+    """The recipe validated against VLM_RECIPE, with its defaults."""
+    return validate(recipe, VLM_RECIPE)
+
+
+def check_model(recipe: Dict) -> Dict:
+    """The model part of a recipe (`model`, `differential`) validated, for running it rather than
+    training it: the training keys may be absent, and unknown keys are still refused."""
+    unknown = [k for k in recipe if k not in VLM_RECIPE.keys]
+    if unknown:
+        raise unknown_keys_error(unknown, {k: v.doc for k, v in VLM_RECIPE.keys.items()})
+    return validate({k: recipe[k] for k in MODEL_PART.keys if k in recipe}, MODEL_PART)
