@@ -10,7 +10,7 @@
 3. evaluate  both the same way on the val split (`diffzoo.eval.synthetic`), each with the image
              transforms its run trained with: zero-shot accuracy
              on the subject's shape and colour, image→text and text→image R@1/5/10.
-4. figures   attention maps of both vision towers for a few val images (`diffzoo.attention`),
+4. figures   attention maps of both vision towers for a few val images (`diffzoo.analysis.maps`),
              attention entropy per layer, λ per layer of the differential model, loss curves.
 
 Everything goes under OUT: `data/`, `runs/<model>-<scenes>x<epochs>/` (open_clip_train's run
@@ -19,7 +19,9 @@ run (an interrupted one resumes from its last checkpoint); `--fresh` starts over
 whatever this seed gives: nothing is tuned for either model.
 """
 import argparse
+import io
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -27,6 +29,19 @@ import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
+
+import torch
+from matplotlib.figure import Figure
+from PIL import Image
+
+from diffzoo.analysis import maps, plots, report
+from diffzoo.data.shards import iter_samples, list_shards
+from diffzoo.data.synthetic import CorpusConfig, class_names, write_corpus
+from diffzoo.eval.models import load as load_model
+from diffzoo.eval.models import run_checkpoints
+from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
+from diffzoo.train.metrics import plot_lambda, read_lambda_log
+from diffzoo.train.recipe import RecipeError, find_recipe
 
 METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('image_to_text', 'text_to_image')
                                                        for k in (1, 5, 10)))
@@ -36,7 +51,6 @@ ATTENTION_IMAGES = 3
 
 def load(checkpoint: Path):
     """The trained model with the transforms of its run (the recipe's image mean, std, interpolation)."""
-    from diffzoo.eval.models import load as load_model, run_checkpoints
     spec = next(s for s in run_checkpoints(checkpoint.parents[1]) if s.pretrained == str(checkpoint))
     return load_model(spec)
 
@@ -47,7 +61,6 @@ def run_dir(loaded) -> Path:
 
 
 def make_data(out: Path, args) -> Dict:
-    from diffzoo.data.synthetic import CorpusConfig, write_corpus
     per_shard = max(1, min(500, args.train // 8))
     config = CorpusConfig(train=args.train, val=args.val, per_shard=per_shard)
     return write_corpus(out / 'data', config, progress=lambda msg: print(f'      {msg}', flush=True))
@@ -92,14 +105,12 @@ def train(model: str, out: Path, args) -> Path:
 
 
 def evaluate(models: Dict, out: Path) -> Dict[str, Dict[str, float]]:
-    from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
     return {name: evaluate_synthetic(m.model, m.preprocess, m.tokenizer, out / 'data' / 'val')
             for name, m in models.items()}
 
 
 def chance() -> Dict[str, float]:
     """Accuracy of guessing: 1/classes for zero-shot; retrieval chance needs no row of its own."""
-    from diffzoo.data.synthetic import class_names
     return {f'zero_shot_{task}': 100.0 / len(names) for task, names in class_names().items()}
 
 
@@ -115,12 +126,8 @@ def table(results: Dict[str, Dict[str, float]], baseline: str, model: str, refer
 
 def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
     """Training loss against optimizer step for every run, raw and smoothed."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    from diffzoo.train.metrics import read_lambda_log
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for (name, run_dir), colour in zip(runs.items(), ('tab:blue', 'tab:red', 'tab:green')):
         by_step = {r['step']: r['loss'] for r in read_lambda_log(str(run_dir)) if r.get('loss') is not None}
         steps = sorted(by_step)
@@ -136,21 +143,11 @@ def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
-    plt.close(fig)
     return out_png
 
 
 def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], Dict[str, list]]:
     """Attention overlays and entropy for both models, λ and loss plots. Returns PNG paths, entropies."""
-    import io
-
-    import torch
-    from PIL import Image
-
-    from diffzoo.analysis import maps, plots, report
-    from diffzoo.data.shards import iter_samples, list_shards
-    from diffzoo.train.metrics import plot_lambda
-
     samples = [members for shard in list_shards(out / 'data' / 'val') for _, members in iter_samples(shard)]
     pil = [Image.open(io.BytesIO(m['jpg'])).convert('RGB') for m in samples]
     scenes = [json.loads(m['json']) for m in samples]
@@ -199,10 +196,7 @@ def main(argv: List[str] = None) -> int:
         parser.error(f'--train {args.train} --val {args.val} --epochs {args.epochs}: the demo needs at least '
                      f'64 train and 32 val scenes (a batch of 32, two-object scenes to show) and 1 epoch')
 
-    import logging
     logging.getLogger().setLevel(logging.ERROR)  # open_clip logs every checkpoint it loads
-    import diffzoo  # noqa: F401  registers the models
-    from diffzoo.train.recipe import RecipeError, find_recipe
     for name in (args.model, args.baseline):
         try:
             find_recipe(name)

@@ -16,21 +16,24 @@ from pathlib import Path
 import webdataset as wds
 from PIL import Image, ImageDraw
 
-COLOURS = {'red': (220, 40, 40), 'green': (40, 190, 60), 'blue': (40, 60, 220), 'yellow': (230, 210, 40)}
-SHAPES = ('circle', 'square')
+from diffzoo.data.synthetic import CorpusConfig, SceneObject, draw_object, make_scene
+
 CORRUPT_JPEG = b'\xff\xd8\xff\xe0' + b'\x00not a jpeg at all' * 8
 
 
 def picture(colour: str, shape: str, size=(96, 80), seed: int = 0) -> Image.Image:
-    """A `colour` `shape` on a grey background at a random place."""
+    """A `colour` `shape` drawn as diffzoo.data.synthetic draws it, on a grey background at a random place."""
     rng = random.Random(seed)
     img = Image.new('RGB', size, (128, 128, 128))
-    draw = ImageDraw.Draw(img)
     r = min(size) // 3
-    x, y = rng.randint(r, size[0] - r), rng.randint(r, size[1] - r)
-    box = (x - r, y - r, x + r, y + r)
-    (draw.ellipse if shape == 'circle' else draw.rectangle)(box, fill=COLOURS[colour])
+    centre = (rng.randint(r, size[0] - r), rng.randint(r, size[1] - r))
+    draw_object(ImageDraw.Draw(img), SceneObject(shape, colour, 'large', centre, r))
     return img
+
+
+def scenes(n: int = 2, size: int = 96):
+    """The first `n` validation scenes of diffzoo.data.synthetic's corpus, `size` px."""
+    return [make_scene(0, 'val', i, CorpusConfig(image_size=size))[0] for i in range(n)]
 
 
 def jpeg(img: Image.Image) -> bytes:
@@ -40,9 +43,9 @@ def jpeg(img: Image.Image) -> bytes:
 
 
 def sample(i: int, seed: int = 0):
-    rng = random.Random(seed * 100003 + i)
-    colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
-    return picture(colour, shape, seed=seed * 100003 + i), f'a {colour} {shape}'
+    """Scene `i` of diffzoo.data.synthetic (96 px) and its caption."""
+    image, description = make_scene(seed, 'tests', i, CorpusConfig(image_size=96))
+    return image, description['caption']
 
 
 def write_shards(directory, n_shards: int, per_shard: int, seed: int = 0, corrupt=(), no_caption=(),

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from diffzoo.data.synthetic import CorpusConfig, write_corpus
+
 from .measure import BenchError
 
 SHARDS = 32  # synthetic shards: enough for 32 workers to each get one
@@ -77,7 +79,6 @@ def measure(urls: Sequence[str], model: str, batch: int, workers: int) -> Dict:
 def run(data_dir: Optional[str], model: str, batch: int, workers: int, samples: int, image_size: int) -> Dict:
     with tempfile.TemporaryDirectory(prefix='diffzoo-bench-') as tmp:
         if data_dir is None:
-            from diffzoo.data.synthetic import CorpusConfig, write_corpus
             config = CorpusConfig(train=samples, val=1, image_size=image_size,
                                   per_shard=max(1, -(-samples // SHARDS)))
             print(f'  data: writing {samples:,} synthetic {image_size} px scenes to {tmp}', flush=True)

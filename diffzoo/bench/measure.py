@@ -22,6 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+import diffzoo
+
 MB = 2 ** 20
 
 # forward aten op → backend name; longest names first so "flash_attention_for_cpu" wins over "flash_attention"
@@ -178,7 +180,6 @@ def environment(device: torch.device) -> Dict:
     import open_clip
     import timm
 
-    import diffzoo
     env = {
         'python': platform.python_version(), 'platform': platform.platform(),
         'torch': torch.__version__, 'timm': timm.__version__, 'open_clip': open_clip.__version__,

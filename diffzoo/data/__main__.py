@@ -8,6 +8,7 @@ from diffzoo.flags import FlagError, parse_pairs
 
 from .download import card_names, download, load_card
 from .shards import DataError, check_dataset, write_retry, write_sizes
+from .synthetic import CorpusConfig, write_corpus
 
 
 def _env_int(name: str, default: int) -> int:
@@ -87,7 +88,6 @@ def _cmd_retry(a, _) -> int:
 
 
 def _cmd_synthetic(a, _) -> int:
-    from .synthetic import CorpusConfig, write_corpus
     config = CorpusConfig(train=a.train, val=a.val, image_size=a.image_size, per_shard=a.per_shard, seed=a.seed)
     manifest = write_corpus(a.out_dir, config, fresh=a.fresh)
     for split, n in manifest['samples'].items():

@@ -106,7 +106,7 @@ def _clutter(rng: random.Random, draw: ImageDraw.ImageDraw, side: int) -> None:
             draw.line((x - dx, y - dy, x + dx, y + dy), fill=(grey, grey, grey), width=max(1, int(r / 2)))
 
 
-def _draw(draw: ImageDraw.ImageDraw, obj: SceneObject) -> None:
+def draw_object(draw: ImageDraw.ImageDraw, obj: SceneObject) -> None:
     (x, y), r, fill = obj.centre, obj.radius, COLOURS[obj.colour]
     if obj.shape == 'circle':
         draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
@@ -138,7 +138,7 @@ def make_scene(seed: int, split: str, index: int,
         relation, objects = None, [_new_object(rng, side, (0.1, 0.1, 0.9, 0.9))]
         caption = f'a {objects[0].phrase}'
     for obj in objects:
-        _draw(draw, obj)
+        draw_object(draw, obj)
     subject = objects[0]
     description = {'caption': caption, 'shape': subject.shape, 'colour': subject.colour, 'relation': relation,
                    'objects': [dict(asdict(o), centre=[round(c, 2) for c in o.centre]) for o in objects]}

@@ -8,7 +8,12 @@
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import benchmark, fewshot, mmvp
+import torch
+
+from diffzoo.data.shards import list_shards
+from diffzoo.data.synthetic import class_names
+
+from . import benchmark, fewshot, mmvp, synthetic
 from .models import EvalError
 
 SYNTHETIC = 'synthetic'
@@ -46,7 +51,6 @@ def check_tasks(datasets: List[str], asked: List[str]) -> None:
 def check_dataset(dataset: str, root: Optional[Path], tasks: List[str]) -> None:
     """Fail before any model is loaded when a dataset's local copy is missing."""
     if dataset == SYNTHETIC:
-        from diffzoo.data.shards import list_shards
         val = None if root is None else root / 'val'
         if val is None or not val.is_dir() or not list_shards(val):
             raise benchmark.DatasetMissing(
@@ -84,10 +88,6 @@ def run(loaded, dataset: str, root: Optional[Path], task: str, device: str, amp:
 
 
 def _synthetic(loaded, root: Path, task: str, config: fewshot.FewShotConfig, progress) -> Dict[str, Dict[str, float]]:
-    import torch
-
-    from diffzoo.data.synthetic import class_names
-    from . import synthetic
     if task != 'fewshot':
         metrics = synthetic.evaluate(loaded.model, loaded.preprocess, loaded.tokenizer, root / 'val')
         return {'zeroshot_classification': {k: v for k, v in metrics.items() if k.startswith('zero_shot_')},

@@ -19,6 +19,9 @@ import sys
 from typing import Dict, List, Optional
 
 from diffzoo.data.shards import DataError
+
+from . import seams
+from .metrics import plot_lambda
 from .recipe import (
     DIFFZOO_KEYS, Plan, RecipeError, check_shard_count, dataset_size, expand_shards, find_recipe, load_recipe,
     parse_overrides, recipe_names, resolve,
@@ -106,7 +109,6 @@ def print_plan(plan: Optional[Plan], source: Optional[str], argv: List[str], run
 
 def _plot_lambda(argv: List[str]) -> int:
     import argparse
-    from .metrics import plot_lambda
     p = argparse.ArgumentParser(prog='python -m diffzoo.train plot-lambda')
     p.add_argument('run_dir')
     p.add_argument('--out', default=None, help='PNG path (default RUN_DIR/lambda.png)')
@@ -157,7 +159,6 @@ def run(argv: List[str]) -> int:
         print_plan(plan, source, argv, run_dir)
 
     import open_clip_train.main
-    from . import seams
     with seams.installed():
         result = open_clip_train.main.main(argv)
     return 1 if result == -1 else 0

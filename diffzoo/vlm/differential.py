@@ -53,7 +53,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
-from diffzoo.layers.diff_attention import resolve_lambda_init, sub_normed_difference
+from diffzoo.layers.diff_attention import resolve_lambda_init
+from diffzoo.layers.kernels import sub_normed_difference
 
 VARIANTS = ('duplicate', 'split')
 MLPS = ('original', 'swiglu')

@@ -39,40 +39,53 @@ def _decoder_path(model: nn.Module) -> str:
     raise ValueError(f'{type(model).__name__}: decoder not found among its modules')
 
 
+def _language_model(model: nn.Module) -> nn.Module:
+    """The module LoRA wraps: a build_vlm model's language model, or the transformers model itself."""
+    return model.language_model if isinstance(model, VisionLanguageModel) else model
+
+
+def _attach(model: nn.Module, peft_model: nn.Module) -> nn.Module:
+    """What callers get back: a build_vlm model around its peft-wrapped language model, or the peft model."""
+    if isinstance(model, VisionLanguageModel):
+        model.language_model = peft_model
+        return model
+    return peft_model
+
+
+def projection_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """A build_vlm model's projector (and eRAM-V's post-projection MLP), saved with the adapter; none
+    for a pretrained PaliGemma, whose projector is part of the base checkpoint."""
+    if not isinstance(model, VisionLanguageModel):
+        return {}
+    return {'projector': model.projector, **({'post_mlp': model.post_mlp} if hasattr(model, 'post_mlp') else {})}
+
+
 def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.0, mlp: bool = False,
              train_projector: bool = False) -> nn.Module:
     """LoRA adapters on the decoder of `model` (in place for a `VisionLanguageModel`, whose
     `language_model` becomes the peft model; otherwise the peft model is returned), differential
     parameters trainable, everything else frozen."""
-    target = model.language_model if isinstance(model, VisionLanguageModel) else model
+    projection = projection_modules(model)
+    if train_projector and not projection:
+        raise ValueError('train_projector=True applies to build_vlm models; a pretrained PaliGemma keeps its projector')
+    target = _language_model(model)
     path = _decoder_path(target)
     names = ATTENTION_TARGETS + (MLP_TARGETS if mlp else ())
     prefix = f'{path}\\.' if path else ''
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias='none',
                         target_modules=rf'^{prefix}layers\.\d+\.(self_attn|mlp)\.({"|".join(names)})$')
-    peft_model = get_peft_model(target, config)  # freezes every non-LoRA parameter
+    peft_model = get_peft_model(target, config)  # freezes every non-LoRA parameter of the language model
     for p in differential_parameters(peft_model):
         p.requires_grad_(True)
-    if isinstance(model, VisionLanguageModel):
-        model.language_model = peft_model
-        for p in model.vision.parameters():
-            p.requires_grad_(False)
-        for p in projection_parameters(model):
-            p.requires_grad_(train_projector)
-        return model
-    if train_projector:
-        raise ValueError('train_projector=True applies to build_vlm models; a pretrained PaliGemma keeps its projector')
-    return peft_model
-
-
-def projection_parameters(model: VisionLanguageModel):
-    """The projector's parameters, and eRAM-V's post-projection MLP's when the model has one."""
-    modules = [model.projector] + ([model.post_mlp] if hasattr(model, 'post_mlp') else [])
-    return [p for m in modules for p in m.parameters()]
+    if projection:  # a build_vlm model: its vision tower stays frozen, the projector trains as asked
+        model.vision.requires_grad_(False)
+        for module in projection.values():
+            module.requires_grad_(train_projector)
+    return _attach(model, peft_model)
 
 
 def _peft_model(model: nn.Module):
-    target = model.language_model if isinstance(model, VisionLanguageModel) else model
+    target = _language_model(model)
     if not isinstance(target, PeftModel):
         raise ValueError(f'{type(model).__name__} has no LoRA adapter; call add_lora first')
     return target
@@ -80,12 +93,11 @@ def _peft_model(model: nn.Module):
 
 def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Tensors outside the adapter: the decoder's differential parameters (by layer) and, for a
-    build_vlm model, its projector (and eRAM-V's post-MLP), trained or not."""
+    build_vlm model, its projector (and eRAM-V's post-MLP), trained or not (a new pairing's
+    projector must not be redrawn)."""
     state = {_suffix(k): v.detach().cpu() for k, v in differential_state_dict(model).items()}
-    if isinstance(model, VisionLanguageModel):  # trained, or a new pairing's projector that must not be redrawn
-        state.update({f'projector.{k}': v.detach().cpu() for k, v in model.projector.state_dict().items()})
-        if hasattr(model, 'post_mlp'):
-            state.update({f'post_mlp.{k}': v.detach().cpu() for k, v in model.post_mlp.state_dict().items()})
+    for name, module in projection_modules(model).items():
+        state.update({f'{name}.{k}': v.detach().cpu() for k, v in module.state_dict().items()})
     return state
 
 
@@ -112,15 +124,12 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
     directory = Path(directory)
     _check_adapter_dir(directory)
     spec = json.loads((directory / EXTRA_CONFIG).read_text())['differential']
-    target = model.language_model if isinstance(model, VisionLanguageModel) else model
+    target = _language_model(model)
     if spec:
         differentialize(target, **spec)
-    peft_model = PeftModel.from_pretrained(target, str(directory), is_trainable=trainable)
-    if isinstance(model, VisionLanguageModel):
-        model.language_model = peft_model
-    owner = model if isinstance(model, VisionLanguageModel) else peft_model
-    _load_extra(owner, directory, trainable)
-    return model if isinstance(model, VisionLanguageModel) else peft_model
+    model = _attach(model, PeftModel.from_pretrained(target, str(directory), is_trainable=trainable))
+    _load_extra(model, directory, trainable)
+    return model
 
 
 def load_adapter_weights(model: nn.Module, directory: Union[str, Path]) -> nn.Module:
@@ -133,7 +142,7 @@ def load_adapter_weights(model: nn.Module, directory: Union[str, Path]) -> nn.Mo
     if unexpected:
         raise ValueError(f'{directory}: adapter tensors without a LoRA parameter in the model (e.g. {unexpected[0]}); '
                          f'resume with the recipe that wrote it')
-    _load_extra(model if isinstance(model, VisionLanguageModel) else peft_model, directory, trainable=None)
+    _load_extra(model, directory, trainable=None)
     return model
 
 

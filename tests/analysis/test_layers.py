@@ -15,17 +15,17 @@ from diffzoo import analysis
 from diffzoo.analysis import SPECIAL, TEXT, VISUAL
 from diffzoo.analysis.cli import main
 from diffzoo.analysis.maps import attention_maps
-from diffzoo.data.synthetic import CorpusConfig, make_scene
 from diffzoo.vlm import build_vlm, differentialize
-from diffzoo.vlm.lora import add_lora, save_adapter
 from diffzoo.vlm.factory import BuiltVLM, PaliGemmaVLM
-from tests.vlm.test_train import _write_language_model, _write_paligemma
+from diffzoo.vlm.lora import add_lora, save_adapter
+from tests.factory import scenes
+from tests.vlm.models import write_language_model, write_paligemma
 
 PROMPTS = ['answer en what color is the shape?', 'answer en what shape is it?']  # words of the tiny LM's vocabulary
 
 
 def _scenes(n=2):
-    return [make_scene(0, 'val', i, CorpusConfig(image_size=80))[0] for i in range(n)]
+    return scenes(n, size=80)
 
 
 def test_entropy_of_uniform_rows_is_log_n_and_of_one_hot_rows_zero():
@@ -123,7 +123,7 @@ def test_layer_metrics_on_hand_built_states_and_maps():
 @pytest.fixture(scope='module')
 def lm_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp('analysis') / 'lm'
-    _write_language_model(directory)
+    write_language_model(directory)
     return directory
 
 
@@ -190,7 +190,7 @@ def test_tiny_vlm_end_to_end_matches_transformers_own_outputs(lm_dir, differenti
 
 
 def test_paligemma_visual_tokens_are_its_image_token_positions(tmp_path):
-    _write_paligemma(tmp_path / 'paligemma')
+    write_paligemma(tmp_path / 'paligemma')
     model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(tmp_path / 'paligemma').eval()
     differentialize(model, variant='duplicate', lambda_init=0.8)
     processor = transformers.AutoProcessor.from_pretrained(tmp_path / 'paligemma')

@@ -14,15 +14,15 @@ from diffzoo.analysis import maps as attention
 from diffzoo.analysis import plots, report
 from diffzoo.analysis.metrics import attention_entropy
 from diffzoo.analysis.overlays import main
-from diffzoo.data.synthetic import CorpusConfig, make_scene
 from diffzoo.layers import DifferentialAttention, capture_attention_maps
+from tests.factory import scenes
 
 MODELS = ('diffclip-tiny', 'clip-tiny-baseline')
 N_TOKENS = 1 + 8 * 8  # 64 px, patch 8: CLS + 8×8 patches
 
 
 def _scenes(n=2):
-    return [make_scene(0, 'val', i, CorpusConfig(image_size=96))[0] for i in range(n)]
+    return scenes(n, size=96)
 
 
 def _build(name):

@@ -6,34 +6,17 @@ import transformers
 
 from diffzoo.vlm.differential import (DIFF_EAGER, DIFF_SDPA, differential_parameters, differentialize,
                                       diffzoo_eager_attention, diffzoo_sdpa_attention, load_differential)
+from tests.vlm.models import lm_config, tiny_lm
 
 VOCAB = 64
 
 
 def _config(family: str, **kw):
-    """Tiny random decoder configs; the head layouts cover GQA, MQA, MHA and an odd group size."""
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                  max_position_embeddings=64, **kw)
-    if family == 'llama':  # GQA: 4 query heads on 2 KV heads
-        return transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common)
-    if family == 'llama_odd_groups':  # 6 query heads on 2 KV heads: groups of 3
-        return transformers.LlamaConfig(num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                        **{**common, 'hidden_size': 48})
-    if family == 'gemma':  # MQA like PaliGemma-3B's Gemma: 4 query heads, 1 KV head
-        return transformers.GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=8, **common)
-    if family == 'gemma2':
-        return transformers.Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                         attn_logit_softcapping=20.0, **common)
-    if family == 'qwen2':  # MHA with q/k/v biases
-        return transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=4, **common)
-    raise ValueError(family)
+    return lm_config(family, vocab=VOCAB, **kw)
 
 
 def _model(family: str, implementation: str = 'sdpa', seed: int = 0):
-    torch.manual_seed(seed)
-    config = _config(family)
-    config._attn_implementation = implementation
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_lm(family, implementation, seed, vocab=VOCAB)
 
 
 FAMILIES = ['llama', 'llama_odd_groups', 'gemma', 'qwen2']

@@ -6,18 +6,14 @@ from diffzoo.layers import capture_attention_maps
 from diffzoo.vlm import build_vlm, differentialize
 from diffzoo.bench.eramv import cost_report
 from diffzoo.vlm.eramv import default_inject_layers
+from tests.vlm.models import tiny_lm
 
 VOCAB = 50
 PATCHES = 64  # diffclip-tiny: 64 px images, 8 px patches
 
 
 def _lm(implementation='sdpa', layers=4, seed=0):
-    torch.manual_seed(seed)
-    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=1, head_dim=8,
-                                      max_position_embeddings=256)
-    config._attn_implementation = implementation
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_lm('gemma', implementation, seed, vocab=VOCAB, layers=layers)
 
 
 def _vlm(integration='eramv', implementation='sdpa', seed=0, **kw):
@@ -128,8 +124,8 @@ def test_analysis_counts_injected_keys_as_visual_attention(tmp_path):
     from PIL import Image
     from diffzoo.analysis import analyse_vlm
     from diffzoo.vlm.factory import BuiltVLM
-    from tests.vlm.test_train import _write_language_model
-    _write_language_model(tmp_path / 'lm')
+    from tests.vlm.models import write_language_model
+    write_language_model(tmp_path / 'lm')
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / 'lm')
     lm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'lm')
     model = build_vlm('diffclip-tiny', lm, integration='eramv', anchors=8, inject_layers=[1])
@@ -146,11 +142,12 @@ def test_analysis_counts_injected_keys_as_visual_attention(tmp_path):
 
 def test_an_eramv_recipe_fine_tunes_and_its_adapter_carries_the_post_projection_mlp(tmp_path):
     from safetensors.torch import load_file
-    from tests.vlm.test_train import _recipe, _train, _write_language_model, _write_split
+    from tests.vlm.models import write_language_model
+    from tests.vlm.test_train import _recipe, _train, _write_split
     from diffzoo.vlm import load_adapter
     _write_split(tmp_path / 'vqav2', 'train', 8, seed=0)
     _write_split(tmp_path / 'vqav2', 'val', 2, seed=1)
-    _write_language_model(tmp_path / 'lm')
+    write_language_model(tmp_path / 'lm')
     recipe = _recipe(tmp_path, tmp_path / 'runs', max_steps=4, log_every=2, save_every=4,
                      model={'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
                             'integration': 'eramv', 'anchors': 8, 'inject_layers': [1]})

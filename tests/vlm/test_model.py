@@ -1,22 +1,15 @@
 import pytest
 import torch
-import transformers
 
 from diffzoo.vlm import build_vlm, differentialize
 from diffzoo.vlm.model import build_vision_tokens, prefix_lm_mask
+from tests.vlm.models import tiny_lm
 
 VOCAB = 50
 
 
 def _lm(family='gemma', seed=0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  max_position_embeddings=128)
-    if family == 'gemma':
-        config = transformers.GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=8, **common)
-    else:
-        config = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_lm(family, seed=seed, vocab=VOCAB, layers=2)
 
 
 def _vlm(family='gemma', vision='diffclip-tiny', seed=0):

@@ -13,10 +13,7 @@ import yaml
 from diffzoo.vlm import build_vlm, differentialize, load_adapter
 from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
 from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters
-
-COLOURS = {'red': (220, 30, 30), 'green': (30, 200, 30), 'blue': (30, 30, 220), 'yellow': (230, 220, 20)}
-SHAPES = ('square', 'circle')
-
+from tests.vlm.models import COLOURS, SHAPES, write_language_model, write_paligemma
 
 def _write_split(root: Path, split: str, count: int, seed: int) -> None:
     """Official VQAv2 layout: questions + annotations JSON, COCO-named JPEGs of one coloured shape."""
@@ -45,34 +42,6 @@ def _write_split(root: Path, split: str, count: int, seed: int) -> None:
     (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))
 
 
-def _write_language_model(directory: Path) -> None:
-    """A word-level tokenizer over the task's words and a tiny random Gemma, saved as a local checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = set(PROMPT.format(question='what color is the shape? what shape is it?').split())
-    words |= set(COLOURS) | set(SHAPES) | {'shape?', 'it?'}
-    vocab = {t: i for i, t in enumerate(['<pad>', '<bos>', '<eos>', '<unk>'] + sorted(words))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token='<bos>', eos_token='<eos>',
-                                                     pad_token='<pad>', unk_token='<unk>')
-    tokenizer.save_pretrained(directory)
-    torch.manual_seed(0)
-    config = transformers.GemmaConfig(vocab_size=len(vocab), hidden_size=48, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                                      head_dim=12, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = transformers.GemmaForCausalLM(config)
-    # A short text-only pre-training, so the model knows the answer format (as a pretrained LM does)
-    # and fine-tuning has to teach it to read the image, not to speak.
-    texts = [f'<bos> {PROMPT.format(question=q)}{a} <eos>' for q, answers in
-             (('what color is the shape?', COLOURS), ('what shape is it?', SHAPES)) for a in answers]
-    ids = tokenizer(texts, padding=True, return_tensors='pt', add_special_tokens=False)
-    labels = ids['input_ids'].masked_fill(ids['attention_mask'] == 0, -100)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(60):
-        model(**ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(directory)
 
 
 @pytest.fixture(scope='module')
@@ -80,7 +49,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp('vlm')
     _write_split(root / 'vqav2', 'train', 48, seed=0)
     _write_split(root / 'vqav2', 'val', 8, seed=1)
-    _write_language_model(root / 'lm')
+    write_language_model(root / 'lm')
     return root
 
 
@@ -199,6 +168,10 @@ def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, tmp_path):
     assert results['trainable_parameters']['other'] == 0
     assert (run / 'loss.png').stat().st_size > 0 and (run / 'adapter' / 'diffzoo_extra.safetensors').is_file()
     assert 'VQA accuracy' in out
+    assert {'lambda/layer_0', 'lambda/layer_1'} <= set(log[0])  # λ of each differential layer, every log line
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(next((run / 'tensorboard').rglob('events.out.tfevents*')).parent)).Reload()
+    assert {'train/loss', 'train/lambda/layer_0', 'train/learning_rate'} <= set(events.Tags()['scalars'])
     resumed = _train(recipe, '--max_steps', '170').stdout
     assert 'resuming tiny-vqa from step 160' in resumed
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
@@ -247,32 +220,10 @@ def test_paligemma_3b_trainable_parameters(variant, mlp):
                       'total': lora + differential}
 
 
-def _write_paligemma(directory: Path) -> None:
-    """A tiny random PaliGemma checkpoint (Gemma MQA decoder, SigLIP tower) with its processor."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = set(PROMPT.format(question='what color is the shape? what shape is it?').split())
-    words |= set(COLOURS) | set(SHAPES)
-    vocab = {t: i for i, t in enumerate(['<pad>', '<bos>', '<eos>', '<unk>', '<image>'] + sorted(words))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token='<bos>', eos_token='<eos>',
-                                                     pad_token='<pad>', unk_token='<unk>',
-                                                     additional_special_tokens=['<image>'])
-    images = transformers.SiglipImageProcessor(size={'height': 32, 'width': 32})
-    images.image_seq_length = 16  # (32 / 8)² patches
-    transformers.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(directory)
-    torch.manual_seed(0)
-    config = transformers.PaliGemmaConfig(
-        text_config=dict(model_type='gemma', vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8),
-        vision_config=dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
-                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
-        image_token_index=vocab['<image>'], projection_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(directory)
 
 
 def test_paligemma_checkpoint_fine_tunes_differential_and_loads_its_adapter(assets, tmp_path):
-    _write_paligemma(tmp_path / 'paligemma')
+    write_paligemma(tmp_path / 'paligemma')
     recipe = _recipe(assets, tmp_path / 'runs', model={'type': 'paligemma', 'path': str(tmp_path / 'paligemma')},
                      differential={'variant': 'duplicate', 'lambda_init': 'depth'}, train_projector=False,
                      max_steps=8, log_every=4, save_every=8)

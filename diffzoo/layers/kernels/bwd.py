@@ -1,0 +1,195 @@
+"""The split kernel's backward: the sub-norm's gradient, then dQ (with the row sums δ1, ρ2) and dK/dV."""
+import triton
+import triton.language as tl
+
+from .tl_common import _dot, _key_bias, _scores, _scores_t
+
+
+@triton.jit
+def _diff_attn_norm_bwd(
+        D, G, RSTD, W, DD, Y, DW,
+        n_rows, n_ctx, n_heads,
+        HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_Y: tl.constexpr,
+):
+    """dD = rstd·(g∘w − n·mean(g∘w∘n)) with n = D·rstd, per (row tile, head); partial Σ g∘n for the
+    weight's gradient; y = n∘w when the output projection's weight gradient needs it."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of (B·N)
+    cols = tl.arange(0, BLOCK_DV)
+    row_ok = rows < n_rows
+    col_ok = cols < HEAD_DV
+    offs = rows[:, None] * (n_heads * HEAD_DV) + h * HEAD_DV + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    d = tl.load(D + offs, mask=mask, other=0.).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.).to(tl.float32)
+    b, n = rows // n_ctx, rows % n_ctx
+    rstd = tl.load(RSTD + (b * n_heads + h) * n_ctx + n, mask=row_ok, other=0.)
+    w = tl.load(W + cols, mask=col_ok, other=0.).to(tl.float32)
+    normed = d * rstd[:, None]
+    gw = g * w[None, :]
+    mean = tl.sum(gw * normed, 1) / HEAD_DV
+    dd = rstd[:, None] * (gw - normed * mean[:, None])
+    tl.store(DD + offs, dd.to(DD.dtype.element_ty), mask=mask)
+    if WRITE_Y:
+        tl.store(Y + offs, (normed * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(DW + (pid * n_heads + h) * BLOCK_DV + cols, tl.sum(g * normed, 0))
+
+
+@triton.jit
+def _diff_attn_bwd_dq(
+        Q, K, V, KB, LAM, DD, LSE, DELTA, DQ,
+        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdq_b, sdq_h, sdq_n,
+        n_ctx, n_heads, qk_scale, sm_scale,
+        HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < n_ctx
+    q_ptrs = Q + b * sq_b + 2 * h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :]
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    q1 = tl.load(q_ptrs, mask=q_mask, other=0.)
+    q2 = tl.load(q_ptrs + sq_h, mask=q_mask, other=0.)
+    C = n_heads * HEAD_DV
+    dd = tl.load(DD + (b * n_ctx + offs_m[:, None]) * C + h * HEAD_DV + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.)  # (BLOCK_M, BLOCK_DV)
+    stat = bh * n_ctx + offs_m
+    second = tl.num_programs(1) * n_ctx  # offset of stream 2 in (2, B, h, N)
+    lse1 = tl.load(LSE + stat, mask=row_ok, other=float('inf'))
+    lse2 = tl.load(LSE + second + stat, mask=row_ok, other=float('inf'))
+    k_base = K + b * sk_b + 2 * h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+    lam = tl.load(LAM)
+
+    if ONE_TILE:
+        offs_n = tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
+        k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
+        k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
+        k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
+        v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
+                    mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
+        bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+        p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
+        p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
+        dpv = _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N)
+        delta1 = tl.sum(p1 * dpv, 1)
+        rho2 = tl.sum(p2 * dpv, 1)
+        ds1 = p1 * (dpv - delta1[:, None])
+        ds2 = -lam * p2 * (dpv - rho2[:, None])
+        dq1 = _dot(ds1.to(k1.dtype), k1, PRECISION, DOT_UPCAST)
+        dq2 = _dot(ds2.to(k2.dtype), k2, PRECISION, DOT_UPCAST)
+    else:
+        hi = n_ctx
+        if IS_CAUSAL:
+            hi = tl.minimum(n_ctx, (start_m + 1) * BLOCK_M)
+        delta1 = tl.zeros([BLOCK_M], tl.float32)
+        rho2 = tl.zeros([BLOCK_M], tl.float32)
+        for start_n in range(0, hi, BLOCK_N):  # first pass: the row sums over every key
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
+            k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
+            k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
+            k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
+            v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
+                        mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
+            bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+            p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
+            p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
+            dpv = _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)
+            delta1 += tl.sum(p1 * dpv, 1)
+            rho2 += tl.sum(p2 * dpv, 1)
+        dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start_n in range(0, hi, BLOCK_N):  # second pass: dQ
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
+            k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
+            k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
+            k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
+            v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
+                        mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
+            bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+            p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
+            p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
+            dpv = _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)
+            ds1 = p1 * (dpv - delta1[:, None])
+            ds2 = -lam * p2 * (dpv - rho2[:, None])
+            dq1 += _dot(ds1.to(k1.dtype), k1, PRECISION, DOT_UPCAST)
+            dq2 += _dot(ds2.to(k2.dtype), k2, PRECISION, DOT_UPCAST)
+
+    tl.store(DELTA + stat, delta1, mask=row_ok)
+    tl.store(DELTA + second + stat, rho2, mask=row_ok)
+    dq_ptrs = DQ + b * sdq_b + 2 * h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :]
+    tl.store(dq_ptrs, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(dq_ptrs + sdq_h, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _diff_attn_bwd_dkdv(
+        Q, K, V, KB, LAM, DD, LSE, DELTA, DK, DV,
+        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+        sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+        n_ctx, n_heads, qk_scale, sm_scale,
+        HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_n < n_ctx
+    k_mask = key_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    v_mask = key_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
+    k_ptrs = K + b * sk_b + 2 * h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :]
+    k1 = tl.load(k_ptrs, mask=k_mask, other=0.)  # (BLOCK_N, BLOCK_D)
+    k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
+    v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_dv[None, :], mask=v_mask, other=0.)
+    bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+    lam = tl.load(LAM)
+    q_base = Q + b * sq_b + 2 * h * sq_h
+    C = n_heads * HEAD_DV
+    second = tl.num_programs(1) * n_ctx
+    dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo = 0
+    if IS_CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M  # earlier queries see none of these keys
+    for start_m in range(lo, n_ctx, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < n_ctx
+        q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
+        q_ptrs = q_base + offs_m[:, None] * sq_n + offs_d[None, :]
+        q1 = tl.load(q_ptrs, mask=q_mask, other=0.)
+        q2 = tl.load(q_ptrs + sq_h, mask=q_mask, other=0.)
+        dd = tl.load(DD + (b * n_ctx + offs_m[:, None]) * C + h * HEAD_DV + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.)
+        stat = bh * n_ctx + offs_m
+        lse1 = tl.load(LSE + stat, mask=row_ok, other=float('inf'))
+        lse2 = tl.load(LSE + second + stat, mask=row_ok, other=float('inf'))
+        delta1 = tl.load(DELTA + stat, mask=row_ok, other=0.)
+        rho2 = tl.load(DELTA + second + stat, mask=row_ok, other=0.)
+        p1t = tl.exp2(_scores_t(k1, q1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[None, :])
+        p2t = tl.exp2(_scores_t(k2, q2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[None, :])
+        pt = p1t - lam * p2t  # (BLOCK_N, BLOCK_M): (P1 − λ·P2)ᵀ
+        dv += _dot(pt.to(dd.dtype), dd, PRECISION, DOT_UPCAST)
+        dpvt = _dot(v, tl.trans(dd), PRECISION, DOT_UPCAST)  # (BLOCK_N, BLOCK_M)
+        ds1t = p1t * (dpvt - delta1[None, :])
+        ds2t = -lam * p2t * (dpvt - rho2[None, :])
+        dk1 += _dot(ds1t.to(q1.dtype), q1, PRECISION, DOT_UPCAST)
+        dk2 += _dot(ds2t.to(q2.dtype), q2, PRECISION, DOT_UPCAST)
+    dk_ptrs = DK + b * sdk_b + 2 * h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :]
+    tl.store(dk_ptrs, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(dk_ptrs + sdk_h, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=v_mask)

@@ -1,0 +1,101 @@
+"""A1V − λ·A2V, the sub-norm and the output projection as one autograd op over SDPA's outputs.
+
+The fused path of every SDPA-based split kernel, the duplicate variant and `differentialize`'s
+decoders: it saves only the SDPA outputs (which SDPA's backward holds anyway) and recomputes the
+difference and the normed heads in its hand-written backward (checked against gradcheck in fp64).
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _difference(o1, o2, lam):
+    """A1V − λ·A2V over parts that tile the last dim, as one new tensor (B, N, h, C/h)."""
+    if len(o1) == 1:
+        return torch.addcmul(o1[0], o2[0], lam, value=-1)  # keeps the parts' dtype
+    if torch.compiler.is_compiling():  # dynamo refuses the strided out= below; inductor fuses the cat
+        return torch.cat([torch.addcmul(a, b, lam, value=-1) for a, b in zip(o1, o2)], dim=-1)
+    widths = [a.shape[-1] for a in o1]  # eager: each part written in place, no concatenation copy
+    diff = o1[0].new_empty(*o1[0].shape[:-1], sum(widths))
+    for a, b, out in zip(o1, o2, diff.split(widths, dim=-1)):
+        torch.addcmul(a, b, lam, value=-1, out=out)
+    return diff
+
+
+class _SubNormedDifference(torch.autograd.Function):
+    """y = RMSNorm(A1V − λ·A2V) · weight per head, then y·Wᵀ + b when the output projection is
+    given, saving only the SDPA outputs: the backward recomputes the difference and y.
+
+    forward(lam, weight, eps, proj_weight, proj_bias, n, *parts): parts are A1V's n parts then
+    A2V's n parts, each (B, N, h, ·), tiling the head width in order.
+    """
+
+    @staticmethod
+    def forward(ctx, lam, weight, eps, proj_weight, proj_bias, n, *parts):
+        ctx.n, ctx.eps, ctx.bias_dtype = n, eps, None if proj_bias is None else proj_bias.dtype
+        ctx.save_for_backward(lam, weight, proj_weight, *parts)
+        with torch.autocast(parts[0].device.type, enabled=False):
+            diff = _difference(parts[:n], parts[n:], lam)  # (B, N, h, D)
+            y = F.rms_norm(diff, (diff.shape[-1],), weight, eps)
+            if proj_weight is None:
+                return y
+            bias = None if proj_bias is None else proj_bias.to(y.dtype)
+            return F.linear(y.flatten(-2), proj_weight.to(y.dtype), bias)  # (B, N, C_out), as autocast would
+
+    @staticmethod
+    def backward(ctx, grad):
+        lam, weight, proj_weight, *parts = ctx.saved_tensors
+        o1, o2 = parts[:ctx.n], parts[ctx.n:]
+        grad_pw = grad_pb = grad_lam = grad_weight = None
+        with torch.autocast(grad.device.type, enabled=False):
+            diff = _difference(o1, o2, lam)  # (B, N, h, D), a new tensor
+            dtype, D = diff.dtype, diff.shape[-1]
+            acc = torch.promote_types(dtype, torch.float32)  # statistics in fp32 (fp64 stays fp64)
+            eps = torch.finfo(dtype).eps if ctx.eps is None else ctx.eps  # F.rms_norm's default
+            x = diff.to(acc)
+            rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(D).add_(eps).rsqrt_()
+            normed = x.mul_(rstd)  # (B, N, h, D) in acc
+            del diff, x
+            if proj_weight is not None:
+                g2 = grad.reshape(-1, grad.shape[-1])  # (B·N, C_out)
+                if ctx.needs_input_grad[3]:
+                    # dL/dW = gᵀ·y with y = normed · weight per head: the weight scales W's columns
+                    n2 = normed.to(dtype).reshape(g2.shape[0], -1)  # (B·N, C)
+                    grad_pw = (g2.t() @ n2).to(acc).mul_(weight.to(acc).repeat(normed.shape[-2]))
+                    grad_pw = grad_pw.to(proj_weight.dtype)
+                    del n2
+                if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+                    grad_pb = g2.sum(0, dtype=acc).to(ctx.bias_dtype)
+                grad = (grad @ proj_weight.to(dtype)).unflatten(-1, normed.shape[-2:])  # (B, N, h, D)
+            g, w = grad.to(acc), weight.to(acc)
+            gn = g * normed  # (B, N, h, D)
+            if ctx.needs_input_grad[1]:
+                grad_weight = gn.flatten(0, -2).sum(0).to(weight.dtype)
+            mean = (gn @ w).unsqueeze_(-1).div_(D)  # (B, N, h, 1): mean of g·w·normed over the head
+            del gn
+            # d RMSNorm: rstd · (g·w − normed · mean(g·w · normed))
+            grad_diff = torch.mul(g, w).addcmul_(normed, mean, value=-1).mul_(rstd)  # (B, N, h, D) in acc
+            del g
+            del normed
+            grad_o1 = [grad_diff] if len(o1) == 1 else list(grad_diff.split([p.shape[-1] for p in o1], dim=-1))
+            if ctx.needs_input_grad[0]:  # dL/dλ = −Σ dL/d(diff) · A2V
+                grad_lam = -sum(torch.linalg.vecdot(a, b.to(acc), dim=-1).sum() for a, b in zip(grad_o1, o2))
+                grad_lam = grad_lam.to(lam.dtype)
+            grad_o1 = [a.to(dtype) for a in grad_o1]
+            grad_o2 = [a * -lam for a in grad_o1]
+        return grad_lam, grad_weight, None, grad_pw, grad_pb, None, *grad_o1, *grad_o2
+
+
+def sub_normed_difference(o1, o2, lam: torch.Tensor, weight: torch.Tensor, eps: Optional[float],
+                          proj: Optional[nn.Linear] = None) -> torch.Tensor:
+    """RMSNorm(A1V − λ·A2V) · weight, (B, N, h, C/h) in the parts' dtype; with `proj`, that
+    flattened to (B, N, C) and projected, (B, N, C_out).
+
+    o1, o2: A1V and A2V as equal lists of (B, N, h, ·) parts tiling the head width; lam a 0-dim
+    fp32 tensor; weight (C/h,) in the parts' dtype. Statistics are fp32. Only the parts are saved
+    for backward (SDPA's backward holds them anyway): neither the difference nor the normed heads.
+    """
+    pw, pb = (None, None) if proj is None else (proj.weight, proj.bias)
+    return _SubNormedDifference.apply(lam, weight, eps, pw, pb, len(o1), *o1, *o2)

@@ -1,0 +1,132 @@
+"""The Triton split kernel as a PyTorch custom op, chosen by `DifferentialAttention(split_kernel="triton")`.
+
+`split_diff_attention` runs the split variant's attention, sub-norm and (optionally) output
+projection as the Triton kernels of `split_triton` behind one PyTorch custom op with its own
+backward, so `torch.compile` sees one opaque node and never graph-breaks on it. Triton ships with
+CUDA builds of PyTorch; without it `HAS_TRITON` is False and the layer keeps its SDPA kernels.
+Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
+set before `import diffzoo`), which is how the tests check them on machines without a GPU.
+"""
+import importlib.util
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HAS_TRITON = importlib.util.find_spec('triton') is not None  # CUDA builds of torch ship it; CPU-only ones may not
+if HAS_TRITON:  # a heavy optional dependency: imported only where it is installed
+    from . import split_triton
+else:  # pragma: no cover - exercised only where triton is absent
+    split_triton = None
+INTERPRETED = HAS_TRITON and split_triton.INTERPRETED
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: on CPU tensors under the interpreter
+
+
+def unsupported(q: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float) -> Optional[str]:
+    """Why the Triton split kernel cannot run this call (None when it can)."""
+    if not HAS_TRITON:
+        return 'Triton is not installed'
+    if q.device.type != 'cuda' and not (INTERPRETED and q.device.type == 'cpu'):
+        return f'it runs on CUDA tensors (got {q.device.type}; TRITON_INTERPRET=1 runs it on CPU)'
+    if q.dtype not in DTYPES:
+        return f'dtype {q.dtype} (bf16, fp16, or fp32 under the interpreter)'
+    if q.dtype == torch.float32 and q.device.type == 'cuda':
+        return 'fp32 inputs on CUDA (its IEEE fp32 products spill registers; SDPA is the faster fp32 path)'
+    if dropout_p > 0:
+        return 'attention dropout'
+    if attn_mask is not None and (
+            attn_mask.requires_grad or attn_mask.ndim != 4 or attn_mask.shape[1:3] != (1, 1)):
+        return f'attention mask of shape {tuple(attn_mask.shape)} (it takes key padding, (B, 1, 1, N), and is_causal)'
+    return None
+
+
+def key_padding_bias(attn_mask: Optional[torch.Tensor], batch: int, n: int) -> Optional[torch.Tensor]:
+    """A (B, 1, 1, N) boolean (True = attend) or additive mask as the kernel's (B, N) fp32 bias."""
+    if attn_mask is None:
+        return None
+    mask = attn_mask.reshape(attn_mask.shape[0], n)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32).masked_fill_(~mask, float('-inf'))
+    return mask.float().expand(batch, n).contiguous()
+
+
+if HAS_TRITON:
+    @torch.library.custom_op('diffzoo::split_diff_attention', mutates_args=())
+    def _split_op(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor,
+            key_bias: Optional[torch.Tensor], proj_weight: Optional[torch.Tensor], proj_bias: Optional[torch.Tensor],
+            scale: float, eps: float, is_causal: bool,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, D, lse, rstd = split_triton.forward(q, k, v, lam, weight, key_bias, scale, eps, is_causal)
+        if proj_weight is None:
+            return y, D, lse, rstd
+        bias = None if proj_bias is None else proj_bias.to(y.dtype)
+        with torch.autocast(y.device.type, enabled=False):
+            return F.linear(y, proj_weight.to(y.dtype), bias), D, lse, rstd  # (B, N, C_out), as autocast would
+
+    @_split_op.register_fake
+    def _(q, k, v, lam, weight, key_bias, proj_weight, proj_bias, scale, eps, is_causal):
+        B, h2, N, _ = q.shape
+        C = h2 // 2 * v.shape[-1]
+        out = v.new_empty(B, N, C if proj_weight is None else proj_weight.shape[0])
+        stats = dict(device=q.device, dtype=torch.float32)
+        return out, v.new_empty(B, N, C), q.new_empty(2, B, h2 // 2, N, **stats), q.new_empty(B, h2 // 2, N, **stats)
+
+    @torch.library.custom_op('diffzoo::split_diff_attention_backward', mutates_args=())
+    def _split_backward_op(
+            dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+            weight: torch.Tensor, key_bias: Optional[torch.Tensor], D: torch.Tensor, lse: torch.Tensor,
+            rstd: torch.Tensor, scale: float, is_causal: bool, want_y: bool,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv, dlam, dweight, y = split_triton.backward(
+            dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale, is_causal, want_y)
+        return dq, dk, dv, dlam, dweight, y if want_y else D.new_empty(0)
+
+    @_split_backward_op.register_fake
+    def _(dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale, is_causal, want_y):
+        stats = dict(device=q.device, dtype=torch.float32)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty((), **stats),
+                q.new_empty(weight.shape, **stats), D.new_empty(D.shape if want_y else (0,)))
+
+    def _setup_context(ctx, inputs, output):
+        q, k, v, lam, weight, key_bias, proj_weight, proj_bias, scale, eps, is_causal = inputs
+        _, D, lse, rstd = output
+        ctx.scale, ctx.is_causal = scale, is_causal
+        ctx.bias_dtype = None if proj_bias is None else proj_bias.dtype
+        ctx.save_for_backward(q, k, v, lam, weight, key_bias, proj_weight, D, lse, rstd)
+
+    def _backward(ctx, grad, *_):
+        q, k, v, lam, weight, key_bias, proj_weight, D, lse, rstd = ctx.saved_tensors
+        grad_pw = grad_pb = None
+        dy = grad
+        if proj_weight is not None:
+            dy = grad @ proj_weight.to(grad.dtype)  # (B, N, C)
+        want_y = proj_weight is not None and ctx.needs_input_grad[6]
+        dq, dk, dv, dlam, dweight, y = _split_backward_op(
+            dy, q, k, v, lam, weight, key_bias, D, lse, rstd, ctx.scale, ctx.is_causal, want_y)
+        if want_y:
+            grad_pw = (grad.flatten(0, -2).t() @ y.flatten(0, -2)).to(proj_weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[7]:
+            grad_pb = grad.flatten(0, -2).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return (dq, dk, dv, dlam.to(lam.dtype), dweight.to(weight.dtype), None, grad_pw, grad_pb,
+                None, None, None)
+
+    _split_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def split_diff_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor,
+        scale: float, eps: float, key_bias: Optional[torch.Tensor] = None, is_causal: bool = False,
+        proj: Optional[nn.Linear] = None,
+) -> torch.Tensor:
+    """RMSNorm((softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s)) V) · weight per head as (B, N, C), or that
+    projected by `proj`, (B, N, C_out). q, k (B, 2h, N, d) (query head 2i is Q1 of differential
+    head i, 2i+1 its Q2), v (B, h, N, 2d); lam a 0-dim fp32 tensor; weight (2d,) in v's dtype;
+    key_bias None or (B, N) fp32 from `key_padding_bias`. Saves D (one (B, N, C)) and row statistics.
+    """
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    pw, pb = (None, None) if proj is None else (proj.weight, proj.bias)
+    out, *_ = torch.ops.diffzoo.split_diff_attention(q, k, v, lam, weight, key_bias, pw, pb, scale, eps, is_causal)
+    return out
