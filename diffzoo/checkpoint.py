@@ -17,6 +17,7 @@ import torch
 StateDict = Dict[str, torch.Tensor]
 
 _np_core = getattr(np, '_core', None) or np.core
+RUN_CONFIG = 'diffzoo-run.json'  # the settings a CLIP training run records in its directory (train.launch)
 SAFE_GLOBALS = [
     argparse.Namespace,
     pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,

@@ -49,6 +49,10 @@ PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
 ATTENTION_IMAGES = 3
 
 
+class TrainingFailed(RuntimeError):
+    """A training run of the demo ended without its last checkpoint; the message has its log's tail."""
+
+
 def load(checkpoint: Path):
     """The trained model with the transforms of its run (the recipe's image mean, std, interpolation)."""
     spec = next(s for s in run_checkpoints(checkpoint.parents[1]) if s.pretrained == str(checkpoint))
@@ -99,8 +103,8 @@ def train(model: str, out: Path, args) -> Path:
         print(flush=True)
     if code != 0 or not last.exists():
         tail = ''.join(open(log_path).readlines()[-15:])
-        raise SystemExit(f'training {model} failed (exit {code}); the log is {log_path}:\n{tail}\n'
-                         f'Re-running the demo resumes from the last finished epoch.')
+        raise TrainingFailed(f'training {model} failed (exit {code}); the log is {log_path}:\n{tail}\n'
+                             f'Re-running the demo resumes from the last finished epoch.')
     return last
 
 
@@ -216,7 +220,11 @@ def main(argv: List[str] = None) -> int:
     timings['data_s'] = time.time() - start
 
     print(f'[2/4] training {args.baseline} and {args.model}, {args.epochs} epochs each, same recipe', flush=True)
-    checkpoints = {name: train(name, out, args) for name in (args.baseline, args.model)}
+    try:
+        checkpoints = {name: train(name, out, args) for name in (args.baseline, args.model)}
+    except TrainingFailed as exc:
+        print(f'error: {exc}', file=sys.stderr)
+        return 1
     timings['train_s'] = time.time() - start - timings['data_s']
 
     print('[3/4] evaluating both on the val split', flush=True)
@@ -228,14 +236,14 @@ def main(argv: List[str] = None) -> int:
     pngs, entropies = figures(models, out, args.model)
     timings['total_s'] = time.time() - start
 
-    report = {
+    summary = {
         'models': {n: {'checkpoint': m.spec.pretrained, 'sha256': m.checkpoint_sha256} for n, m in models.items()},
         'data': str(out / 'data'), 'epochs': args.epochs, 'train_scenes': args.train, 'val_scenes': args.val,
         'metrics': results, 'chance': reference, 'attention_entropy': entropies, 'figures': pngs,
         'timings': {k: round(v, 1) for k, v in timings.items()},
     }
     with open(out / 'results.json', 'w') as f:
-        json.dump(report, f, indent=2)
+        json.dump(summary, f, indent=2)
 
     print('\n' + table(results, args.baseline, args.model, reference))
     print(f'\n  results: {out / "results.json"}')

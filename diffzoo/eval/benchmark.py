@@ -143,7 +143,7 @@ def loader(dataset: str, ds, batch_size: int, workers: int):
                                        collate_fn=get_dataset_collate_fn(dataset))
 
 
-def _percent(metrics: Dict, keys) -> Dict[str, float]:
+def _as_percent(metrics: Dict, keys) -> Dict[str, float]:
     """CLIP_benchmark's fractions as percentages; a metric it could not compute (NaN) is left out."""
     return {k: 100.0 * float(metrics[k]) for k in keys if k in metrics and metrics[k] == metrics[k]}
 
@@ -183,7 +183,7 @@ def zero_shot_classification(loaded, dataset: str, root, device: str, amp: bool,
     ks = (1, 5) if len(ds.classes) >= 5 else (1,)
     metrics = dict(zip(('acc1', 'acc5'), accuracy(logits, target, ks)))
     metrics['mean_per_class_recall'] = balanced_accuracy_score(target, logits.argmax(1))
-    return _percent(metrics, ('acc1', 'acc5', 'mean_per_class_recall'))
+    return _as_percent(metrics, ('acc1', 'acc5', 'mean_per_class_recall'))
 
 
 def zero_shot_retrieval(loaded, dataset: str, root, device: str, amp: bool, batch_size: int = 64,
@@ -193,7 +193,7 @@ def zero_shot_retrieval(loaded, dataset: str, root, device: str, amp: bool, batc
     ds = build(dataset, root, loaded.preprocess, 'test', 'zeroshot_retrieval')
     metrics = zeroshot_retrieval.evaluate(loaded.model, loader(dataset, ds, batch_size, workers), loaded.tokenizer,
                                           device=device, amp=amp, recall_k_list=list(RECALL_AT))
-    return _percent(metrics, [f'{d}_retrieval_recall@{k}' for d in ('image', 'text') for k in RECALL_AT])
+    return _as_percent(metrics, [f'{d}_retrieval_recall@{k}' for d in ('image', 'text') for k in RECALL_AT])
 
 
 def train_split(dataset: str) -> str:
@@ -222,7 +222,7 @@ def linear_probe(loaded, dataset: str, root, device: str, amp: bool, batch_size:
             metrics = probe.evaluate(loaded.model, loader(dataset, train, batch_size, workers),
                                      loader(dataset, test, batch_size, workers), -1, batch_size, workers, lr,
                                      epochs, 'features', seed, features, device='cuda', normalize=True, amp=amp)
-    return _percent(metrics, ('lp_acc1', 'lp_acc5', 'lp_mean_per_class_recall'))
+    return _as_percent(metrics, ('lp_acc1', 'lp_acc5', 'lp_mean_per_class_recall'))
 
 
 @torch.no_grad()

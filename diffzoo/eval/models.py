@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-RUN_CONFIG = 'diffzoo-run.json'  # diffzoo.train.launch.RUN_CONFIG, read without importing the training stack
+from diffzoo.checkpoint import RUN_CONFIG
+
 PARAMS_TXT = 'params.txt'
 RUN_PREPROCESS = {'image_mean': 'image_mean', 'image_std': 'image_std', 'image_interpolation': 'image_interpolation'}
 HASH_CHARS = 12

@@ -19,7 +19,7 @@ this module follows it:
 - `overall` is the mean over questions, and `perQuestionType` / `perAnswerType` the mean over the
   questions of each `question_type` / `answer_type`, all as round(100 · mean, 2), summed in annotation
   order. The script is Python 2, whose round() takes halves away from zero (12.125 → 12.13 where
-  Python 3 gives 12.12); `_percent` does the same on the float's exact value.
+  Python 3 gives 12.12); `_py2_rounded_percent` does the same on the float's exact value.
 - The results must be a list of {"question_id", "answer"} covering exactly the annotated questions
   (`loadRes` asserts the two id sets are equal). `evaluate` requires the same by default;
   `allow_missing=True` scores only the predicted questions. Ids in the results but not in the
@@ -143,7 +143,7 @@ def vqa_accuracy(prediction: str, answers: Sequence[str]) -> float:
     return sum(held_out) / len(held_out)
 
 
-def _percent(fraction_sum: float, count: int) -> float:
+def _py2_rounded_percent(fraction_sum: float, count: int) -> float:
     """round(100 · sum / count, 2) as the script's Python 2 rounds: halves away from zero."""
     value = 100 * fraction_sum / count
     return float(Decimal(value).quantize(Decimal('0.01'), rounding=ROUND_HALF_UP))
@@ -252,10 +252,10 @@ def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = 
         by_question_type.setdefault(row['question_type'], []).append(accuracy)
         by_answer_type.setdefault(row['answer_type'], []).append(accuracy)
     return {
-        'overall': _percent(sum(per_question.values()), len(per_question)),
-        'perQuestionType': {t: _percent(sum(accs), len(accs)) for t, accs in by_question_type.items()},
-        'perAnswerType': {t: _percent(sum(accs), len(accs)) for t, accs in by_answer_type.items()},
-        'perQuestion': {qid: _percent(acc, 1) for qid, acc in per_question.items()},
+        'overall': _py2_rounded_percent(sum(per_question.values()), len(per_question)),
+        'perQuestionType': {t: _py2_rounded_percent(sum(accs), len(accs)) for t, accs in by_question_type.items()},
+        'perAnswerType': {t: _py2_rounded_percent(sum(accs), len(accs)) for t, accs in by_answer_type.items()},
+        'perQuestion': {qid: _py2_rounded_percent(acc, 1) for qid, acc in per_question.items()},
         'num_questions': len(per_question),
         'num_missing': len(missing),
         'counts': {'perQuestionType': {t: len(a) for t, a in by_question_type.items()},

@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from diffzoo.checkpoint import RUN_CONFIG
 from diffzoo.data.shards import DataError
 
 from . import seams
@@ -27,7 +28,6 @@ from .recipe import (
     parse_overrides, recipe_names, resolve,
 )
 
-RUN_CONFIG = 'diffzoo-run.json'
 # open_clip_train settings that may differ when a run is resumed (hardware, logging, world size).
 MAY_CHANGE_ON_RESUME = {
     'workers', 'batch_size', 'accum_freq', 'warmup', 'local_loss', 'gather_with_grad', 'log_every_n_steps',

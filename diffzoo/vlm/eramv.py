@@ -49,7 +49,7 @@ class PostProjectionMLP(nn.Module):
         return x + self.fc2(self.act(self.fc1(x)))
 
 
-def cls_attention(vision, pixel_values: torch.Tensor):
+def anchor_scores(vision, pixel_values: torch.Tensor):
     """(patch tokens (B, P, D_v), scores (B, P)): the tower's tokens and its last block's CLS attention."""
     if vision.kind != 'timm' or vision.prefix_tokens < 1:
         raise ValueError('eRAM-V anchors need a vision tower with a CLS token (a timm / diffzoo ViT trunk); '

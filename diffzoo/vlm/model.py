@@ -32,7 +32,7 @@ import torch.nn as nn
 from transformers import DynamicCache
 
 from .differential import DIFF_EAGER, DIFF_SDPA, INJECTED, find_decoder, register_attention
-from .eramv import InjectedFeatures, PostProjectionMLP, cls_attention, default_inject_layers, select_anchors
+from .eramv import InjectedFeatures, PostProjectionMLP, anchor_scores, default_inject_layers, select_anchors
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
 INTEGRATIONS = ('full', 'eramv')
@@ -150,7 +150,7 @@ class VisionLanguageModel(nn.Module):
         """(sequence image embeddings (B, P or k, D), injected features (B, P, D) or None, anchor indices)."""
         if self.integration == 'full':
             return self.image_embeddings(pixel_values), None, None
-        tokens, scores = cls_attention(self.vision, pixel_values.to(self.projector.weight.dtype))
+        tokens, scores = anchor_scores(self.vision, pixel_values.to(self.projector.weight.dtype))
         features = self.post_mlp(self.projector(tokens))  # (B, P, D): every patch, fine-grained
         anchors, index = select_anchors(features, scores, self.anchors)  # (B, k, D), original order
         return anchors * self.embed_scale, features, index

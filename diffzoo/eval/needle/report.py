@@ -33,7 +33,8 @@ def plot_cells(result: Dict, path, title: Optional[str] = None) -> Path:
     ax.set_ylabel('needle row')
     metrics = result['metrics']
     ax.set_title(title or f'MMNeedle ({result["protocol"]} protocol), M={result["m"]}, {n}x{n}\n'
-                          f'exact {_percent(metrics["exact_accuracy"])}, index {_percent(metrics["index_accuracy"])}',
+                          f'exact {_format_percent(metrics["exact_accuracy"])}, '
+                          f'index {_format_percent(metrics["index_accuracy"])}',
                  fontsize=9)
     fig.colorbar(image, ax=ax, label='exact accuracy', fraction=0.046, pad=0.04)
     fig.tight_layout()
@@ -43,7 +44,7 @@ def plot_cells(result: Dict, path, title: Optional[str] = None) -> Path:
     return path
 
 
-def _percent(value: Optional[float]) -> str:
+def _format_percent(value: Optional[float]) -> str:
     return '-' if value is None else f'{100 * value:.2f}%'
 
 
@@ -61,13 +62,13 @@ def table(result: Dict) -> str:
     lines = [f'MMNeedle, {result["protocol"]} protocol: M={result["m"]} image(s) of {n}x{n} sub-images, '
              f'{c["samples"]} samples ({c["positives"]} with the needle, {c["negatives"]} without)',
              f'{"metric":<28}{"accuracy":>10}  correct / total']
-    lines += [f'{name:<28}{_percent(value):>10}  {right} / {total}' for name, value, right, total in rows]
+    lines += [f'{name:<28}{_format_percent(value):>10}  {right} / {total}' for name, value, right, total in rows]
     lines.append(f'queries {c["queries"]}, unreadable answers {c["unreadable_answers"]}, '
                  f'samples left out (no answer) {c["empty"]}')
     lines.append('exact accuracy by the needle\'s cell (row \\ column):')
     lines.append('      ' + ''.join(f'{col + 1:>10}' for col in range(n)))
     for r in range(n):
-        lines.append(f'{r + 1:>6}' + ''.join(f'{_percent(v):>10}' for v in result['per_cell']['exact_accuracy'][r]))
+        lines.append(f'{r + 1:>6}' + ''.join(f'{_format_percent(v):>10}' for v in result['per_cell']['exact_accuracy'][r]))
     return '\n'.join(lines)
 
 
