@@ -1,4 +1,12 @@
-"""Reading checkpoints safely, and the official DiffCLIP layout as a pure state-dict conversion.
+"""Reading checkpoints safely, the preprocessing a checkpoint was trained with, and the official
+DiffCLIP layout as a pure state-dict conversion.
+
+Preprocessing record (`preprocess_record(path)`), open_clip's keys (mean, std, interpolation,
+resize_mode), looked up in this order:
+- a `.safetensors` file's metadata `preprocess_cfg` (JSON; `python -m diffzoo.convert` writes it);
+- a training run's settings, for `RUN/checkpoints/epoch_K.pt`: `RUN/diffzoo-run.json` (written by
+  `python -m diffzoo.train`), else open_clip_train's `RUN/params.txt` (image_mean, image_std,
+  image_interpolation, image_resize_mode).
 
 Official DiffCLIP files (`hammh0a/DiffCLIP_ViTB16_CC3M`, `…_CC12M`, `checkpoint_best.pt`) are
 SLIP-style pickles: {'state_dict': {'module.<key>': tensor}, 'args': argparse.Namespace with
@@ -6,10 +14,12 @@ pathlib paths, numpy scalars, optimizer state, …}. They are read with `weights
 exactly the extra globals such files hold (`SAFE_GLOBALS`); any other global is refused by name.
 """
 import argparse
+import ast
+import json
 import pathlib
 import pickle
 import re
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,6 +28,10 @@ StateDict = Dict[str, torch.Tensor]
 
 _np_core = getattr(np, '_core', None) or np.core
 RUN_CONFIG = 'diffzoo-run.json'  # the settings a CLIP training run records in its directory (train.launch)
+PARAMS_TXT = 'params.txt'  # open_clip_train's record of its arguments
+PREPROCESS_METADATA = 'preprocess_cfg'  # the safetensors metadata key holding open_clip's preprocess cfg (JSON)
+RUN_PREPROCESS = {'image_mean': 'mean', 'image_std': 'std', 'image_interpolation': 'interpolation',
+                  'image_resize_mode': 'resize_mode'}  # open_clip_train flag → open_clip preprocess key
 SAFE_GLOBALS = [
     argparse.Namespace,
     pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
@@ -33,6 +47,43 @@ SAFE_GLOBALS = [
 
 class CheckpointError(ValueError):
     """A file that cannot be used as the checkpoint asked for; the message names the file and the fix."""
+
+
+def run_settings(run_dir) -> Dict:
+    """A training run's open_clip_train arguments: diffzoo-run.json, else params.txt ('key: value' lines);
+    {} when it has neither."""
+    run_dir = pathlib.Path(run_dir)
+    if (run_dir / RUN_CONFIG).is_file():
+        with open(run_dir / RUN_CONFIG) as f:
+            return json.load(f)
+    settings = {}
+    if (run_dir / PARAMS_TXT).is_file():
+        for line in (run_dir / PARAMS_TXT).read_text().splitlines():
+            key, sep, value = line.partition(': ')
+            if sep:
+                try:
+                    settings[key] = ast.literal_eval(value)
+                except (ValueError, SyntaxError):
+                    settings[key] = value
+    return settings
+
+
+def preprocess_record(path) -> Optional[Dict]:
+    """The preprocessing `path` was trained with, in open_clip's preprocess-cfg keys (module
+    docstring); None when neither the file nor its run records it."""
+    path = pathlib.Path(path)
+    if path.suffix == '.safetensors':
+        from safetensors import safe_open
+        with safe_open(str(path), framework='pt') as f:
+            recorded = (f.metadata() or {}).get(PREPROCESS_METADATA)
+        if recorded:
+            return json.loads(recorded)
+    if path.parent.name == 'checkpoints':
+        settings = run_settings(path.parent.parent)
+        record = {key: settings[flag] for flag, key in RUN_PREPROCESS.items() if settings.get(flag) is not None}
+        if record:
+            return {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+    return None
 
 
 def read_checkpoint(path) -> object:

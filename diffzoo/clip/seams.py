@@ -12,9 +12,16 @@ open_clip's internals fails here, by name, instead of somewhere deep in a forwar
 - `open_clip.factory.load_checkpoint`: a checkpoint for another architecture fails with the first
   missing/unexpected keys instead of torch's full list.
 - `open_clip.pretrained._PRETRAINED`: DiffCLIP's pretrained tags (`cc3m`, `cc12m`).
+- `open_clip.factory.create_model` (and the `open_clip.create_model` it is exported as): a
+  checkpoint file gets the preprocessing it was trained with (`diffzoo.checkpoint.preprocess_record`:
+  its metadata, or its training run's settings) under any the caller forces; a file with no record
+  keeps open_clip's defaults and warns once, naming them; `hf-hub:<an official DiffCLIP repo>`
+  (whose repos hold no open_clip config) is read as the matching tag (`diffclip-b16`, `cc3m`).
 """
 import functools
 import inspect
+import os
+import warnings
 from importlib import resources
 from typing import Callable
 
@@ -24,11 +31,12 @@ import open_clip.factory
 import open_clip.model
 import open_clip.pretrained
 import torch
-from open_clip.model import CLIPTextCfg
+from open_clip.model import CLIPTextCfg, set_model_preprocess_cfg
 from open_clip.transformer import LayerNorm, LayerNormFp32, QuickGELU
 
 from diffzoo.checkpoint import (
-    CheckpointError, first_keys, is_official_diffclip, official_diffclip_to_open_clip, read_state_dict,
+    CheckpointError, first_keys, is_official_diffclip, official_diffclip_to_open_clip, preprocess_record,
+    read_state_dict,
 )
 from .pretrained import PRETRAINED
 from .text_tower import DiffTextTransformer
@@ -128,6 +136,41 @@ def _checkpoint_loader(original):
     return load_checkpoint
 
 
+HF_HUB = 'hf-hub:'
+OFFICIAL_REPOS = {cfg['hf_hub'].rsplit('/', 1)[0]: (name, tag)  # hub repo → (model, tag)
+                  for name, tags in PRETRAINED.items() for tag, cfg in tags.items()}
+_WARNED = set()
+
+
+def _apply_preprocess_record(model, pretrained, forced) -> None:
+    """The preprocessing a checkpoint file records, under what the caller forced (module docstring)."""
+    if not isinstance(pretrained, (str, os.PathLike)) or not os.path.isfile(pretrained):
+        return
+    forced = dict(forced or {})
+    record = preprocess_record(pretrained)
+    current = open_clip.get_model_preprocess_cfg(model)
+    if record is None:
+        assumed = {k: current.get(k) for k in ('mean', 'std', 'interpolation') if k not in forced}
+        if assumed and str(pretrained) not in _WARNED:
+            _WARNED.add(str(pretrained))
+            warnings.warn(
+                f'pretrained={pretrained}: no record of the preprocessing it was trained with (no preprocess_cfg '
+                f'in its metadata, no training run beside it); assuming {assumed}. Pass image_mean/image_std/'
+                f'image_interpolation, or write it with python -m diffzoo.convert, which records them', stacklevel=3)
+        return
+    set_model_preprocess_cfg(model, {**current, **record, **forced})
+
+
+def _model_creator(original):
+    def create_model(model_name, pretrained=None, *args, **kwargs):
+        if isinstance(model_name, str) and model_name.startswith(HF_HUB) and model_name[len(HF_HUB):] in OFFICIAL_REPOS:
+            model_name, pretrained = OFFICIAL_REPOS[model_name[len(HF_HUB):]]  # the repo's tag
+        model = original(model_name, pretrained, *args, **kwargs)
+        _apply_preprocess_record(model, pretrained, kwargs.get('force_preprocess_cfg'))
+        return model
+    return create_model
+
+
 def register_configs() -> None:
     configs = resources.files('diffzoo') / 'model_configs'
     if str(configs) not in {str(p) for p in open_clip.factory._MODEL_CONFIG_PATHS}:
@@ -144,6 +187,8 @@ def install() -> None:
           _state_dict_loader)
     wrap_function(open_clip.factory, 'load_checkpoint', ('model', 'checkpoint_path', 'strict', 'weights_only'),
           _checkpoint_loader)
+    wrap_function(open_clip.factory, 'create_model', ('model_name', 'pretrained'), _model_creator)
+    open_clip.create_model = open_clip.factory.create_model  # the package's own reference
     registry = getattr(open_clip.pretrained, '_PRETRAINED', None)
     if not isinstance(registry, dict):
         raise OpenClipChanged(f'open_clip {open_clip.__version__} has no pretrained registry '

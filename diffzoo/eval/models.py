@@ -9,20 +9,17 @@ A training run directory (`runs/NAME/`) gives its checkpoints `checkpoints/epoch
 name and the image normalisation it was trained with come from the run's `diffzoo-run.json`
 (written by `python -m diffzoo.train`), or open_clip_train's own `params.txt`.
 """
-import ast
 import difflib
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from diffzoo.checkpoint import RUN_CONFIG
+from diffzoo.checkpoint import PARAMS_TXT, RUN_CONFIG, run_settings
 
-PARAMS_TXT = 'params.txt'
-RUN_PREPROCESS = {'image_mean': 'image_mean', 'image_std': 'image_std', 'image_interpolation': 'image_interpolation'}
+RUN_TRANSFORM_KWARGS = ('image_mean', 'image_std', 'image_interpolation')  # run flags create_model_and_transforms takes
 HASH_CHARS = 12
 
 
@@ -84,24 +81,6 @@ def check_model_name(name: str, where: str) -> None:
                         + ' (all of them: python -c "import diffzoo, open_clip; print(open_clip.list_models())")')
 
 
-def _run_settings(run_dir: Path) -> Dict:
-    """The run's open_clip_train arguments: diffzoo-run.json, else params.txt ('key: value' lines)."""
-    if (run_dir / RUN_CONFIG).is_file():
-        with open(run_dir / RUN_CONFIG) as f:
-            return json.load(f)
-    if (run_dir / PARAMS_TXT).is_file():
-        settings = {}
-        for line in (run_dir / PARAMS_TXT).read_text().splitlines():
-            key, sep, value = line.partition(': ')
-            if sep:
-                try:
-                    settings[key] = ast.literal_eval(value)
-                except (ValueError, SyntaxError):
-                    settings[key] = value
-        return settings
-    return {}
-
-
 def run_checkpoints(run_dir, model_name: Optional[str] = None, every: bool = True) -> List[ModelSpec]:
     """The `epoch_K.pt` checkpoints of a training run in epoch order (only the last unless `every`)."""
     run_dir = Path(run_dir)
@@ -115,13 +94,13 @@ def run_checkpoints(run_dir, model_name: Optional[str] = None, every: bool = Tru
     if not found:
         raise EvalError(f'--run-dir {run_dir}: no checkpoints/epoch_K.pt in it; train with --save-frequency 1 '
                         f'(the recipes do) or pass a checkpoint with --model NAME,PATH')
-    settings = _run_settings(run_dir)
+    settings = run_settings(run_dir)
     name = model_name or settings.get('model')
     if not name:
         raise EvalError(f'--run-dir {run_dir}: neither {RUN_CONFIG} nor {PARAMS_TXT} names the model; '
                         f'pass --run-model NAME (the open_clip model the run trained)')
     check_model_name(name, f'--run-dir {run_dir}')
-    preprocess = {kwarg: settings[key] for key, kwarg in RUN_PREPROCESS.items() if settings.get(key) is not None}
+    preprocess = {key: settings[key] for key in RUN_TRANSFORM_KWARGS if settings.get(key) is not None}
     epochs = sorted(found) if every else [max(found)]
     return [ModelSpec(name, str(found[k]), epoch=k, preprocess=preprocess) for k in epochs]
 

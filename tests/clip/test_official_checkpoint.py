@@ -58,14 +58,82 @@ def test_converter_is_a_complete_key_map(official):
     torch.testing.assert_close(converted['visual.trunk.blocks.3.attn.qkv.weight'], torch.cat([q, k, v]))
 
 
-def test_convert_cli_writes_safetensors_open_clip_loads(official, inputs, tmp_path):
+def _assert_diffclip_preprocessing(preprocess):
+    """ImageNet mean/std and a bilinear resize, as DiffCLIP trained (not open_clip's OpenAI defaults)."""
+    resize, norm = preprocess.transforms[0], preprocess.transforms[-1]
+    assert tuple(norm.mean) == (0.485, 0.456, 0.406) and tuple(norm.std) == (0.229, 0.224, 0.225), norm
+    assert resize.interpolation.value == 'bilinear', resize
+
+
+def test_convert_cli_writes_safetensors_open_clip_loads(official, inputs, tmp_path, recwarn):
     path, state_dict = official
     out = tmp_path / 'diffclip_b16_cc12m.safetensors'
     proc = subprocess.run([sys.executable, '-m', 'diffzoo.convert', 'official-diffclip', str(path), str(out)],
                           capture_output=True, text=True, check=True)
-    assert '149,629,185 parameters' in proc.stdout
-    model = open_clip.create_model('diffclip-b16', pretrained=str(out))
+    assert '149,629,185 parameters' in proc.stdout and 'mean (0.485, 0.456, 0.406)' in proc.stdout
+    model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained=str(out))
     _assert_matches_official(model, state_dict, inputs)
+    _assert_diffclip_preprocessing(preprocess)  # from the file's own metadata
+    assert not [w for w in recwarn if 'no record of the preprocessing' in str(w.message)]
+
+
+def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, inputs, tmp_path):
+    path, state_dict = official
+    out = tmp_path / 'diffclip-b16-cc12m'
+    subprocess.run([sys.executable, '-m', 'diffzoo.convert', 'official-diffclip', str(path), str(out)],
+                   capture_output=True, text=True, check=True)
+    assert {p.name for p in out.iterdir()} == {'open_clip_config.json', 'open_clip_model.safetensors'}
+    model, _, preprocess = open_clip.create_model_and_transforms(f'local-dir:{out}')
+    _assert_matches_official(model, state_dict, inputs)
+    _assert_diffclip_preprocessing(preprocess)
+    # the same folder served by the hub: a snapshot in an offline Hugging Face cache
+    cache = _hub_cache(tmp_path / 'hub', 'me/diffclip-b16-cc12m', out)
+    torch.save(state_dict, tmp_path / 'reference.pt')
+    _run_offline(cache, tmp_path, f"""
+        model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:me/diffclip-b16-cc12m')
+        check(model, preprocess, {str(tmp_path / 'reference.pt')!r})
+    """)
+
+
+def test_publish_refuses_a_folder_without_the_hub_layout(tmp_path, capsys):
+    from diffzoo.convert import main
+    assert main(['publish', str(tmp_path), '--repo', 'me/x']) == 2
+    assert 'no open_clip_config.json, open_clip_model.safetensors' in capsys.readouterr().err
+
+
+def _hub_cache(cache, repo, files):
+    """An offline Hugging Face cache holding `repo` at one commit: every file of `files` (a folder or a file)."""
+    commit = '0123456789abcdef0123456789abcdef01234567'
+    repo_dir = cache / f'models--{repo.replace("/", "--")}'
+    (repo_dir / 'refs').mkdir(parents=True)
+    (repo_dir / 'refs' / 'main').write_text(commit)
+    snapshot = repo_dir / 'snapshots' / commit
+    snapshot.mkdir(parents=True)
+    for f in (sorted(files.iterdir()) if files.is_dir() else [files]):
+        (snapshot / f.name).symlink_to(f)
+    return cache
+
+
+def _run_offline(cache, tmp_path, body):
+    """`body` in a fresh interpreter with HF_HUB_OFFLINE and `cache`; check(model, preprocess, reference)
+    compares with the official outputs and DiffCLIP's preprocessing."""
+    script = textwrap.dedent('''
+        import torch, open_clip, diffzoo
+        from tests.clip import official_reference as ref
+        def check(model, preprocess, reference):
+            sd = torch.load(reference)
+            images = torch.randn(1, 3, 224, 224)
+            with torch.no_grad():
+                a, b = model.encode_image(images), ref.encode_image(sd, images)
+            assert ((a - b).norm() / b.norm()).item() < 1e-5
+            norm, resize = preprocess.transforms[-1], preprocess.transforms[0]
+            assert tuple(norm.mean) == (0.485, 0.456, 0.406), norm
+            assert resize.interpolation.value == 'bilinear', resize
+    ''') + textwrap.dedent(body) + "\nprint('ok')\n"
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HUB_CACHE': str(cache), 'HF_HOME': str(tmp_path / 'home'),
+           'PYTHONPATH': os.getcwd()}
+    proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith('ok'), proc.stderr[-2000:]
 
 
 def test_convert_cli_refuses_other_files(tmp_path):
@@ -78,33 +146,18 @@ def test_convert_cli_refuses_other_files(tmp_path):
 
 @pytest.mark.parametrize('tag, repo', [('cc3m', 'hammh0a/DiffCLIP_ViTB16_CC3M'),
                                        ('cc12m', 'hammh0a/DiffCLIP_ViTB16_CC12M')])
-def test_pretrained_tags_resolve_through_the_hub_cache_offline(official, tmp_path, tag, repo):
+def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_offline(official, tmp_path, tag, repo):
+    """`pretrained='cc3m'` and `hf-hub:hammh0a/DiffCLIP_ViTB16_CC3M` (whose repo holds only the
+    official checkpoint_best.pt) give the same model, with DiffCLIP's preprocessing."""
     path, state_dict = official
-    cache = tmp_path / 'hub'
-    commit = '0123456789abcdef0123456789abcdef01234567'
-    repo_dir = cache / f'models--{repo.replace("/", "--")}'
-    (repo_dir / 'refs').mkdir(parents=True)
-    (repo_dir / 'refs' / 'main').write_text(commit)
-    (repo_dir / 'snapshots' / commit).mkdir(parents=True)
-    (repo_dir / 'snapshots' / commit / 'checkpoint_best.pt').symlink_to(path)
+    cache = _hub_cache(tmp_path / 'hub', repo, path)
     torch.save(state_dict, tmp_path / 'reference.pt')
-    script = textwrap.dedent(f'''
-        import torch, open_clip, diffzoo
-        from tests.clip import official_reference as ref
+    _run_offline(cache, tmp_path, f"""
         model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained='{tag}')
-        sd = torch.load({str(tmp_path / 'reference.pt')!r})
-        images = torch.randn(1, 3, 224, 224)
-        with torch.no_grad():
-            a, b = model.encode_image(images), ref.encode_image(sd, images)
-        assert ((a - b).norm() / b.norm()).item() < 1e-5
-        norm = preprocess.transforms[-1]
-        assert tuple(norm.mean) == (0.485, 0.456, 0.406), norm
-        print('ok')
-    ''')
-    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HUB_CACHE': str(cache), 'HF_HOME': str(tmp_path / 'home'),
-           'PYTHONPATH': os.getcwd()}
-    proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-2000:]
+        check(model, preprocess, {str(tmp_path / 'reference.pt')!r})
+        model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:{repo}')
+        check(model, preprocess, {str(tmp_path / 'reference.pt')!r})
+    """)
     assert tag in open_clip.list_pretrained_tags_by_model('diffclip-b16')
 
 

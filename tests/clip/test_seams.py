@@ -44,3 +44,49 @@ def test_unknown_diffzoo_keys_are_refused():
     cfg['text_cfg']['diffzoo']['lambda'] = 0.5
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['lambda'\]"):
         open_clip.model.CLIP(**cfg)
+
+
+def _normalize(preprocess):
+    norm = preprocess.transforms[-1]
+    return tuple(norm.mean), tuple(norm.std), preprocess.transforms[0].interpolation.value
+
+
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 'bilinear')
+
+
+def test_a_run_checkpoint_loads_with_its_runs_preprocessing(tmp_path, recwarn):
+    """open_clip_train's epoch_K.pt carries no preprocessing; its run directory's settings do."""
+    import json
+    import torch
+    model = open_clip.create_model('diffclip-tiny')
+    run = tmp_path / 'run'
+    (run / 'checkpoints').mkdir(parents=True)
+    torch.save({'epoch': 1, 'state_dict': model.state_dict()}, run / 'checkpoints' / 'epoch_1.pt')
+    (run / 'params.txt').write_text("model: diffclip-tiny\nimage_mean: (0.485, 0.456, 0.406)\n"
+                                    "image_std: (0.229, 0.224, 0.225)\nimage_interpolation: bilinear\n")
+    checkpoint = str(run / 'checkpoints' / 'epoch_1.pt')
+    _, _, preprocess = open_clip.create_model_and_transforms('diffclip-tiny', pretrained=checkpoint)
+    assert _normalize(preprocess) == IMAGENET  # from open_clip_train's params.txt
+    (run / 'diffzoo-run.json').write_text(json.dumps({'image_mean': [0.5, 0.5, 0.5], 'image_std': [0.25] * 3}))
+    _, _, preprocess = open_clip.create_model_and_transforms('diffclip-tiny', pretrained=checkpoint)
+    assert _normalize(preprocess)[:2] == ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))  # diffzoo's record first
+    _, _, preprocess = open_clip.create_model_and_transforms('diffclip-tiny', pretrained=checkpoint,
+                                                             image_mean=(0.1, 0.2, 0.3))
+    assert _normalize(preprocess)[:2] == ((0.1, 0.2, 0.3), (0.25, 0.25, 0.25))  # what the caller forces wins
+    assert not [w for w in recwarn if 'no record of the preprocessing' in str(w.message)]
+
+
+def test_a_bare_weights_file_warns_once_naming_what_it_assumes(tmp_path):
+    import torch
+    torch.save(open_clip.create_model('diffclip-tiny').state_dict(), tmp_path / 'weights.pt')
+    with pytest.warns(UserWarning, match=r"weights\.pt: no record of the preprocessing .* assuming \{'mean': "
+                                         r"\(0\.4814"):
+        open_clip.create_model_and_transforms('diffclip-tiny', pretrained=str(tmp_path / 'weights.pt'))
+    import warnings
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter('always')
+        open_clip.create_model_and_transforms('diffclip-tiny', pretrained=str(tmp_path / 'weights.pt'))
+        open_clip.create_model_and_transforms('diffclip-tiny', pretrained=str(tmp_path / 'weights.pt'),
+                                              image_mean=IMAGENET[0], image_std=IMAGENET[1],
+                                              image_interpolation='bilinear')
+    assert not [w for w in again if 'no record' in str(w.message)]  # once per file; nothing assumed when all given
