@@ -16,14 +16,16 @@ name without `wds/`, `{dataset_cleaned}` the same with `/` -> `-`). `wds/NAME` i
 webdataset export (`ROOT/test/nshards.txt`, `ROOT/test/0.tar`, …; the Hugging Face repository
 `clip-benchmark/wds_NAME`); retrieval sets are read only in that form. Metrics are in percent.
 """
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from . import seams
 from .models import EvalError
+
+seams.install()  # CLIP_benchmark's accuracy under NumPy 2 (diffzoo.eval.seams)
 
 RECALL_AT = (1, 5, 10)
 WDS_REPO = 'https://huggingface.co/datasets/clip-benchmark/wds_{cleaned}'
@@ -86,12 +88,19 @@ def default_task(dataset: str) -> str:
     return get_dataset_default_task(short_name(dataset))
 
 
-def dataset_root(template: Optional[str], dataset: str) -> Optional[Path]:
-    """CLIP_benchmark's rule: `--dataset-root` formatted with {dataset} and {dataset_cleaned}."""
+def dataset_root(template: Optional[str], dataset: str) -> Union[Path, str, None]:
+    """CLIP_benchmark's rule: `--dataset-root` formatted with {dataset} and {dataset_cleaned}; a URL
+    (CLIP_benchmark's usual https://huggingface.co/datasets/clip-benchmark/wds_{dataset_cleaned}/tree/main,
+    or any http(s) server with the same files) stays a string."""
     if template is None:
         return None
     name = short_name(dataset)
-    return Path(template.format(dataset=name, dataset_cleaned=name.replace('/', '-')))
+    root = template.format(dataset=name, dataset_cleaned=name.replace('/', '-'))
+    return root if is_url(root) else Path(root)
+
+
+def is_url(root) -> bool:
+    return isinstance(root, str) and '://' in root
 
 
 def check_known(dataset: str) -> None:
@@ -120,6 +129,11 @@ def check_local(dataset: str, root: Optional[Path], split: str = 'test') -> None
     if root is None:
         raise DatasetMissing(f'--dataset {dataset}: pass --dataset-root (its local copy, or a template such as '
                              f'/data/{{dataset}}); get it with: {how}')
+    if is_url(root):
+        if not dataset.startswith('wds/'):
+            raise DatasetMissing(f'--dataset {dataset}: --dataset-root {root} is a URL, which CLIP_benchmark reads '
+                                 f'only for its webdataset exports (wds/NAME); pass the local copy: {how}')
+        return  # read (streamed) by CLIP_benchmark's webdataset builder
     if not any(_present(root / p) for p in needs):
         expected = ' or '.join(str(root / p) for p in needs)
         raise DatasetMissing(f'--dataset {dataset}: no local copy at {expected} (nothing is downloaded); get it '
@@ -130,8 +144,14 @@ def build(dataset: str, root: Optional[Path], transform, split: str, task: str):
     """CLIP_benchmark's dataset, local copy only, checked first."""
     from clip_benchmark.datasets.builder import build_dataset
     check_local(dataset, root, split)
-    return build_dataset(dataset_name=dataset, root=str(root or '.'), transform=transform, split=split,
-                         download=False, task=task)
+    try:
+        return build_dataset(dataset_name=dataset, root=str(root or '.'), transform=transform, split=split,
+                             download=False, task=task)
+    except FileNotFoundError as exc:
+        if not is_url(root):
+            raise
+        raise DatasetMissing(f'--dataset {dataset}: --dataset-root {root}: no {split}/nshards.txt could be read '
+                             f'there ({exc}); pass the URL of a webdataset export') from None
 
 
 def loader(dataset: str, ds, batch_size: int, workers: int):
@@ -148,26 +168,6 @@ def _as_percent(metrics: Dict, keys) -> Dict[str, float]:
     return {k: 100.0 * float(metrics[k]) for k in keys if k in metrics and metrics[k] == metrics[k]}
 
 
-def accuracy(logits: torch.Tensor, target: torch.Tensor, topk=(1,)):
-    """Top-k accuracies as fractions: CLIP_benchmark's `accuracy`, which fails on NumPy 2 (it calls float() on
-    a 1-element array)."""
-    pred = logits.topk(max(topk), 1, True, True)[1].t()  # (k, N)
-    correct = pred.eq(target.view(1, -1).expand_as(pred))
-    return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
-
-
-@contextlib.contextmanager
-def _numpy2_accuracy():
-    """CLIP_benchmark 1.6.2's linear probe calls its broken `accuracy`; use ours for the duration of the call."""
-    from clip_benchmark.metrics import linear_probe
-    original = linear_probe.accuracy
-    linear_probe.accuracy = accuracy
-    try:
-        yield
-    finally:
-        linear_probe.accuracy = original
-
-
 def zero_shot_classification(loaded, dataset: str, root, device: str, amp: bool, batch_size: int = 64,
                              workers: int = 4) -> Dict[str, float]:
     """Top-1/top-5 accuracy and mean per-class recall, with CLIP_benchmark's class names, prompt ensemble
@@ -181,7 +181,7 @@ def zero_shot_classification(loaded, dataset: str, root, device: str, amp: bool,
     if target.ndim == 2:
         raise EvalError(f'--dataset {dataset} is multi-label; this command scores single-label classification')
     ks = (1, 5) if len(ds.classes) >= 5 else (1,)
-    metrics = dict(zip(('acc1', 'acc5'), accuracy(logits, target, ks)))
+    metrics = dict(zip(('acc1', 'acc5'), seams.accuracy(logits, target, ks)))
     metrics['mean_per_class_recall'] = balanced_accuracy_score(target, logits.argmax(1))
     return _as_percent(metrics, ('acc1', 'acc5', 'mean_per_class_recall'))
 
@@ -218,10 +218,9 @@ def linear_probe(loaded, dataset: str, root, device: str, amp: bool, batch_size:
     train = build(dataset, root, loaded.preprocess, split, 'linear_probe')
     test = build(dataset, root, loaded.preprocess, 'test', 'linear_probe')
     with tempfile.TemporaryDirectory(prefix='diffzoo-probe-') as features:  # never a stale cache of other weights
-        with _numpy2_accuracy():
-            metrics = probe.evaluate(loaded.model, loader(dataset, train, batch_size, workers),
-                                     loader(dataset, test, batch_size, workers), -1, batch_size, workers, lr,
-                                     epochs, 'features', seed, features, device='cuda', normalize=True, amp=amp)
+        metrics = probe.evaluate(loaded.model, loader(dataset, train, batch_size, workers),
+                                 loader(dataset, test, batch_size, workers), -1, batch_size, workers, lr,
+                                 epochs, 'features', seed, features, device='cuda', normalize=True, amp=amp)
     return _as_percent(metrics, ('lp_acc1', 'lp_acc5', 'lp_mean_per_class_recall'))
 
 

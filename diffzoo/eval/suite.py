@@ -50,6 +50,9 @@ def check_tasks(datasets: List[str], asked: List[str]) -> None:
 
 def check_dataset(dataset: str, root: Optional[Path], tasks: List[str]) -> None:
     """Fail before any model is loaded when a dataset's local copy is missing."""
+    if dataset in (SYNTHETIC, MMVP) and benchmark.is_url(root):
+        raise benchmark.DatasetMissing(f'--dataset {dataset}: --dataset-root {root} is a URL; {dataset} is read '
+                                       f'from a local folder only')
     if dataset == SYNTHETIC:
         val = None if root is None else root / 'val'
         if val is None or not val.is_dir() or not list_shards(val):
