@@ -1,7 +1,9 @@
 """`python -m diffzoo.train`: a recipe (+ overrides) -> open_clip_train's own training loop.
 
     python -m diffzoo.train --recipe RECIPE [--key value …] [-- open_clip_train flags]
-    python -m diffzoo.train -- open_clip_train flags          (a complete run without a recipe)
+    python -m diffzoo.train --model NAME --train-data … [open_clip_train flags]
+                            (a complete run without a recipe, as python -m open_clip_train.main takes it;
+                             so does torchrun … -m diffzoo.train --model NAME …)
     python -m diffzoo.train recipes                          (the shipped recipes)
     python -m diffzoo.train plot-lambda RUN_DIR [--out PNG]   (λ against step, every layer)
 
@@ -18,14 +20,18 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+import open_clip
+import open_clip_train.main
+from open_clip_train.params import parse_args
+
 from diffzoo.checkpoint import RUN_CONFIG
 from diffzoo.data.shards import DataError
 
 from . import seams
 from .metrics import plot_lambda
 from .recipe import (
-    DIFFZOO_KEYS, Plan, RecipeError, check_shard_count, dataset_size, expand_shards, find_recipe, load_recipe,
-    parse_overrides, recipe_names, resolve,
+    DERIVED, DIFFZOO_KEYS, Plan, RecipeError, check_shard_count, dataset_size, expand_shards, find_recipe, load_recipe,
+    open_clip_defaults, parse_overrides, recipe_names, resolve,
 )
 
 # open_clip_train settings that may differ when a run is resumed (hardware, logging, world size).
@@ -75,8 +81,6 @@ def check_run_dir(args, rank: int) -> Optional[str]:
 
 def preflight(argv: List[str], world_size: int):
     """open_clip_train's parsed args for `argv`, after the model and data checks open_clip would do later."""
-    import open_clip
-    from open_clip_train.params import parse_args
     args = parse_args(list(argv))
     known = open_clip.list_models()
     if args.model not in known and not args.model.startswith(('hf-hub:', 'local-dir:')):
@@ -126,39 +130,45 @@ def _list_recipes() -> int:
     return 0
 
 
+def _pop_recipe(tokens: List[str]):
+    """(the --recipe value or None, the other tokens); --recipe may stand anywhere before a lone --."""
+    for i, token in enumerate(tokens):
+        if token == '--recipe' or token.startswith('--recipe='):
+            if '=' in token:
+                return token.split('=', 1)[1], tokens[:i] + tokens[i + 1:]
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith('--'):
+                raise RecipeError('--recipe needs a value: a shipped recipe name or a YAML path')
+            return tokens[i + 1], tokens[:i] + tokens[i + 2:]
+    return None, tokens
+
+
+def _flag_values(flags: List[str]) -> Dict:
+    """What open_clip_train flags set, as recipe keys (the values that differ from its defaults)."""
+    parsed = vars(parse_args(list(flags)))
+    return {k: v for k, v in parsed.items() if v != open_clip_defaults().get(k) and k not in DERIVED}
+
+
 def run(argv: List[str]) -> int:
     head, raw = (argv[:argv.index('--')], argv[argv.index('--') + 1:]) if '--' in argv else (argv, [])
-    recipe_arg = None
-    if head and head[0].startswith('--recipe'):
-        if '=' in head[0]:
-            recipe_arg, head = head[0].split('=', 1)[1], head[1:]
-        elif len(head) > 1:
-            recipe_arg, head = head[1], head[2:]
-        else:
-            raise RecipeError('--recipe needs a value: a shipped recipe name or a YAML path')
-    overrides = parse_overrides(head)
+    recipe_arg, head = _pop_recipe(head)
     local_rank, rank, world_size = _world()
     plan, source = None, None
     if recipe_arg is not None:
         source = str(find_recipe(recipe_arg))
         recipe = load_recipe(recipe_arg)
-        recipe.update(overrides)
+        recipe.update(parse_overrides(head))
+        recipe.update(_flag_values(raw))  # flags after -- are seen by the checks below, and win in argv
         plan = resolve(recipe, os.path.basename(source)[:-len('.yaml')], world_size)
         argv = plan.argv + raw
     else:
-        if overrides:
-            raise RecipeError(f'--{next(iter(overrides))}: overrides need --recipe; without one, put '
-                              f'open_clip_train flags after --')
-        if not raw:
-            raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags after --\n'
-                              + __doc__)
-        argv = raw
+        argv = head + raw  # open_clip_train's own flags, as `python -m open_clip_train.main` takes them
+        if not argv:
+            raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags\n' + __doc__)
     args = preflight(argv, world_size)
     run_dir = check_run_dir(args, rank)
     if rank == 0:
         print_plan(plan, source, argv, run_dir)
 
-    import open_clip_train.main
     with seams.installed():
         result = open_clip_train.main.main(argv)
     return 1 if result == -1 else 0

@@ -123,16 +123,39 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_with_new_se
     assert json.loads((run_dir / 'diffzoo-run.json').read_text())['pretrained'] == ''  # the settings that trained
 
 
-def test_open_clip_train_flags_alone_describe_a_run(tmp_path):
+OPEN_CLIP_FLAGS = ['--model', 'clip-tiny-baseline', '--train-data', 'shards/{00000..00001}.tar',
+                   '--train-num-samples', '16', '--dataset-type', 'webdataset', '--batch-size', '8', '--epochs', '1',
+                   '--workers', '1', '--device', 'cpu', '--logs', 'runs']
+
+
+@pytest.mark.parametrize('separator', [[], ['--']])
+def test_open_clip_train_flags_alone_describe_a_run(tmp_path, separator):
+    """As `python -m open_clip_train.main` takes them; the lone -- of earlier versions still works."""
     write_shards(tmp_path / 'shards', 2, 8, sizes=False)
-    result = run(TRAIN + ['--', '--model', 'clip-tiny-baseline', '--train-data', 'shards/{00000..00001}.tar',
-                          '--train-num-samples', '16', '--dataset-type', 'webdataset', '--batch-size', '8',
-                          '--epochs', '1', '--workers', '1', '--device', 'cpu', '--logs', 'runs', '--name', 'raw'],
-                 cwd=tmp_path)
+    result = run(TRAIN + separator + OPEN_CLIP_FLAGS + ['--name', 'raw'], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / 'runs' / 'raw' / 'checkpoints' / 'epoch_1.pt').exists()
     records = [json.loads(line) for line in (tmp_path / 'runs' / 'raw' / 'lambda.jsonl').read_text().splitlines()]
     assert records[-1]['lambda'] == {} and records[-1]['loss'] > 0  # the baseline has no λ; loss is logged
+
+
+def test_torchrun_takes_open_clip_train_flags_without_a_separator(tmp_path):
+    """torchrun keeps a lone -- for itself, so its command line is the flags alone (without --logs, which
+    torchrun reads as an abbreviation of its own --logs-specs: open_clip_train's default ./logs/ is used)."""
+    write_shards(tmp_path / 'shards', 2, 8, sizes=False)
+    flags = [f for f in OPEN_CLIP_FLAGS if f not in ('--logs', 'runs')]
+    result = run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
+                  '-m', 'diffzoo.train', *flags, '--name', 'ddp', '--batch-size', '4'], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (tmp_path / 'logs' / 'ddp' / 'checkpoints' / 'epoch_1.pt').exists()
+
+
+def test_flags_after_the_separator_reach_the_checks(tmp_path):
+    """A recipe's data check reads --train-num-samples given after --: no sizes.json needed."""
+    write_shards(tmp_path / 'shards', 2, 4, sizes=False)
+    result = run(TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
+                          '--global_batch_size', '4', '--', '--train-num-samples', '8'], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_lambda_log_with_gradient_accumulation_that_leaves_micro_batches_over(tmp_path):
