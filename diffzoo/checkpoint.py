@@ -137,17 +137,21 @@ def _global_name(g) -> str:
     return f'{g.__module__}.{g.__qualname__}'
 
 
-def read_state_dict(path) -> StateDict:
-    """The model weights in a checkpoint: unwraps {'state_dict': …} and DDP's 'module.' prefix."""
-    ckpt = read_checkpoint(path)
+def model_state_dict(ckpt, where='checkpoint') -> StateDict:
+    """The model weights in a loaded checkpoint: unwraps {'state_dict': …} and DDP's 'module.' prefix."""
     state_dict = ckpt.get('state_dict', ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state_dict, dict) or not state_dict or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state_dict.items()):
-        raise CheckpointError(f'{path}: holds no state_dict of tensors (found {type(ckpt).__name__}); '
+        raise CheckpointError(f'{where}: holds no state_dict of tensors (found {type(ckpt).__name__}); '
                               f'pass a model checkpoint')
     if all(k.startswith('module.') for k in state_dict):
         state_dict = {k[len('module.'):]: v for k, v in state_dict.items()}
     return state_dict
+
+
+def read_state_dict(path) -> StateDict:
+    """The model weights in the checkpoint file at `path` (`model_state_dict`)."""
+    return model_state_dict(read_checkpoint(path), str(path))
 
 
 def is_official_diffclip(state_dict: StateDict) -> bool:

@@ -157,3 +157,16 @@ def kill_tree(pid: int) -> None:
     for p in stopped:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
+
+
+def hub_cache(cache, repo, files):
+    """An offline Hugging Face cache holding `repo` at one commit: every file of `files` (a folder or a file)."""
+    commit = '0123456789abcdef0123456789abcdef01234567'
+    repo_dir = cache / f'models--{repo.replace("/", "--")}'
+    (repo_dir / 'refs').mkdir(parents=True)
+    (repo_dir / 'refs' / 'main').write_text(commit)
+    snapshot = repo_dir / 'snapshots' / commit
+    snapshot.mkdir(parents=True)
+    for f in (sorted(files.iterdir()) if files.is_dir() else [files]):
+        (snapshot / f.name).symlink_to(f)
+    return cache

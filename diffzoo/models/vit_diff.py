@@ -9,7 +9,14 @@ Names, per size (`tiny_patch16_224`, `base_patch16_224`, …):
     vit_diff_<size>           DiffCLIP: differential attention, λ_init 0.8 in every block
     vit_diff_dynamic_<size>   DiffCLIP*: λ_init(l) = 0.8 − 0.6·exp(−0.3·l)
     vit_diff_baseline_<size>  the same layout with ordinary attention (the CLIP baseline)
-`diff_vit_base_patch16_224`, the official DiffCLIP code's name, is `vit_diff_base_patch16_224`.
+`diff_vit_base_patch16_224`, the official DiffCLIP code's name, is `vit_diff_base_patch16_224`
+(a timm deprecation alias: it builds the model with a warning and is not listed as a model of its own).
+
+Pretrained tags (`vit_diff_base_patch16_224.diffclip_cc3m`, `.diffclip_cc12m`): DiffCLIP's vision
+towers, `checkpoint_best.pt` of the official hub repos, read safely (`diffzoo.checkpoint`) and
+filtered to the trunk; the head is the image projection (512 outputs, zero bias), so `num_classes=0`
+gives the trunk's features and any other `num_classes` a new head. `pretrained_cfg_overlay=
+dict(file=…)` reads a local copy in the official, the open_clip (diffzoo.convert) or this layout.
 
 Differential models have half the baseline's heads (B/16: 12 → 6 heads of q/k 64, v 128). ViT-Ti's
 3 heads cannot be halved, so tiny keeps 3 differential heads (q/k 32, v 64). `micro_patch8_64` is a
@@ -21,12 +28,18 @@ Every entrypoint takes `lambda_init` (float or "depth") and `variant` ("split", 
 from functools import partial
 from typing import Any, Dict
 
+import timm
+import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, LayerNorm
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import (build_model_with_cfg, generate_default_cfgs, register_model, register_model_deprecations,
+                         resolve_pretrained_cfg)
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from diffzoo.checkpoint import SAFE_GLOBALS, is_official_diffclip, model_state_dict, official_diffclip_to_open_clip
 from diffzoo.layers import diff_attn_layer
+
+TRUNK = 'visual.trunk.'  # open_clip's prefix of a timm vision trunk
 
 # (baseline heads, differential heads) and the rest of each geometry
 ARCHS: Dict[str, Dict[str, Any]] = {
@@ -66,20 +79,44 @@ def _create(model_name: str, pretrained: bool = False, **kwargs) -> VisionTransf
             raise ValueError(
                 f'{model_name}: num_heads={kwargs["num_heads"]} differential heads cannot split '
                 f'embed_dim={embed_dim} into q/k halves; pick num_heads dividing {embed_dim // 2}')
-    if pretrained:
+    if pretrained and not _has_weights(resolve_pretrained_cfg(model_name, kwargs.get('pretrained_cfg'),
+                                                              kwargs.get('pretrained_cfg_overlay'))):
+        tags = ', '.join(timm.list_pretrained('vit_diff*')) or 'none'
         raise ValueError(
-            f'{model_name} has no timm weights. DiffCLIP checkpoints load through open_clip '
-            f"(open_clip.create_model('diffclip-b16', pretrained='cc3m')) or convert with "
-            f'`python -m diffzoo.convert official-diffclip IN.pt OUT.safetensors`.')
+            f'{model_name} has no pretrained weights; tagged ones: {tags}. Or pass '
+            f"pretrained_cfg_overlay=dict(file='checkpoint.pt') (official DiffCLIP, open_clip or timm layout); "
+            f"open_clip: open_clip.create_model('diffclip-b16', pretrained='cc3m')")
     out_indices = kwargs.pop('out_indices', 3)
-    return build_model_with_cfg(
-        VisionTransformer,
-        model_name,
-        pretrained=False,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **{**DIFFCLIP_LAYOUT, **geometry, **kwargs},
-    )
+    with torch.serialization.safe_globals(SAFE_GLOBALS):  # official DiffCLIP pickles hold argparse/numpy globals
+        return build_model_with_cfg(
+            VisionTransformer,
+            model_name,
+            pretrained=pretrained,
+            pretrained_filter_fn=diffclip_filter_fn,
+            feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+            **{**DIFFCLIP_LAYOUT, **geometry, **kwargs},
+        )
+
+
+def _has_weights(cfg) -> bool:
+    """Whether a resolved pretrained cfg names weights to load."""
+    return any(getattr(cfg, k, None) for k in ('url', 'hf_hub_id', 'file', 'state_dict'))
+
+
+def diffclip_filter_fn(state_dict: Dict[str, Any], model: VisionTransformer) -> Dict[str, Any]:
+    """A timm state dict for `model` from an official DiffCLIP checkpoint, diffzoo's open_clip state dict
+    (the trunk, its projection as the head) or a timm one (timm's own filter)."""
+    state_dict = model_state_dict(state_dict)  # a hub download arrives as the whole checkpoint
+    if is_official_diffclip(state_dict):
+        state_dict = official_diffclip_to_open_clip(state_dict)
+    if any(k.startswith(TRUNK) for k in state_dict):
+        trunk = {k[len(TRUNK):]: v for k, v in state_dict.items() if k.startswith(TRUNK)}
+        projection = state_dict.get('visual.head.proj.weight')
+        if projection is not None:  # (embed, width): the head maps the pooled token to CLIP's embedding
+            trunk['head.weight'] = projection
+            trunk['head.bias'] = state_dict.get('visual.head.proj.bias', projection.new_zeros(projection.shape[0]))
+        return trunk
+    return checkpoint_filter_fn(state_dict, model)
 
 
 def _cfg(input_size=(3, 224, 224), **kwargs) -> Dict[str, Any]:
@@ -91,10 +128,20 @@ def _cfg(input_size=(3, 224, 224), **kwargs) -> Dict[str, Any]:
     }
 
 
+def _diffclip_tag(repo: str) -> Dict[str, Any]:
+    """DiffCLIP's vision tower on the hub: the official checkpoint, its projection as a 512-class head."""
+    return _cfg(hf_hub_id=repo, hf_hub_filename='checkpoint_best.pt', num_classes=512,
+                notes=('DiffCLIP (Hammoud & Ghanem, TMLR 2025) vision tower; SLIP-style preprocessing',))
+
+
+TAGGED = 'vit_diff_base_patch16_224'  # its default cfg is its first tag's (timm's rule)
 default_cfgs = generate_default_cfgs({
     f'{family}_{arch}': _cfg(input_size=(3, geometry.get('img_size', 224), geometry.get('img_size', 224)))
-    for family in ATTN for arch, geometry in ARCHS.items()
-} | {'diff_vit_base_patch16_224': _cfg()})
+    for family in ATTN for arch, geometry in ARCHS.items() if f'{family}_{arch}' != TAGGED
+} | {
+    'vit_diff_base_patch16_224.diffclip_cc3m': _diffclip_tag('hammh0a/DiffCLIP_ViTB16_CC3M'),
+    'vit_diff_base_patch16_224.diffclip_cc12m': _diffclip_tag('hammh0a/DiffCLIP_ViTB16_CC12M'),
+})
 
 
 @register_model
@@ -125,12 +172,6 @@ def vit_diff_base_patch32_224(pretrained: bool = False, **kwargs) -> VisionTrans
 @register_model
 def vit_diff_large_patch14_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
     return _create('vit_diff_large_patch14_224', pretrained, **kwargs)
-
-
-@register_model
-def diff_vit_base_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    """The official DiffCLIP code's name for `vit_diff_base_patch16_224`."""
-    return _create('vit_diff_base_patch16_224', pretrained, **kwargs)
 
 
 @register_model
@@ -191,3 +232,6 @@ def vit_diff_baseline_base_patch32_224(pretrained: bool = False, **kwargs) -> Vi
 @register_model
 def vit_diff_baseline_large_patch14_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
     return _create('vit_diff_baseline_large_patch14_224', pretrained, **kwargs)
+
+
+register_model_deprecations(__name__, {'diff_vit_base_patch16_224': 'vit_diff_base_patch16_224'})  # DiffCLIP's name

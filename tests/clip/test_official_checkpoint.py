@@ -11,6 +11,7 @@ import torch
 
 from diffzoo.checkpoint import CheckpointError, official_diffclip_to_open_clip, read_state_dict
 from tests.clip import official_reference as ref
+from tests.factory import hub_cache
 
 
 @pytest.fixture(scope='module')
@@ -87,7 +88,7 @@ def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(offi
     _assert_matches_official(model, state_dict, inputs)
     _assert_diffclip_preprocessing(preprocess)
     # the same folder served by the hub: a snapshot in an offline Hugging Face cache
-    cache = _hub_cache(tmp_path / 'hub', 'me/diffclip-b16-cc12m', out)
+    cache = hub_cache(tmp_path / 'hub', 'me/diffclip-b16-cc12m', out)
     torch.save(state_dict, tmp_path / 'reference.pt')
     _run_offline(cache, tmp_path, f"""
         model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:me/diffclip-b16-cc12m')
@@ -101,25 +102,13 @@ def test_publish_refuses_a_folder_without_the_hub_layout(tmp_path, capsys):
     assert 'no open_clip_config.json, open_clip_model.safetensors' in capsys.readouterr().err
 
 
-def _hub_cache(cache, repo, files):
-    """An offline Hugging Face cache holding `repo` at one commit: every file of `files` (a folder or a file)."""
-    commit = '0123456789abcdef0123456789abcdef01234567'
-    repo_dir = cache / f'models--{repo.replace("/", "--")}'
-    (repo_dir / 'refs').mkdir(parents=True)
-    (repo_dir / 'refs' / 'main').write_text(commit)
-    snapshot = repo_dir / 'snapshots' / commit
-    snapshot.mkdir(parents=True)
-    for f in (sorted(files.iterdir()) if files.is_dir() else [files]):
-        (snapshot / f.name).symlink_to(f)
-    return cache
-
-
 def _run_offline(cache, tmp_path, body):
     """`body` in a fresh interpreter with HF_HUB_OFFLINE and `cache`; check(model, preprocess, reference)
     compares with the official outputs and DiffCLIP's preprocessing."""
     script = textwrap.dedent('''
         import torch, open_clip, diffzoo
         from tests.clip import official_reference as ref
+from tests.factory import hub_cache
         def check(model, preprocess, reference):
             sd = torch.load(reference)
             images = torch.randn(1, 3, 224, 224)
@@ -150,7 +139,7 @@ def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_
     """`pretrained='cc3m'` and `hf-hub:hammh0a/DiffCLIP_ViTB16_CC3M` (whose repo holds only the
     official checkpoint_best.pt) give the same model, with DiffCLIP's preprocessing."""
     path, state_dict = official
-    cache = _hub_cache(tmp_path / 'hub', repo, path)
+    cache = hub_cache(tmp_path / 'hub', repo, path)
     torch.save(state_dict, tmp_path / 'reference.pt')
     _run_offline(cache, tmp_path, f"""
         model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained='{tag}')

@@ -6,7 +6,7 @@ import torch.nn as nn
 from diffzoo.layers import DifferentialAttention
 from diffzoo.models.vit_diff import ARCHS, ATTN
 
-NAMES = [f'{family}_{arch}' for family in ATTN for arch in ARCHS] + ['diff_vit_base_patch16_224']
+NAMES = [f'{family}_{arch}' for family in ATTN for arch in ARCHS] + ['diff_vit_base_patch16_224']  # + the alias
 SMALL = ['vit_diff_micro_patch8_64', 'vit_diff_dynamic_micro_patch8_64', 'vit_diff_baseline_micro_patch8_64']
 
 
@@ -16,8 +16,12 @@ def _input(model, batch=1):
 
 def test_every_name_is_registered_with_timm():
     listed = set(timm.list_models('*diff*'))
-    assert set(NAMES) <= listed
+    assert set(NAMES) - {'diff_vit_base_patch16_224'} == listed  # the alias is a timm deprecation, not listed
     assert timm.list_modules() and 'vit_diff' in timm.list_modules()
+    assert timm.list_pretrained('vit_diff*') == [
+        'vit_diff_base_patch16_224.diffclip_cc3m', 'vit_diff_base_patch16_224.diffclip_cc12m']
+    with pytest.warns(UserWarning, match='diff_vit_base_patch16_224 to current vit_diff_base_patch16_224'):
+        assert timm.create_model('diff_vit_base_patch16_224', num_classes=0).embed_dim == 768
 
 
 @pytest.mark.parametrize('name', NAMES)
@@ -88,7 +92,7 @@ def test_timm_features_intermediates_and_checkpointing(name):
 
 def test_pretrained_without_weights_is_an_error_not_silence():
     with pytest.raises(ValueError, match='open_clip'):
-        timm.create_model('vit_diff_base_patch16_224', pretrained=True)
+        timm.create_model('vit_diff_small_patch16_224', pretrained=True)
 
 
 def test_head_count_that_cannot_pair_names_the_model():
@@ -101,3 +105,82 @@ def test_v2_lambda_projection_keeps_zero_init_through_timm_init():
     for blk in model.blocks:
         assert blk.attn.lambda_proj.weight.abs().sum() == 0
         assert blk.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+@pytest.mark.parametrize('name', timm.list_models('vit_diff*'))
+def test_timm_model_cases_hold_for_every_registered_name(name):
+    """What timm's own tests/test_models.py checks of a ViT (non-standard, token-output) model: the
+    default cfg names real parameters, forward_features ends in num_features, a reset or absent
+    classifier gives pooled (B, num_features); small models also train with every parameter reached."""
+    model = timm.create_model(name).eval()
+    cfg, state = model.pretrained_cfg, model.state_dict()
+    for key in ('input_size', 'crop_pct', 'interpolation', 'mean', 'std', 'first_conv', 'classifier', 'num_classes'):
+        assert cfg.get(key) is not None, key
+    assert cfg['first_conv'] + '.weight' in state and cfg['classifier'] + '.weight' in state
+    if name not in SMALL:
+        return  # the remaining checks build full-size forwards: covered by the micro geometry of each family
+    x = _input(model, 1)
+    assert model.forward_features(x).shape[-1] == model.num_features
+    model.reset_classifier(0)
+    assert model(x).shape == (1, model.num_features)
+    assert timm.create_model(name, num_classes=0)(x).shape == (1, model.num_features)
+    model = timm.create_model(name, num_classes=42).train()
+    out = model(_input(model, 2))
+    out.mean().backward()
+    assert out.shape == (2, 42) and not torch.isnan(out).any()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.fixture(scope='module')
+def official(tmp_path_factory):
+    from tests.clip import official_reference as ref
+    state_dict = ref.random_official_state_dict(seed=2)
+    path = tmp_path_factory.mktemp('official') / 'checkpoint_best.pt'
+    ref.save_official_checkpoint(path, state_dict)
+    return path
+
+
+def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offline(official, tmp_path):
+    """timm's pretrained route (as its test_model_load_pretrained calls it) on an offline copy of the
+    official repo: the tower with its projection as the head equals open_clip's DiffCLIP image encoder."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from tests.factory import hub_cache
+    cache = hub_cache(tmp_path / 'hub', 'hammh0a/DiffCLIP_ViTB16_CC3M', official)
+    script = textwrap.dedent('''
+        import torch, timm, open_clip, diffzoo
+        tower = timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True).eval()
+        clip = open_clip.create_model('diffclip-b16', pretrained='cc3m').eval()
+        x = torch.randn(2, 3, 224, 224)
+        with torch.no_grad():
+            a, b = tower(x), clip.encode_image(x)
+        assert a.shape == (2, 512) and ((a - b).norm() / b.norm()).item() < 1e-5
+        assert tower.pretrained_cfg['mean'] == (0.485, 0.456, 0.406) and tower.pretrained_cfg['interpolation'] == 'bilinear'
+        timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True, in_chans=1, num_classes=5)
+        timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True, in_chans=1, num_classes=0)
+        print('ok')
+    ''')
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HUB_CACHE': str(cache), 'HF_HOME': str(tmp_path / 'home'),
+           'PYTHONPATH': os.getcwd()}
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == 'ok', done.stderr[-2000:]
+
+
+@pytest.mark.parametrize('layout', ['official', 'open_clip'])
+def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout):
+    """pretrained_cfg_overlay=dict(file=…): the official checkpoint or diffzoo.convert's safetensors;
+    the trunk loads, the head is new (10 classes)."""
+    import open_clip
+    from diffzoo.convert import official_diffclip
+    path = official if layout == 'official' else tmp_path / 'diffclip.safetensors'
+    if layout == 'open_clip':
+        official_diffclip(official, path)
+    model = timm.create_model('vit_diff_base_patch16_224', pretrained=True, num_classes=10,
+                              pretrained_cfg_overlay=dict(file=str(path))).eval()
+    trunk = open_clip.create_model('diffclip-b16', pretrained=str(official)).visual.trunk.eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x), trunk.forward_features(x))
+    assert model.head.weight.shape == (10, 768)
