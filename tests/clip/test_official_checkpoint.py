@@ -108,7 +108,6 @@ def _run_offline(cache, tmp_path, body):
     script = textwrap.dedent('''
         import torch, open_clip, diffzoo
         from tests.clip import official_reference as ref
-from tests.factory import hub_cache
         def check(model, preprocess, reference):
             sd = torch.load(reference)
             images = torch.randn(1, 3, 224, 224)
