@@ -22,6 +22,14 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import open_clip
+import torch
+
+from diffzoo.layers.diff_attention import SPLIT_KERNELS
+
+from . import attention, data, profile, report, whole_model
+from .measure import BenchError, device_slug, environment, resolve_device
+
 SECTIONS = ('model', 'layer', 'profile', 'data')
 FULL_MODELS = ['diffclip-b16', 'clip-b16-baseline', 'ViT-B-16', 'diffclip-b16-vision', 'diffclip-b16-dynamic']
 # per setting: models, baseline, target model, batch, precision, reps, warm-up, tokens, tokens per layer
@@ -78,9 +86,6 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> Dict:
     """Fill unset options from the per-device defaults (smoke overrides them) and check them."""
-    import torch
-
-    from .measure import BenchError, resolve_device
     device = resolve_device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     defaults = dict(DEFAULTS[device.type])
     if args.smoke:
@@ -89,7 +94,6 @@ def resolve(args: argparse.Namespace) -> Dict:
     cfg['target_model'] = defaults['target_model']
     cfg.update(device=device.type, device_index=device.index, sections=args.sections, compile=args.compile,
                data=args.data, smoke=args.smoke, tf32=args.tf32, threads=args.threads, split_kernel=args.split_kernel)
-    from diffzoo.layers.diff_attention import SPLIT_KERNELS
     if args.split_kernel != 'auto' and args.split_kernel not in SPLIT_KERNELS:
         raise BenchError(f'--split-kernel {args.split_kernel}: expected auto or one of {", ".join(SPLIT_KERNELS)}')
     for name in ('batch', 'reps', 'data_samples', 'data_batch', 'workers', 'tokens_per_batch'):
@@ -101,7 +105,6 @@ def resolve(args: argparse.Namespace) -> Dict:
     if bad:
         raise BenchError(f'--tokens {" ".join(map(str, bad))}: token counts must be at least 1')
     if {'model', 'profile'} & set(cfg['sections']):
-        import open_clip
         known = set(open_clip.list_models())
         unknown = [m for m in cfg['models'] + [cfg['baseline']] if m not in known]
         if unknown:
@@ -135,12 +138,6 @@ def write(results: Dict, path: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
     args = parser().parse_args(argv)
-    import torch
-
-    import diffzoo  # noqa: F401  registers the models
-
-    from . import attention, data, profile, report, whole_model
-    from .measure import BenchError, device_slug, environment
     try:
         cfg = resolve(args)
         device = torch.device(cfg['device'], cfg['device_index']) if cfg['device_index'] is not None \

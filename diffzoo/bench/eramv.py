@@ -12,7 +12,10 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+import transformers
 from torch.utils.flop_counter import FlopCounterMode
+
+from diffzoo.vlm.model import build_vlm
 
 from .measure import summarize, time_call
 
@@ -59,11 +62,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
-    # torch, transformers and the models load after parsing, so --help answers at once
-    import transformers
-
-    import diffzoo  # noqa: F401  registers the vision towers
-    from diffzoo.vlm.model import build_vlm
     models = {}
     for integration in ('full', 'eramv'):
         lm = transformers.AutoModelForCausalLM.from_pretrained(a.language_model)
