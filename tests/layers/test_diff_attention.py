@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from diffzoo.layers import VARIANTS, DifferentialAttention, capture_attention_maps, diff_attn_layer, resolve_lambda_init
 from diffzoo.layers.diff_attention import SPLIT_KERNELS, sub_normed_difference
+from tests.layers.helpers import saved_bytes
 
 B, N, DIM, HEADS = 2, 9, 64, 4
 
@@ -123,19 +124,6 @@ def test_sub_normed_difference_backward_matches_finite_differences(parts, with_p
         torch.testing.assert_close(proj.bias.grad, grad_out.reshape(-1, 5).sum(0))
 
 
-def _saved_bytes(layer, x) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize('kernel', ['auto', 'four_calls'])
 def test_fused_split_saves_one_activation_more_than_sdpa_attention(kernel):
     """Training memory: SDPA keeps A1V and A2V (its backward needs them); the difference, the
@@ -144,8 +132,8 @@ def test_fused_split_saves_one_activation_more_than_sdpa_attention(kernel):
     from timm.layers import Attention
     b, n, dim = 4, 64, 128
     x = torch.randn(b, n, dim, requires_grad=True)
-    plain = _saved_bytes(Attention(dim, num_heads=4, qkv_bias=True), x)
-    diff = _saved_bytes(DifferentialAttention(dim, num_heads=2, qkv_bias=True, split_kernel=kernel), x)
+    plain = saved_bytes(Attention(dim, num_heads=4, qkv_bias=True), x)
+    diff = saved_bytes(DifferentialAttention(dim, num_heads=2, qkv_bias=True, split_kernel=kernel), x)
     activation = b * n * dim * 4
     params = 4 * (dim // 4) * 4 + dim // 2 * 4  # λ vectors and the sub-norm weight
     row_stats = 4 * b * 2 * n * 4  # SDPA's log-sum-exp per query row: at most 4 calls of 2 heads

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .tl_common import _dot, _key_bias, _scores, _scores_t
+from .tl_common import _dot, _key_tile, _load_rows, _maps_and_dpv, _scores_t, _store_rows
 
 
 @triton.jit
@@ -49,16 +49,12 @@ def _diff_attn_bwd_dq(
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < n_ctx
-    q_ptrs = Q + b * sq_b + 2 * h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :]
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    q1 = tl.load(q_ptrs, mask=q_mask, other=0.)
-    q2 = tl.load(q_ptrs + sq_h, mask=q_mask, other=0.)
+    q_base = Q + b * sq_b + 2 * h * sq_h
+    q1 = _load_rows(q_base, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)
+    q2 = _load_rows(q_base + sq_h, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)
     C = n_heads * HEAD_DV
-    dd = tl.load(DD + (b * n_ctx + offs_m[:, None]) * C + h * HEAD_DV + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.)  # (BLOCK_M, BLOCK_DV)
+    dd = _load_rows(DD + b * n_ctx * C + h * HEAD_DV, offs_m, C, n_ctx, HEAD_DV, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
     stat = bh * n_ctx + offs_m
     second = tl.num_programs(1) * n_ctx  # offset of stream 2 in (2, B, h, N)
     lse1 = tl.load(LSE + stat, mask=row_ok, other=float('inf'))
@@ -69,16 +65,10 @@ def _diff_attn_bwd_dq(
 
     if ONE_TILE:
         offs_n = tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
-        k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
-        k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
-        k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
-        v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
-                    mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
-        bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
-        p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
-        p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
-        dpv = _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N)
+        k1, k2, v, bias = _key_tile(k_base, v_base, KB, b, offs_n, sk_n, sk_h, sv_n, n_ctx,
+                                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)
+        p1, p2, dpv = _maps_and_dpv(q1, q2, k1, k2, v, dd, bias, lse1, lse2, offs_m, offs_n, qk_scale,
+                                    IS_CAUSAL, PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N) each
         delta1 = tl.sum(p1 * dpv, 1)
         rho2 = tl.sum(p2 * dpv, 1)
         ds1 = p1 * (dpv - delta1[:, None])
@@ -93,32 +83,20 @@ def _diff_attn_bwd_dq(
         rho2 = tl.zeros([BLOCK_M], tl.float32)
         for start_n in range(0, hi, BLOCK_N):  # first pass: the row sums over every key
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
-            k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
-            k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
-            k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
-            v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
-                        mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
-            bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
-            p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
-            p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
-            dpv = _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)
+            k1, k2, v, bias = _key_tile(k_base, v_base, KB, b, offs_n, sk_n, sk_h, sv_n, n_ctx,
+                                        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)
+            p1, p2, dpv = _maps_and_dpv(q1, q2, k1, k2, v, dd, bias, lse1, lse2, offs_m, offs_n, qk_scale,
+                                        IS_CAUSAL, PRECISION, DOT_UPCAST)
             delta1 += tl.sum(p1 * dpv, 1)
             rho2 += tl.sum(p2 * dpv, 1)
         dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start_n in range(0, hi, BLOCK_N):  # second pass: dQ
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
-            k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
-            k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
-            k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
-            v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
-                        mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
-            bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
-            p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
-            p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
-            dpv = _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)
+            k1, k2, v, bias = _key_tile(k_base, v_base, KB, b, offs_n, sk_n, sk_h, sv_n, n_ctx,
+                                        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)
+            p1, p2, dpv = _maps_and_dpv(q1, q2, k1, k2, v, dd, bias, lse1, lse2, offs_m, offs_n, qk_scale,
+                                        IS_CAUSAL, PRECISION, DOT_UPCAST)
             ds1 = p1 * (dpv - delta1[:, None])
             ds2 = -lam * p2 * (dpv - rho2[:, None])
             dq1 += _dot(ds1.to(k1.dtype), k1, PRECISION, DOT_UPCAST)
@@ -126,9 +104,9 @@ def _diff_attn_bwd_dq(
 
     tl.store(DELTA + stat, delta1, mask=row_ok)
     tl.store(DELTA + second + stat, rho2, mask=row_ok)
-    dq_ptrs = DQ + b * sdq_b + 2 * h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :]
-    tl.store(dq_ptrs, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
-    tl.store(dq_ptrs + sdq_h, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    dq_base = DQ + b * sdq_b + 2 * h * sdq_h
+    _store_rows(dq_base, offs_m, sdq_n, n_ctx, dq1 * sm_scale, HEAD_D, BLOCK_D)
+    _store_rows(dq_base + sdq_h, offs_m, sdq_n, n_ctx, dq2 * sm_scale, HEAD_D, BLOCK_D)
 
 
 @triton.jit
@@ -145,16 +123,8 @@ def _diff_attn_bwd_dkdv(
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    key_ok = offs_n < n_ctx
-    k_mask = key_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    v_mask = key_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
-    k_ptrs = K + b * sk_b + 2 * h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :]
-    k1 = tl.load(k_ptrs, mask=k_mask, other=0.)  # (BLOCK_N, BLOCK_D)
-    k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
-    v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_dv[None, :], mask=v_mask, other=0.)
-    bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+    k1, k2, v, bias = _key_tile(K + b * sk_b + 2 * h * sk_h, V + b * sv_b + h * sv_h, KB, b, offs_n, sk_n, sk_h,
+                                sv_n, n_ctx, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)  # (BLOCK_N, ·)
     lam = tl.load(LAM)
     q_base = Q + b * sq_b + 2 * h * sq_h
     C = n_heads * HEAD_DV
@@ -168,12 +138,9 @@ def _diff_attn_bwd_dkdv(
     for start_m in range(lo, n_ctx, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < n_ctx
-        q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
-        q_ptrs = q_base + offs_m[:, None] * sq_n + offs_d[None, :]
-        q1 = tl.load(q_ptrs, mask=q_mask, other=0.)
-        q2 = tl.load(q_ptrs + sq_h, mask=q_mask, other=0.)
-        dd = tl.load(DD + (b * n_ctx + offs_m[:, None]) * C + h * HEAD_DV + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.)
+        q1 = _load_rows(q_base, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)
+        q2 = _load_rows(q_base + sq_h, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)
+        dd = _load_rows(DD + b * n_ctx * C + h * HEAD_DV, offs_m, C, n_ctx, HEAD_DV, BLOCK_DV)
         stat = bh * n_ctx + offs_m
         lse1 = tl.load(LSE + stat, mask=row_ok, other=float('inf'))
         lse2 = tl.load(LSE + second + stat, mask=row_ok, other=float('inf'))
@@ -188,8 +155,7 @@ def _diff_attn_bwd_dkdv(
         ds2t = -lam * p2t * (dpvt - rho2[None, :])
         dk1 += _dot(ds1t.to(q1.dtype), q1, PRECISION, DOT_UPCAST)
         dk2 += _dot(ds2t.to(q2.dtype), q2, PRECISION, DOT_UPCAST)
-    dk_ptrs = DK + b * sdk_b + 2 * h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :]
-    tl.store(dk_ptrs, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(dk_ptrs + sdk_h, (dk2 * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_dv[None, :],
-             dv.to(DV.dtype.element_ty), mask=v_mask)
+    dk_base = DK + b * sdk_b + 2 * h * sdk_h
+    _store_rows(dk_base, offs_n, sdk_n, n_ctx, dk1 * sm_scale, HEAD_D, BLOCK_D)
+    _store_rows(dk_base + sdk_h, offs_n, sdk_n, n_ctx, dk2 * sm_scale, HEAD_D, BLOCK_D)
+    _store_rows(DV + b * sdv_b + h * sdv_h, offs_n, sdv_n, n_ctx, dv, HEAD_DV, BLOCK_DV)

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .tl_common import _dot, _exact_softmax, _key_bias, _online_update, _scores
+from .tl_common import _dot, _exact_softmax, _key_tile, _load_rows, _online_update, _scores, _store_rows
 
 
 @triton.jit
@@ -18,26 +18,19 @@ def _diff_attn_fwd(
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < n_ctx
-    q_ptrs = Q + b * sq_b + 2 * h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :]
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    q1 = tl.load(q_ptrs, mask=q_mask, other=0.)  # (BLOCK_M, BLOCK_D): query head 2h
-    q2 = tl.load(q_ptrs + sq_h, mask=q_mask, other=0.)  # query head 2h + 1
+    q_base = Q + b * sq_b + 2 * h * sq_h
+    q1 = _load_rows(q_base, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)  # (BLOCK_M, BLOCK_D): query head 2h
+    q2 = _load_rows(q_base + sq_h, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)  # query head 2h + 1
     k_base = K + b * sk_b + 2 * h * sk_h
     v_base = V + b * sv_b + h * sv_h
     lam = tl.load(LAM)
 
     if ONE_TILE:
         offs_n = tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
-        k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
-        k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
-        k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
-        v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
-                    mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
-        bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+        k1, k2, v, bias = _key_tile(k_base, v_base, KB, b, offs_n, sk_n, sk_h, sv_n, n_ctx,
+                                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)
         p1, lse1 = _exact_softmax(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST))
         p2, lse2 = _exact_softmax(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST))
         p = p1 - lam * p2
@@ -54,13 +47,8 @@ def _diff_attn_fwd(
             hi = tl.minimum(n_ctx, (start_m + 1) * BLOCK_M)
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k_ptrs = k_base + offs_n[:, None] * sk_n + offs_d[None, :]
-            k_mask = (offs_n[:, None] < n_ctx) & (offs_d[None, :] < HEAD_D)
-            k1 = tl.load(k_ptrs, mask=k_mask, other=0.)
-            k2 = tl.load(k_ptrs + sk_h, mask=k_mask, other=0.)
-            v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :],
-                        mask=(offs_n[:, None] < n_ctx) & (offs_dv[None, :] < HEAD_DV), other=0.)
-            bias = _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+            k1, k2, v, bias = _key_tile(k_base, v_base, KB, b, offs_n, sk_n, sk_h, sv_n, n_ctx,
+                                        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)
             m1, l1, acc1 = _online_update(
                 _scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST),
                 m1, l1, acc1, v, PRECISION, DOT_UPCAST)
@@ -79,10 +67,9 @@ def _diff_attn_fwd(
     w = tl.load(W + offs_dv, mask=col_ok, other=0.).to(tl.float32)
     y = acc * rstd[:, None] * w[None, :]
     C = n_heads * HEAD_DV
-    out_offs = (b * n_ctx + offs_m[:, None]) * C + h * HEAD_DV + offs_dv[None, :]  # (B, N, C)
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=out_mask)
-    tl.store(D + out_offs, acc.to(D.dtype.element_ty), mask=out_mask)
+    out = b * n_ctx * C + h * HEAD_DV  # this head's columns of (B, N, C)
+    _store_rows(Y + out, offs_m, C, n_ctx, y, HEAD_DV, BLOCK_DV)
+    _store_rows(D + out, offs_m, C, n_ctx, acc, HEAD_DV, BLOCK_DV)
     stat = bh * n_ctx + offs_m  # (B, h, N)
     tl.store(LSE + stat, lse1, mask=row_ok)
     tl.store(LSE + tl.num_programs(1) * n_ctx + stat, lse2, mask=row_ok)  # stream 2 of (2, B, h, N)

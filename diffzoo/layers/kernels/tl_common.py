@@ -66,3 +66,38 @@ def _online_update(s, m, l, acc, v, PRECISION: tl.constexpr, DOT_UPCAST: tl.cons
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_UPCAST)
     return m_new, l, acc
+
+
+@triton.jit
+def _load_rows(base, rows, stride, n_ctx, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """(rows, BLOCK) of a head at `base` whose rows are `stride` apart; 0 beyond n_ctx and WIDTH."""
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_ctx) & (cols[None, :] < WIDTH)
+    return tl.load(base + rows[:, None] * stride + cols[None, :], mask=mask, other=0.)
+
+
+@triton.jit
+def _store_rows(base, rows, stride, n_ctx, value, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_ctx) & (cols[None, :] < WIDTH)
+    tl.store(base + rows[:, None] * stride + cols[None, :], value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _key_tile(k_base, v_base, KB, b, offs_n, sk_n, sk_h, sv_n, n_ctx,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """K1, K2 (BLOCK_N, BLOCK_D), V (BLOCK_N, BLOCK_DV) and the key bias of the keys `offs_n`."""
+    k1 = _load_rows(k_base, offs_n, sk_n, n_ctx, HEAD_D, BLOCK_D)
+    k2 = _load_rows(k_base + sk_h, offs_n, sk_n, n_ctx, HEAD_D, BLOCK_D)
+    v = _load_rows(v_base, offs_n, sv_n, n_ctx, HEAD_DV, BLOCK_DV)
+    return k1, k2, v, _key_bias(KB, b, offs_n, n_ctx, HAS_BIAS)
+
+
+@triton.jit
+def _maps_and_dpv(q1, q2, k1, k2, v, dd, bias, lse1, lse2, offs_m, offs_n, qk_scale,
+                  IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """P1, P2 recomputed from their log-sum-exps and dPV = dD Vᵀ, each (BLOCK_M, BLOCK_N)."""
+    p1 = tl.exp2(_scores(q1, k1, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse1[:, None])
+    p2 = tl.exp2(_scores(q2, k2, bias, offs_m, offs_n, qk_scale, IS_CAUSAL, PRECISION, DOT_UPCAST) - lse2[:, None])
+    return p1, p2, _dot(dd, tl.trans(v), PRECISION, DOT_UPCAST)
