@@ -1,1 +1,4 @@
 from . import vit_diff
+from .seams import install
+
+install()

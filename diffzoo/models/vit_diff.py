@@ -17,10 +17,10 @@ towers, `checkpoint_best.pt` of the official hub repos, read safely (`diffzoo.ch
 filtered to the trunk; the head is the image projection (512 outputs, zero bias), so `num_classes=0`
 gives the trunk's features and any other `num_classes` a new head. `pretrained_cfg_overlay=
 dict(file=…)` reads a local copy in the official, the open_clip (diffzoo.convert) or this layout.
-`checkpoint_path=` is timm's other route: this model's own state dict, loaded strictly after
-construction (to resume or evaluate, as timm's `--initial-checkpoint` / `--checkpoint`); a checkpoint
-with another head or in another layout is refused with a message naming the fine-tuning route above,
-never loaded with a silently new head.
+`create_model(…, checkpoint_path=…)` takes the same files (`diffzoo.models.seams` gives timm's load its
+filter): a head that does not fit `num_classes` is replaced by a new one, with a warning naming both
+(timm itself loads `checkpoint_path=` strictly, to resume). `model.load_state_dict` stays strict: a
+checkpoint with another head or in another layout is refused with a message naming these routes.
 
 Differential models have half the baseline's heads (B/16: 12 → 6 heads of q/k 64, v 128). ViT-Ti's
 3 heads cannot be halved, so tiny keeps 3 differential heads (q/k 32, v 64). `micro_patch8_64` is a
@@ -65,6 +65,7 @@ ATTN = {  # model family → λ_init policy, None for ordinary attention
     'vit_diff_dynamic': 'depth',
     'vit_diff_baseline': None,
 }
+MODEL_NAMES = frozenset(f'{family}_{arch}' for family in ATTN for arch in ARCHS)
 DIFFCLIP_LAYOUT = dict(
     class_token=True, global_pool='token', pre_norm=False, qkv_bias=True, proj_bias=True,
     mlp_ratio=4., norm_layer=partial(LayerNorm, eps=1e-5),
@@ -134,24 +135,24 @@ def diffclip_filter_fn(state_dict: Dict[str, Any], model: VisionTransformer) -> 
 
 def refuse_foreign_checkpoint(model: VisionTransformer, state_dict, prefix: str, local_metadata, strict: bool,
                               missing_keys, unexpected_keys, error_msgs) -> None:
-    """`load_state_dict` pre-hook: timm's `checkpoint_path=` loads this model's own state dict strictly and
-    applies no filter, so a checkpoint with another head, or in the official / open_clip layout, is refused
-    naming timm's fine-tuning route (`pretrained=True, pretrained_cfg_overlay=dict(file=…)`, which runs
-    `diffclip_filter_fn` and gives a new head) instead of torch's size mismatch or key lists."""
+    """`load_state_dict` pre-hook: the model's own state dict loads as it is; a checkpoint with another head,
+    or in the official / open_clip layout, is refused naming the routes that convert it and give a new
+    head (`checkpoint_path=`, or `pretrained=True, pretrained_cfg_overlay=dict(file=…)`), instead of torch's
+    size mismatch or key lists."""
     if prefix:
         return  # a part of another model (open_clip's visual.trunk): its keys are that model's business
     name = model.pretrained_cfg.get('architecture', type(model).__name__)
     num_classes = model.num_classes
-    route = (f"timm.create_model('{name}', pretrained=True, num_classes={num_classes}, "
-             f"pretrained_cfg_overlay=dict(file=CHECKPOINT))")
+    route = (f"timm.create_model('{name}', num_classes={num_classes}, checkpoint_path=CHECKPOINT) or "
+             f"pretrained=True, pretrained_cfg_overlay=dict(file=CHECKPOINT)")
     official = is_official_diffclip(state_dict)
     if official or any(k.startswith(TRUNK) for k in state_dict):
         layout = 'official DiffCLIP' if official else "open_clip ('visual.trunk.*')"
         raise RuntimeError(
             f'{name}: the checkpoint is in the {layout} layout (keys {first_keys(state_dict)}), '
-            f"not this model's timm state dict, which checkpoint_path= and load_state_dict load as it is. "
-            f'Load it with {route}: its filter converts the tower and the head is new (to keep the image '
-            f"projection as the head, give pretrained_cfg_overlay num_classes=<the projection's width> too)")
+            f"not this model's timm state dict, which load_state_dict loads as it is. "
+            f'Load it with {route}: the tower is converted and the head is new (to keep the image '
+            f"projection as the head, pass num_classes=<the projection's width>)")
     head = state_dict.get('head.weight')
     has_head = isinstance(model.head, nn.Linear)
     saved = head.shape[0] if head is not None else 0  # (num_classes, embed_dim) or no head
@@ -161,7 +162,7 @@ def refuse_foreign_checkpoint(model: VisionTransformer, state_dict, prefix: str,
                 "to take the checkpoint's trunk without a head")
         raise RuntimeError(
             f"{name}: the checkpoint's head has {saved} classes{shape}, this model num_classes={num_classes}. "
-            f'checkpoint_path= loads the same model (to resume or evaluate it): pass num_classes={saved}; '
+            f'load_state_dict loads the same model (to resume or evaluate it): build it with num_classes={saved}; '
             f'{want}, use {route}')
 
 

@@ -1,4 +1,5 @@
 import re
+import warnings
 
 import pytest
 import timm
@@ -183,17 +184,22 @@ def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offl
     assert done.returncode == 0 and done.stdout.strip() == 'ok', done.stderr[-2000:]
 
 
+@pytest.mark.parametrize('route', ['pretrained_cfg_overlay', 'checkpoint_path'])
 @pytest.mark.parametrize('layout', ['official', 'open_clip'])
-def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout):
-    """pretrained_cfg_overlay=dict(file=…): the official checkpoint or diffzoo.convert's safetensors;
-    the trunk loads, the head is new (10 classes)."""
+def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout, route):
+    """pretrained_cfg_overlay=dict(file=…) or checkpoint_path=: the official checkpoint or diffzoo.convert's
+    safetensors; the trunk loads, the head is new (10 classes)."""
     import open_clip
     from diffzoo.convert import official_diffclip
     path = official.path if layout == 'official' else tmp_path / 'diffclip.safetensors'
     if layout == 'open_clip':
         official_diffclip(official.path, path)
-    model = timm.create_model('vit_diff_base_patch16_224', pretrained=True, num_classes=10,
-                              pretrained_cfg_overlay=dict(file=str(path))).eval()
+    if route == 'checkpoint_path':
+        with pytest.warns(UserWarning, match='has a 512-class head, this model num_classes=10'):
+            model = timm.create_model('vit_diff_base_patch16_224', num_classes=10, checkpoint_path=str(path)).eval()
+    else:
+        model = timm.create_model('vit_diff_base_patch16_224', pretrained=True, num_classes=10,
+                                  pretrained_cfg_overlay=dict(file=str(path))).eval()
     trunk = open_clip.create_model('diffclip-b16', pretrained=str(official.path)).visual.trunk.eval()
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
@@ -222,43 +228,65 @@ def test_checkpoint_path_loads_the_same_model(head_512, suffix):
 
 @pytest.mark.parametrize('suffix', ['pth', 'safetensors'])
 @pytest.mark.parametrize('num_classes', [10, 0])
-def test_checkpoint_path_with_another_head_names_the_fine_tuning_route(head_512, suffix, num_classes):
-    """timm loads checkpoint_path= strictly without a filter (resume / evaluate the same model): a new head
-    is refused by name, and the route the message names loads the trunk with a new head."""
+def test_checkpoint_path_with_another_head_loads_the_trunk_with_a_new_head(head_512, suffix, num_classes):
+    """checkpoint_path= with another num_classes: the trunk loads, the head is new (one warning naming both
+    counts), as pretrained_cfg_overlay=dict(file=…) gives; load_state_dict itself stays strict."""
     saved, folder = head_512
     path = str(folder / f'model.{suffix}')
-    want = (f'to fine-tune the checkpoint with a new {num_classes}-class head' if num_classes else
-            "to take the checkpoint's trunk without a head")
-    message = (f"vit_diff_micro_patch8_64: the checkpoint's head has 512 classes (head.weight (512, 128)), this model "
-               f"num_classes={num_classes}. checkpoint_path= loads the same model (to resume or evaluate it): pass "
-               f"num_classes=512; {want}, use timm.create_model("
-               f"'vit_diff_micro_patch8_64', pretrained=True, num_classes={num_classes}, "
-               f"pretrained_cfg_overlay=dict(file=CHECKPOINT))")
-    with pytest.raises(RuntimeError) as error:
-        timm.create_model('vit_diff_micro_patch8_64', num_classes=num_classes, checkpoint_path=path)
-    assert str(error.value) == message
-    model = timm.create_model('vit_diff_micro_patch8_64', pretrained=True, num_classes=num_classes,
-                              pretrained_cfg_overlay=dict(file=path)).eval()
+    head = 'the head is new' if num_classes else 'the model has no head'
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning) as caught:
+        model = timm.create_model('vit_diff_micro_patch8_64', num_classes=num_classes, checkpoint_path=path).eval()
+    assert [str(w.message) for w in caught] == [
+        f'vit_diff_micro_patch8_64: checkpoint_path={path} has a 512-class head, this model num_classes={num_classes}: '
+        f'the trunk is loaded and {head}. To resume or evaluate the saved model, pass num_classes=512']
+    assert caught[0].filename == __file__  # points at the create_model call
+    torch.manual_seed(0)
+    fresh = timm.create_model('vit_diff_micro_patch8_64', num_classes=num_classes)  # the same initialisation
+    overlay = timm.create_model('vit_diff_micro_patch8_64', pretrained=True, num_classes=num_classes,
+                                pretrained_cfg_overlay=dict(file=path)).eval()
     x = _input(model, 2)
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(x), saved.forward_features(x), rtol=0, atol=0)
+        torch.testing.assert_close(overlay.forward_features(x), saved.forward_features(x), rtol=0, atol=0)
         assert model(x).shape == ((2, num_classes) if num_classes else (2, 128))
+    if num_classes:  # a new head: timm's initialisation, not the checkpoint's rows
+        torch.testing.assert_close(model.head.weight, fresh.head.weight, rtol=0, atol=0)
+    want = (f'to fine-tune the checkpoint with a new {num_classes}-class head' if num_classes else
+            "to take the checkpoint's trunk without a head")
+    with pytest.raises(RuntimeError) as error:
+        fresh.load_state_dict(saved.state_dict())
+    assert str(error.value) == (
+        f"vit_diff_micro_patch8_64: the checkpoint's head has 512 classes (head.weight (512, 128)), this model "
+        f"num_classes={num_classes}. load_state_dict loads the same model (to resume or evaluate it): build it "
+        f"with num_classes=512; {want}, use timm.create_model('vit_diff_micro_patch8_64', "
+        f"num_classes={num_classes}, checkpoint_path=CHECKPOINT) or pretrained=True, "
+        f"pretrained_cfg_overlay=dict(file=CHECKPOINT)")
 
 
-def test_checkpoint_path_in_the_open_clip_layout_names_the_fine_tuning_route(tmp_path):
-    """diffclip-tiny's state dict (its vision trunk under visual.trunk.*) is not a timm checkpoint of the trunk."""
+def test_checkpoint_path_in_the_open_clip_layout_loads_the_trunk(tmp_path):
+    """diffclip-tiny's state dict (its vision trunk under visual.trunk.*, the image projection as the head):
+    checkpoint_path= converts it as pretrained_cfg_overlay does; load_state_dict refuses it naming both."""
     import open_clip
     clip = open_clip.create_model('diffclip-tiny').eval()
     path = tmp_path / 'diffclip-tiny.pt'
     torch.save(clip.state_dict(), path)
-    with pytest.raises(RuntimeError, match=re.escape(
-            "vit_diff_micro_patch8_64: the checkpoint is in the open_clip ('visual.trunk.*') layout (keys ")) as error:
-        timm.create_model('vit_diff_micro_patch8_64', num_classes=128, checkpoint_path=str(path))
-    assert ("Load it with timm.create_model('vit_diff_micro_patch8_64', pretrained=True, num_classes=128, "
-            "pretrained_cfg_overlay=dict(file=CHECKPOINT))") in str(error.value)
-    model = timm.create_model('vit_diff_micro_patch8_64', pretrained=True, num_classes=128,
-                              pretrained_cfg_overlay=dict(file=str(path), num_classes=128)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # the projection fits num_classes=128: no new head, no warning
+        model = timm.create_model('vit_diff_micro_patch8_64', num_classes=128, checkpoint_path=str(path)).eval()
     x = _input(model, 2)
     with torch.no_grad():
         torch.testing.assert_close(model(x), clip.encode_image(x), rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "vit_diff_micro_patch8_64: the checkpoint is in the open_clip ('visual.trunk.*') layout (keys ")) as error:
+        timm.create_model('vit_diff_micro_patch8_64', num_classes=128).load_state_dict(clip.state_dict())
+    assert ("Load it with timm.create_model('vit_diff_micro_patch8_64', num_classes=128, checkpoint_path=CHECKPOINT) "
+            "or pretrained=True, pretrained_cfg_overlay=dict(file=CHECKPOINT)") in str(error.value)
     clip.load_state_dict(torch.load(path, weights_only=True))  # strict load of the whole CLIP: the trunk's hook stays out
+
+
+def test_checkpoint_path_of_another_timm_model_keeps_timms_strict_load(head_512):
+    """The filter is given to vit_diff_* models only: timm's own models load checkpoint_path= as timm does."""
+    _, folder = head_512
+    with pytest.raises(RuntimeError, match='Error.s. in loading state_dict for VisionTransformer'):
+        timm.create_model('vit_tiny_patch16_224', num_classes=10, checkpoint_path=str(folder / 'model.pth'))
