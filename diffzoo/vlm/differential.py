@@ -13,13 +13,26 @@ duplicate (Differential PaliGemma, Eq. 5): both maps from the pretrained, undivi
 
     head_j = (1 − λ_init) · RMSNorm_d((softmax(Q_j K_jᵀ·s) − λ·softmax(Q_j K_jᵀ·s)) V_j),   j < H
 
-split (Differential Transformer applied to pretrained heads): query heads 2i and 2i+1 form
-differential head i, its value is the two heads' values side by side (K, V of query head j are
-KV head j // (H / H_kv), so MQA/GQA work: with one KV head V_pair = [V | V]),
+split (Differential Transformer applied to pretrained heads): two query heads a(i), b(i) form
+differential head i, its value is their values side by side; every query head j keeps the model's
+own K, V head, KV head j // (H / H_kv), written K_j, V_j below,
 
-    head_i = (1 − λ_init) · RMSNorm_2d((softmax(Q_2i K_2iᵀ·s) − λ·softmax(Q_2i+1 K_2i+1ᵀ·s)) [V_2i | V_2i+1])
+    head_i = (1 − λ_init) · RMSNorm_2d((softmax(Q_a K_aᵀ·s) − λ·softmax(Q_b K_bᵀ·s)) [V_a | V_b]),  i < H/2
 
-and head_i fills the columns of query heads 2i, 2i+1 in front of o_proj. s is the model's scaling
+and head_i fills the columns of query heads 2i, 2i+1 in front of o_proj. `head_pairing` chooses a, b:
+
+    "halves"    a = i, b = i + H/2: transformers' DiffLlama. With an even number of KV heads the two
+                maps read KV heads m and m + H_kv/2 (m = i // (H / H_kv)), V_pair = [V_m | V_m+H_kv/2]:
+                the pairing across KV heads of the reference code, unilm's FlashDiff1 included (its
+                interleaved layout, q1/q2 = even/odd heads of 2·H/2 and k1/k2 of 2·H_kv/2, is this one
+                with the heads reordered). Default when H_kv is even and H_kv < H (GQA).
+    "adjacent"  a = 2i, b = 2i + 1. Under GQA with an even group size both maps read one KV head
+                (K_a = K_b, V_pair = [V | V]); under MQA always. Default for MHA (H_kv = H, where
+                "halves" is this pairing with the heads reordered), MQA and an odd H_kv; the split
+                variant's only pairing before `head_pairing` existed.
+
+The pairing across KV heads under GQA is reference-code behaviour (unilm's code, DiffLlama), not a
+formula of the paper. s is the model's scaling
 (Gemma's query_pre_attn_scalar included); masks, KV cache, sliding windows and soft-capping (eager)
 are the model's own. `diffzoo_sdpa` runs each map through `F.scaled_dot_product_attention` and
 forms the difference and sub-norm with the fused op of `diffzoo.layers` (only SDPA's outputs are
@@ -41,7 +54,7 @@ writes them with the weights and `load_differential(path)` rebuilds and reloads 
 import functools
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import safetensors
 import torch
@@ -58,6 +71,7 @@ from diffzoo.layers.diff_attention import resolve_lambda_init, stats_dtype
 from diffzoo.layers.kernels import sub_normed_difference
 
 VARIANTS = ('duplicate', 'split')
+HEAD_PAIRINGS = ('halves', 'adjacent')  # split: query heads (i, i + H/2) as DiffLlama, or (2i, 2i + 1)
 MLPS = ('original', 'swiglu')
 DIFF_SDPA, DIFF_EAGER = 'diffzoo_sdpa', 'diffzoo_eager'
 CONFIG_KEY = 'diffzoo_differential'
@@ -69,11 +83,12 @@ SUB_NORM_EPS = 1e-5  # unilm's and timm's DiffAttention sub-norm
 class DifferentialSpec:
     """What `differentialize` attached to one attention module (kept as `module.differential`)."""
 
-    def __init__(self, variant: str, lambda_init: float):
-        self.variant, self.lambda_init = variant, lambda_init
+    def __init__(self, variant: str, lambda_init: float, head_pairing: Optional[str] = None):
+        self.variant, self.lambda_init, self.head_pairing = variant, lambda_init, head_pairing
 
     def __repr__(self):
-        return f'DifferentialSpec(variant={self.variant!r}, lambda_init={self.lambda_init:.4f})'
+        return (f'DifferentialSpec(variant={self.variant!r}, lambda_init={self.lambda_init:.4f}, '
+                f'head_pairing={self.head_pairing!r})')
 
 
 def find_decoder(model: nn.Module) -> nn.Module:
@@ -107,7 +122,29 @@ def _check_attention(attn: nn.Module, variant: str, index: int) -> None:
                          f'{heads}; use variant="duplicate"')
 
 
-def _add_parameters(attn: nn.Module, variant: str, lambda_init: float) -> None:
+def _resolve_head_pairing(head_pairing: Optional[str], variant: str, attn: nn.Module) -> Optional[str]:
+    """The split variant's pairing: as given, or by default "halves" (DiffLlama's, across KV heads) for
+    an even number of KV heads fewer than the query heads, "adjacent" otherwise; None for duplicate."""
+    if variant != 'split':
+        if head_pairing is not None:
+            raise ValueError(f'head_pairing={head_pairing!r}: pairs the query heads of variant="split"; '
+                             f'variant={variant!r} has no pairs; leave head_pairing out')
+        return None
+    if head_pairing is not None:
+        return head_pairing
+    heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
+    return 'halves' if kv_heads < heads and kv_heads % 2 == 0 else 'adjacent'
+
+
+def saved_settings(settings: dict) -> dict:
+    """`differentialize` keywords from saved settings: those saved before `head_pairing` existed
+    (variant "split", no pairing recorded) ran adjacent pairs, and reload that way."""
+    if settings.get('variant') == 'split' and 'head_pairing' not in settings:
+        return {**settings, 'head_pairing': 'adjacent'}
+    return settings
+
+
+def _add_parameters(attn: nn.Module, variant: str, lambda_init: float, head_pairing: Optional[str]) -> None:
     """λ vectors N(0, 0.1) and the sub-norm (weight 1) on `attn`, in its projection's dtype and device."""
     weight = attn.q_proj.weight
     dd = {'device': weight.device, 'dtype': weight.dtype}
@@ -115,7 +152,7 @@ def _add_parameters(attn: nn.Module, variant: str, lambda_init: float) -> None:
     for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
         setattr(attn, name, nn.Parameter(torch.empty(d, **dd).normal_(0, 0.1)))
     attn.sub_norm = RmsNorm(2 * d if variant == 'split' else d, eps=SUB_NORM_EPS, **dd)
-    attn.differential = DifferentialSpec(variant, lambda_init)
+    attn.differential = DifferentialSpec(variant, lambda_init, head_pairing)
 
 
 def _swiglu(mlp: nn.Module, index: int) -> None:
@@ -131,16 +168,23 @@ def differentialize(
         lambda_init: Union[float, str] = 'depth',
         layers: Optional[Iterable[int]] = None,
         mlp: str = 'original',
+        head_pairing: Optional[str] = None,
 ) -> nn.Module:
     """Make the decoder attention of a transformers model differential, in place; returns the model.
 
     variant: "duplicate" (Differential PaliGemma) or "split" (module docstring); lambda_init: a float
-    or "depth"; layers: decoder layer indices (default all); mlp: "original" or "swiglu".
+    or "depth"; layers: decoder layer indices (default all); mlp: "original" or "swiglu";
+    head_pairing (split only): "halves" (DiffLlama's, across KV heads under GQA) or "adjacent"
+    (query heads 2i, 2i + 1); by default "halves" for an even number of KV heads fewer than the
+    query heads, else "adjacent". The chosen pairing is saved with the settings.
     """
     if variant not in VARIANTS:
         raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
     if mlp not in MLPS:
         raise ValueError(f'mlp={mlp!r}: expected one of {MLPS}')
+    if head_pairing is not None and head_pairing not in HEAD_PAIRINGS:
+        raise ValueError(f'head_pairing={head_pairing!r}: expected one of {HEAD_PAIRINGS} or None (the default '
+                         f'for the model\'s head layout)')
     resolve_lambda_init(lambda_init, 0)
     decoder = find_decoder(model)
     blocks = decoder.layers
@@ -152,14 +196,16 @@ def differentialize(
         raise ValueError('the model is already differential in some of these layers; differentialize once')
     for i in chosen:
         _check_attention(blocks[i].self_attn, variant, i)
+    pairing = _resolve_head_pairing(head_pairing, variant, blocks[chosen[0]].self_attn) if chosen else None
     for i in chosen:
         attn = blocks[i].self_attn
-        _add_parameters(attn, variant, resolve_lambda_init(lambda_init, attn.layer_idx))
+        _add_parameters(attn, variant, resolve_lambda_init(lambda_init, attn.layer_idx), pairing)
         if mlp == 'swiglu':
             _swiglu(blocks[i].mlp, i)
     register_attention()
     config = decoder.config
-    setattr(config, CONFIG_KEY, {'variant': variant, 'lambda_init': lambda_init, 'layers': chosen, 'mlp': mlp})
+    setattr(config, CONFIG_KEY, {'variant': variant, 'lambda_init': lambda_init, 'layers': chosen, 'mlp': mlp,
+                                 'head_pairing': pairing})
     if config._attn_implementation not in (DIFF_SDPA, DIFF_EAGER):
         config._attn_implementation = DIFF_EAGER if config._attn_implementation == 'eager' else DIFF_SDPA
     return model
@@ -195,16 +241,39 @@ def _sub_norm_weight(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
     return (weight.to(stats_dtype(weight.dtype)) * (1 - module.differential.lambda_init)).to(like.dtype)
 
 
-def _pair_kv(t: torch.Tensor, num_heads: int, parity: int) -> torch.Tensor:
-    """K or V (B, H_kv, S, d) for query heads parity, parity + 2, …: H_kv heads when a grouped call can
-    map them (enable_gqa), otherwise the selected heads."""
-    groups = num_heads // t.shape[1]
-    if groups % 2 == 0:
-        return t  # query head 2i + parity reads KV head i // (groups / 2)
-    if groups == 1:
-        return t[:, parity::2]  # (B, H/2, S, d), a view
-    index = torch.arange(parity, num_heads, 2, device=t.device) // groups
-    return t.index_select(1, index)  # (B, H/2, S, d)
+def _pair_heads(num_heads: int, head_pairing: str) -> Tuple[slice, slice]:
+    """The query heads of the first and of the second map of differential heads 0, 1, …, H/2 − 1."""
+    if head_pairing == 'halves':
+        return slice(0, num_heads // 2), slice(num_heads // 2, num_heads)
+    return slice(0, num_heads, 2), slice(1, num_heads, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_index(num_heads: int, num_kv_heads: int, heads: Tuple[int, int, int]) -> Union[slice, Tuple[int, ...]]:
+    """Which KV heads the query heads range(*heads) read (query head j reads KV head j // (H / H_kv)):
+    a slice when each of an evenly spaced run of KV heads serves equally many of them in order (SDPA's
+    enable_gqa then maps it), otherwise one KV head per query head."""
+    groups = num_heads // num_kv_heads
+    kv = [j // groups for j in range(*heads)]
+    distinct = sorted(set(kv))
+    repeat = len(kv) // len(distinct)
+    step = distinct[1] - distinct[0] if len(distinct) > 1 else 1
+    if kv == [distinct[0] + (n // repeat) * step for n in range(len(kv))]:
+        return slice(distinct[0], distinct[-1] + 1, step)
+    return tuple(kv)
+
+
+def _kv_for(t: torch.Tensor, num_heads: int, heads: slice) -> torch.Tensor:
+    """K or V (B, H_kv, S, d) for the query heads `heads`: a view of grouped KV heads, or (B, n, S, d)
+    gathered with one KV head per query head."""
+    index = _kv_index(num_heads, t.shape[1], heads.indices(num_heads))
+    if isinstance(index, slice):
+        return t[:, index]
+    return t.index_select(1, torch.tensor(index, device=t.device))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _explicit_probs(query, key, mask, scaling, softcap, dropout, training) -> torch.Tensor:
@@ -236,9 +305,10 @@ def _differential_forward(module, query, key, value, attention_mask, dropout=0.0
             diff = a - lam * a
             out = diff @ value.repeat_interleave(H // value.shape[1], dim=1).to(diff.dtype)  # (B, H, L, d)
         else:
-            a1, a2 = probs(query[:, 0::2], _pair_kv(key, H, 0)), probs(query[:, 1::2], _pair_kv(key, H, 1))
+            first, second = _pair_heads(H, spec.head_pairing)
+            a1, a2 = probs(query[:, first], _kv_for(key, H, first)), probs(query[:, second], _kv_for(key, H, second))
             diff = a1 - lam * a2  # (B, H/2, L, S)
-            v1, v2 = _pair_kv(value, H, 0), _pair_kv(value, H, 1)
+            v1, v2 = _kv_for(value, H, first), _kv_for(value, H, second)
             v = torch.cat([v1.repeat_interleave(H // 2 // v1.shape[1], dim=1),
                            v2.repeat_interleave(H // 2 // v2.shape[1], dim=1)], dim=-1)  # (B, H/2, S, 2d)
             out = diff @ v.to(diff.dtype)  # (B, H/2, L, 2d)
@@ -259,12 +329,13 @@ def _differential_forward(module, query, key, value, attention_mask, dropout=0.0
     if spec.variant == 'duplicate':
         o1 = o2 = [attend(query, key, value)]  # A1 = A2
     else:
-        q1, q2 = query[:, 0::2], query[:, 1::2]  # (B, H/2, L, d) each
-        k1, k2 = _pair_kv(key, H, 0), _pair_kv(key, H, 1)
-        v1, v2 = _pair_kv(value, H, 0), _pair_kv(value, H, 1)
+        first, second = _pair_heads(H, spec.head_pairing)
+        q1, q2 = query[:, first], query[:, second]  # (B, H/2, L, d) each
+        k1, k2 = _kv_for(key, H, first), _kv_for(key, H, second)
+        v1, v2 = _kv_for(value, H, first), _kv_for(value, H, second)
         a1v1, a2v1 = attend(q1, k1, v1), attend(q2, k2, v1)
-        a1v2, a2v2 = (a1v1, a2v1) if v2 is v1 else (attend(q1, k1, v2), attend(q2, k2, v2))
-        o1, o2 = [a1v1, a1v2], [a2v1, a2v2]  # parts of [V_2i | V_2i+1]
+        a1v2, a2v2 = (a1v1, a2v1) if _same_view(v1, v2) else (attend(q1, k1, v2), attend(q2, k2, v2))
+        o1, o2 = [a1v1, a1v2], [a2v1, a2v2]  # parts of [V_a | V_b]
     out = sub_normed_difference(o1, o2, lam, _sub_norm_weight(module, o1[0]), module.sub_norm.eps)
     return out.reshape(B, L, H, d), None  # (B, L, heads, width) → the query heads' columns
 
@@ -347,7 +418,7 @@ def load_differential(path: Union[str, Path], model_class=None, **kwargs) -> nn.
             raise ValueError(f'{path}: config.architectures={config.architectures!r} names no transformers class; '
                              f'pass model_class=')
     model = model_class.from_pretrained(path, **kwargs)
-    differentialize(model, **spec)
+    differentialize(model, **saved_settings(spec))
     saved = {_suffix(k): v for k, v in _saved_tensors(path, PARAMETER_NAMES).items()}
     state = differential_state_dict(model)
     missing = [k for k in state if _suffix(k) not in saved]

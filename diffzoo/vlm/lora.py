@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 
 from .differential import (CONFIG_KEY, _suffix, differential_parameters, differential_state_dict, differentialize,
-                           find_decoder)
+                           find_decoder, saved_settings)
 from .model import VisionLanguageModel
 
 ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
@@ -126,7 +126,7 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
     spec = json.loads((directory / EXTRA_CONFIG).read_text())['differential']
     target = _language_model(model)
     if spec:
-        differentialize(target, **spec)
+        differentialize(target, **saved_settings(spec))
     model = _attach(model, PeftModel.from_pretrained(target, str(directory), is_trainable=trainable))
     _load_extra(model, directory, trainable)
     return model

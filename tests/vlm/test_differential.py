@@ -1,3 +1,4 @@
+import json
 import math
 import re
 
@@ -21,6 +22,8 @@ def _model(family: str, implementation: str = 'sdpa', seed: int = 0):
 
 
 FAMILIES = ['llama', 'llama_odd_groups', 'gemma', 'qwen2']
+# (variant, head_pairing): duplicate, and split with each pairing
+SETTINGS = [('duplicate', None), ('split', 'halves'), ('split', 'adjacent')]
 
 
 def _ids(batch=2, length=7, seed=1):
@@ -28,7 +31,8 @@ def _ids(batch=2, length=7, seed=1):
 
 
 def _reference_heads(attn, query, key, value, variant, mask=None):
-    """The module docstring's formulas, one head at a time, in fp64."""
+    """The module docstring's formulas, one head at a time, in fp64; split pairs the query heads
+    (a, b) of the layer's head_pairing, each reading its own KV head."""
     lq1, lk1, lq2, lk2 = (p.detach().double() for p in (attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2))
     lam = math.exp(lq1 @ lk1) - math.exp(lq2 @ lk2) + attn.differential.lambda_init
     B, H, L, d = query.shape
@@ -47,18 +51,22 @@ def _reference_heads(attn, query, key, value, variant, mask=None):
             o = (softmax(j) - lam * softmax(j)) @ v[:, j // groups]  # (B, L, d)
             heads.append(o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
     else:
-        for i in range(H // 2):
-            vp = torch.cat([v[:, 2 * i // groups], v[:, (2 * i + 1) // groups]], -1)  # (B, S, 2d)
-            o = (softmax(2 * i) - lam * softmax(2 * i + 1)) @ vp  # (B, L, 2d)
+        if attn.differential.head_pairing == 'halves':
+            pairs = zip(range(H // 2), range(H // 2, H))
+        else:
+            pairs = zip(range(0, H, 2), range(1, H, 2))
+        for a, b in pairs:
+            vp = torch.cat([v[:, a // groups], v[:, b // groups]], -1)  # (B, S, 2d)
+            o = (softmax(a) - lam * softmax(b)) @ vp  # (B, L, 2d)
             heads.append(o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
     return torch.cat(heads, -1).reshape(B, L, H, d)
 
 
 @pytest.mark.parametrize('family', FAMILIES)
-@pytest.mark.parametrize('variant', ['duplicate', 'split'])
+@pytest.mark.parametrize('variant,head_pairing', SETTINGS)
 @pytest.mark.parametrize('kernel', [diffzoo_sdpa_attention, diffzoo_eager_attention])
-def test_attention_kernels_compute_the_formula(family, variant, kernel):
-    model = differentialize(_model(family), variant=variant, lambda_init=0.8)
+def test_attention_kernels_compute_the_formula(family, variant, head_pairing, kernel):
+    model = differentialize(_model(family), variant=variant, lambda_init=0.8, head_pairing=head_pairing)
     attn = model.model.layers[1].self_attn
     with torch.no_grad():
         attn.sub_norm.weight.normal_(1, 0.2)
@@ -72,13 +80,14 @@ def test_attention_kernels_compute_the_formula(family, variant, kernel):
 
 
 @pytest.mark.parametrize('family', FAMILIES)
-@pytest.mark.parametrize('variant', ['duplicate', 'split'])
+@pytest.mark.parametrize('variant,head_pairing', SETTINGS)
 @pytest.mark.parametrize('kernel', [diffzoo_sdpa_attention, diffzoo_eager_attention])
 @pytest.mark.parametrize('lambda_init', [0.8, 'depth'])
-def test_fp64_models_compute_the_formula_without_rounding_to_fp32(family, variant, kernel, lambda_init):
+def test_fp64_models_compute_the_formula_without_rounding_to_fp32(family, variant, head_pairing, kernel, lambda_init):
     """An fp64 model keeps fp64 throughout (λ, the folded sub-norm weight, the eager maps): its heads
     equal the formula written out in fp64 to 1e-12 (λ_init 0.8 and λ are not exact in fp32)."""
-    model = differentialize(_model(family), variant=variant, lambda_init=lambda_init).double()
+    model = differentialize(_model(family), variant=variant, lambda_init=lambda_init,
+                            head_pairing=head_pairing).double()
     attn = model.model.layers[1].self_attn
     with torch.no_grad():
         attn.sub_norm.weight.normal_(1, 0.2)
@@ -95,12 +104,12 @@ def test_fp64_models_compute_the_formula_without_rounding_to_fp32(family, varian
 
 
 @pytest.mark.parametrize('family', FAMILIES)
-@pytest.mark.parametrize('variant', ['duplicate', 'split'])
-def test_sdpa_and_eager_models_agree_in_outputs_and_gradients(family, variant):
+@pytest.mark.parametrize('variant,head_pairing', SETTINGS)
+def test_sdpa_and_eager_models_agree_in_outputs_and_gradients(family, variant, head_pairing):
     ids = _ids()
     results = []
     for implementation in ('sdpa', 'eager'):
-        model = differentialize(_model(family, implementation), variant=variant)
+        model = differentialize(_model(family, implementation), variant=variant, head_pairing=head_pairing)
         assert model.config._attn_implementation == {'sdpa': DIFF_SDPA, 'eager': DIFF_EAGER}[implementation]
         model.train()
         loss = model(ids, labels=ids).loss
@@ -139,6 +148,51 @@ def test_generation_with_the_kv_cache_equals_generation_without(family, variant)
     assert torch.equal(cached.sequences, uncached.sequences)
     for a, b in zip(cached.scores, uncached.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('family,expected', [('llama', 'halves'), ('llama_odd_groups', 'halves'),
+                                             ('gemma', 'adjacent'), ('qwen2', 'adjacent')])
+def test_split_pairs_across_kv_heads_by_default_under_gqa_with_an_even_kv_head_count(family, expected):
+    """GQA with 2 KV heads (groups of 2 and of 3) pairs heads i and i + H/2 (DiffLlama's); MQA and MHA
+    keep adjacent heads. The resolved pairing is what the config records."""
+    model = differentialize(_model(family), variant='split')
+    assert {m.differential.head_pairing for m in model.modules() if hasattr(m, 'differential')} == {expected}
+    assert model.config.diffzoo_differential['head_pairing'] == expected
+    assert differentialize(_model(family)).config.diffzoo_differential['head_pairing'] is None  # duplicate
+
+
+def test_the_two_pairings_differ_under_gqa():
+    """Under GQA the pairing changes the model (same weights, same λ), so the choice is not cosmetic."""
+    ids = _ids()
+    logits = {}
+    for head_pairing in ('halves', 'adjacent'):
+        model = differentialize(_model('llama'), variant='split', head_pairing=head_pairing)
+        torch.manual_seed(2)
+        with torch.no_grad():  # weights N(0, 0.3): maps far from uniform, so the pairing shows
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.normal_(0, 0.3)
+        logits[head_pairing] = model(ids).logits
+    assert (logits['halves'] - logits['adjacent']).abs().max() > 0.1
+
+
+def test_bad_head_pairings_are_named():
+    with pytest.raises(ValueError, match="head_pairing='pairs': expected one of"):
+        differentialize(_model('llama'), variant='split', head_pairing='pairs')
+    with pytest.raises(ValueError, match="head_pairing='halves'.*leave head_pairing out"):
+        differentialize(_model('llama'), variant='duplicate', head_pairing='halves')
+
+
+def test_split_settings_saved_before_head_pairing_reload_with_adjacent_pairs(tmp_path):
+    model = differentialize(_model('llama'), variant='split', head_pairing='adjacent')
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / 'config.json').read_text())
+    del config['diffzoo_differential']['head_pairing']  # as written before the option existed
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    loaded = load_differential(tmp_path).eval()
+    assert loaded.model.layers[0].self_attn.differential.head_pairing == 'adjacent'
+    ids = _ids()
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
 def test_layers_lambda_policy_and_parameters():
