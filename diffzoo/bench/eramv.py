@@ -5,7 +5,11 @@ total and per part (vision tower, projector, post-MLP, language model: eRAM-V sa
 times forward passes with the bench's timer (`measure.time_call`, which synchronises CUDA), with
 ratios against the first model (the full-token one).
 
-    python -m diffzoo.bench.eramv --model VISION LM_DIR [--anchors 64] [--out report.json]
+    python -m diffzoo.bench.eramv --model VISION LM_DIR [--anchors 64] [--select-layer -2]
+        [--projector mlp2x_gelu] [--out report.json]
+
+Both models take the same visual features and projector (eRAM-V's by default: the penultimate block's
+output, LLaVA-1.5's two-layer MLP), so the difference is eRAM-V's integration alone.
 
 (`--vision V --language-model DIR` is the earlier spelling of `--model V DIR`.)
 """
@@ -57,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--vision', help=argparse.SUPPRESS)  # earlier spelling of --model's VISION
     p.add_argument('--language-model', help=argparse.SUPPRESS)  # earlier spelling of --model's LM_DIR
     p.add_argument('--anchors', type=int, default=64)
+    p.add_argument('--select-layer', default='-2', metavar='LAYER',
+                   help="both models' visual features: a block counted from the end (-2, the penultimate, "
+                        "eRAM-V's) or from 1, or final_norm (the last block through the tower's final norm)")
+    p.add_argument('--projector', default='mlp2x_gelu', choices=('mlp2x_gelu', 'linear'),
+                   help="both models' projector (mlp2x_gelu: LLaVA-1.5's, eRAM-V's; linear: PaliGemma's)")
     p.add_argument('--inject-layers', type=int, nargs='*', help="decoder layers counted from 1, as eRAM-V does (default: every second layer 8-22 of 32, scaled to the depth)")
     p.add_argument('--prompt-tokens', type=int, default=32)
     p.add_argument('--batch', type=int, default=1)
@@ -74,6 +83,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error('the following arguments are required: --model VISION LM_DIR')
     a.vision, a.language_model = a.model or (a.vision, a.language_model)
     del a.model
+    if a.select_layer != 'final_norm':
+        try:
+            a.select_layer = int(a.select_layer)
+        except ValueError:
+            p.error(f'--select-layer {a.select_layer}: expected a block number (-2: the penultimate) or final_norm')
     # heavy (torch, transformers): imported after parsing so that --help answers at once
     import torch
     import transformers
@@ -84,7 +98,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         lm = transformers.AutoModelForCausalLM.from_pretrained(a.language_model)
         torch.manual_seed(0)  # the same tower and projector in both
         kw = {'anchors': a.anchors, 'inject_layers': a.inject_layers} if integration == 'eramv' else {}
-        models[integration] = build_vlm(a.vision, lm, integration, **kw)
+        models[integration] = build_vlm(a.vision, lm, integration, select_layer=a.select_layer,
+                                        projector=a.projector, **kw)
     h, w = models['full'].vision.image_size
     g = torch.Generator().manual_seed(0)
     pixels = torch.randn(a.batch, 3, h, w, generator=g)

@@ -2,11 +2,15 @@
 
 Instead of all P visual tokens in the LLM's sequence (LLaVA/PaliGemma-style, `integration="full"`):
 
+- Visual features: as LLaVA-1.5, which eRAM-V follows, the output of the tower's penultimate block
+  without the final norm (`select_layer=-2`; `diffzoo.vlm.model` names the other choices,
+  `select_layer='final_norm'` the last block through the final norm), projected by LLaVA-1.5's
+  Linear → GELU → Linear (`projector='mlp2x_gelu'`; 'linear': one Linear, as PaliGemma).
 - Visual anchors: the vision tower's [CLS] token followed by the k patch tokens with the highest CLS
-  attention in its last block (score of patch j = mean over heads of A[CLS, j]; for a differential
-  tower, its A1 − λ·A2), in their original order (CLS first), projected by the shared projector, then
-  fed with the text. eRAM-V's default is k = 64 plus [CLS]: 65 anchors (`anchors=64`);
-  `include_cls=False` keeps the k patches alone.
+  attention in the block the features come from (the penultimate one by default; score of patch j =
+  mean over heads of A[CLS, j]; for a differential tower, its A1 − λ·A2), in their original order
+  (CLS first), projected by the same projector as the features, then fed with the text. eRAM-V's
+  default is k = 64 plus [CLS]: 65 anchors (`anchors=64`); `include_cls=False` keeps the k patches alone.
 - Fine-grained features: all P patch tokens, projected the same way, become extra keys and values
   at the chosen decoder layers, made by each layer's own input norm and K/V projections (no new
   attention parameters). As in eRAM-V's Eq. 8, the whole multimodal sequence (anchors and text)
@@ -42,6 +46,9 @@ from diffzoo.layers.maps import capture_attention_maps
 REFERENCE_DEPTH = 32
 REFERENCE_LAYERS = tuple(range(8, 23, 2))  # eRAM-V's injection layers in a 32-layer LLM, counted from 1
 INJECTED_QUERIES = ('all', 'text')
+# build_vlm(..., integration="eramv")'s settings when not given: the paper's (module docstring)
+ERAMV_DEFAULTS = {'select_layer': -2, 'projector': 'mlp2x_gelu', 'anchors': 64, 'include_cls': True,
+                  'injected_queries': 'all', 'layer_base': 1, 'post_mlp': True}
 
 
 def default_inject_layers(depth: int) -> List[int]:
@@ -78,16 +85,15 @@ class PostProjectionMLP(nn.Module):
 
 
 def anchor_scores(vision, pixel_values: torch.Tensor, with_cls: bool = False):
-    """(patch tokens (B, P, D_v), scores (B, P)): the tower's tokens and its last block's CLS attention;
-    with_cls: also the [CLS] token (B, D_v), third."""
+    """(patch tokens (B, P, D_v), scores (B, P)): the tower's tokens at its `select_layer` and the CLS
+    attention of the block they come out of; with_cls: also the [CLS] token (B, D_v), third."""
     if vision.kind != 'timm' or vision.prefix_tokens < 1:
         raise ValueError('eRAM-V anchors need a vision tower with a CLS token (a timm / diffzoo ViT trunk); '
                          f'this one is {vision.kind} with {vision.prefix_tokens} prefix tokens')
-    blocks = getattr(vision.tower, 'blocks', None)
-    with capture_attention_maps(blocks[-1] if blocks is not None else vision.tower) as maps:
+    with capture_attention_maps(vision.feature_block()) as maps:
         every = vision(pixel_values, prefix=True)  # (B, prefix + P, D_v); only the map-read block runs explicitly
-    last = maps[list(maps)[-1]]  # (B, heads, N, N)
-    tokens, scores = every[:, vision.prefix_tokens:], last[:, :, 0, vision.prefix_tokens:].float().mean(1)  # (B, P)
+    attn = maps[list(maps)[-1]]  # (B, heads, N, N)
+    tokens, scores = every[:, vision.prefix_tokens:], attn[:, :, 0, vision.prefix_tokens:].float().mean(1)  # (B, P)
     return (tokens, scores, every[:, 0]) if with_cls else (tokens, scores)
 
 

@@ -20,6 +20,20 @@ Vision towers (`build_vision_tokens`): a timm model (`forward_features`, prefix 
 open_clip model or its `visual` with a timm trunk (diffzoo's DiffCLIP and CLIP towers) or open_clip's
 own VisionTransformer (`output_tokens`), or a name: `timm:<model>` or an open_clip model name with
 an optional `,pretrained` tag.
+
+Which visual features (`select_layer`, LLaVA-1.5's `mm_vision_select_layer`): an integer names a
+transformer block whose output is taken as it leaves the block, without the tower's final norm; it
+indexes `hidden_states` = [embeddings, block 1's output, …, block L's output] as LLaVA-1.5 does, the
+embeddings excepted: negative counts from the end (-1: the last block's output, -2: the penultimate
+block's, LLaVA-1.5's and eRAM-V's choice), positive from 1 (1: the first block's output). The blocks
+after it do not run (timm's / open_clip's `forward_intermediates` with `stop_early`).
+`select_layer='final_norm'` is the last block's output through the tower's final norm (timm's
+`forward_features`, open_clip's `ln_post`): PaliGemma's choice and the default of
+`integration="full"`; `integration="eramv"` defaults to -2.
+
+Projector (`projector`, LLaVA-1.5's `mm_projector_type`): 'linear' (PaliGemma's one Linear, the
+default of `integration="full"`) or 'mlp2x_gelu' (LLaVA-1.5's Linear → GELU → Linear, the default of
+`integration="eramv"`, which projects the anchors and the injected features with it alike).
 """
 from typing import Optional, Sequence, Union
 
@@ -32,32 +46,101 @@ import torch.nn as nn
 from transformers import DynamicCache
 
 from .differential import DIFF_EAGER, DIFF_SDPA, INJECTED, find_decoder, register_attention
-from .eramv import (INJECTED_QUERIES, InjectedFeatures, PostProjectionMLP, anchor_scores, default_inject_layers,
-                    module_indices, select_anchors)
+from .eramv import (ERAMV_DEFAULTS, INJECTED_QUERIES, InjectedFeatures, PostProjectionMLP, anchor_scores,
+                    default_inject_layers, module_indices, select_anchors)
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
 INTEGRATIONS = ('full', 'eramv')
+FINAL_NORM = 'final_norm'  # select_layer: the last block's output through the tower's final norm
+PROJECTORS = {  # name → (D_v, D) → module
+    'linear': lambda d_in, d_out: nn.Linear(d_in, d_out),  # PaliGemma
+    'mlp2x_gelu': lambda d_in, d_out: nn.Sequential(  # LLaVA-1.5 (its state-dict keys: 0.weight, 2.weight, …)
+        nn.Linear(d_in, d_out), nn.GELU(), nn.Linear(d_out, d_out)),
+}
+FULL_DEFAULTS = {'select_layer': FINAL_NORM, 'projector': 'linear'}  # integration="full": PaliGemma's
+
+
+def check_select_layer(select_layer, depth: Optional[int] = None) -> Optional[int]:
+    """0-based index of the block whose output `select_layer` takes (module docstring) in a tower of
+    `depth` blocks; without `depth`, only the form is checked (None)."""
+    if select_layer == FINAL_NORM:
+        return None if depth is None else depth - 1
+    top = '' if depth is None else f' of the tower\'s {depth}'
+    if isinstance(select_layer, bool) or not isinstance(select_layer, int) or select_layer == 0 or (
+            depth is not None and not -depth <= select_layer <= depth):
+        raise ValueError(f'select_layer={select_layer!r}: expected a block{top}, counted from the end (-1: the last '
+                         f'block\'s output, -2: the penultimate one\'s, as LLaVA-1.5 and eRAM-V) or from 1, without '
+                         f'the final norm; or {FINAL_NORM!r} (the last block through the tower\'s final norm)')
+    if depth is None:
+        return None
+    return select_layer + depth if select_layer < 0 else select_layer - 1
+
+
+def build_projector(projector: str, vision_dim: int, hidden_size: int) -> nn.Module:
+    """The projector `projector` names (module docstring), vision_dim → hidden_size."""
+    if projector not in PROJECTORS:
+        raise ValueError(f'projector={projector!r}: expected one of {", ".join(PROJECTORS)} (linear: PaliGemma\'s one '
+                         f'Linear; mlp2x_gelu: LLaVA-1.5\'s Linear → GELU → Linear, as eRAM-V)')
+    return PROJECTORS[projector](vision_dim, hidden_size)
 
 
 class VisionTokens(nn.Module):
-    """Patch tokens (B, P, D_v) of a vision tower; `dim` = D_v, `image_size` = (H, W), `preprocess`
-    the tower's own evaluation transform (PIL image → (3, H, W)): open_clip's preprocess
-    configuration (a pretrained tag's mean/std included) or timm's data configuration."""
+    """Patch tokens (B, P, D_v) of a vision tower at `select_layer` (module docstring); `dim` = D_v,
+    `image_size` = (H, W), `preprocess` the tower's own evaluation transform (PIL image → (3, H, W)):
+    open_clip's preprocess configuration (a pretrained tag's mean/std included) or timm's data
+    configuration."""
 
     def __init__(self, tower: nn.Module, kind: str, dim: int, image_size, prefix_tokens: int = 0,
-                 preprocess=None):
+                 preprocess=None, select_layer=FINAL_NORM):
         super().__init__()
         self.tower, self.kind, self.dim = tower, kind, dim
         self.image_size, self.prefix_tokens = tuple(image_size), prefix_tokens
         self.preprocess = preprocess
+        check_select_layer(select_layer)
+        blocks = self.blocks()
+        if select_layer != FINAL_NORM and (blocks is None or not hasattr(tower, 'forward_intermediates')):
+            raise ValueError(f'select_layer={select_layer!r}: {type(tower).__name__} has no transformer blocks to '
+                             f'take an output from; use select_layer={FINAL_NORM!r} (its forward_features)')
+        self.select_layer = select_layer
+        self.block_index = None if blocks is None else check_select_layer(select_layer, len(blocks))  # 0-based
+
+    def blocks(self) -> Optional[nn.ModuleList]:
+        """The tower's transformer blocks (None for a tower without them, e.g. a timm CNN)."""
+        if self.kind == 'timm':
+            return getattr(self.tower, 'blocks', None)
+        return self.tower.transformer.resblocks
+
+    def feature_block(self) -> nn.Module:
+        """The block whose output the features are (the whole tower when it has no blocks)."""
+        blocks = self.blocks()
+        return self.tower if blocks is None else blocks[self.block_index]
+
+    def select(self, select_layer) -> 'VisionTokens':
+        """These tokens at another layer: self when unchanged, else a new `VisionTokens` on the same tower."""
+        check_select_layer(select_layer)
+        if type(select_layer) is type(self.select_layer) and select_layer == self.select_layer:
+            return self
+        return VisionTokens(self.tower, self.kind, self.dim, self.image_size, self.prefix_tokens, self.preprocess,
+                            select_layer)
 
     def forward(self, pixel_values: torch.Tensor, prefix: bool = False) -> torch.Tensor:
         """(B, P, D_v) patch tokens; prefix=True: (B, prefix + P, D_v), a timm tower's [CLS] included."""
-        if self.kind == 'timm':
-            tokens = self.tower.forward_features(pixel_values)  # (B, prefix + P, D_v)
-            return tokens if prefix else tokens[:, self.prefix_tokens:]
-        _, tokens = self.tower(pixel_values)  # open_clip VisionTransformer with output_tokens
-        return tokens  # (B, P, D_v)
+        if self.select_layer == FINAL_NORM:
+            if self.kind == 'timm':
+                tokens = self.tower.forward_features(pixel_values)  # (B, prefix + P, D_v)
+                return tokens if prefix else tokens[:, self.prefix_tokens:]
+            _, tokens = self.tower(pixel_values)  # open_clip VisionTransformer with output_tokens (after ln_post)
+            return tokens  # (B, P, D_v)
+        if self.kind == 'timm':  # the blocks up to the chosen one, no final norm
+            out, = self.tower.forward_intermediates(pixel_values, indices=[self.block_index], return_prefix_tokens=True,
+                                                    norm=False, stop_early=True, output_fmt='NLC',
+                                                    intermediates_only=True)
+            tokens, first = out if self.prefix_tokens else (out, None)  # (B, P, D_v), (B, prefix, D_v)
+            return torch.cat([first, tokens], 1) if prefix and first is not None else tokens
+        out = self.tower.forward_intermediates(pixel_values, indices=[self.block_index], stop_early=True,
+                                               normalize_intermediates=False, intermediates_only=True,
+                                               output_fmt='NLC')
+        return out['image_intermediates'][0]  # (B, P, D_v), [CLS] split off
 
 
 def _timm_tokens(model: nn.Module, preprocess=None) -> VisionTokens:
@@ -73,8 +156,13 @@ def _open_clip_preprocess(visual: nn.Module):
     return None if cfg is None else open_clip.transform.image_transform_v2(open_clip.transform.PreprocessCfg(**cfg), is_train=False)
 
 
-def build_vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
-    """A `VisionTokens` for a timm model, an open_clip model / visual tower, or a name (module docstring)."""
+def build_vision_tokens(vision: Union[str, nn.Module], select_layer=FINAL_NORM) -> VisionTokens:
+    """A `VisionTokens` for a timm model, an open_clip model / visual tower, or a name (module docstring),
+    its features taken at `select_layer`."""
+    return _vision_tokens(vision).select(select_layer)
+
+
+def _vision_tokens(vision: Union[str, nn.Module]) -> VisionTokens:
     if isinstance(vision, VisionTokens):
         return vision
     if isinstance(vision, str):
@@ -114,15 +202,26 @@ class VisionLanguageModel(nn.Module):
     """vision → projector → causal LM with a prefix-LM mask (module docstring)."""
 
     def __init__(self, vision: VisionTokens, language_model: nn.Module, integration: str = 'full',
-                 anchors: int = 64, inject_layers: Optional[Sequence[int]] = None, post_mlp: bool = True,
-                 include_cls: bool = True, injected_queries: str = 'all', layer_base: int = 1):
+                 select_layer=None, projector: Optional[str] = None, anchors: Optional[int] = None,
+                 include_cls: Optional[bool] = None, inject_layers: Optional[Sequence[int]] = None,
+                 injected_queries: Optional[str] = None, layer_base: Optional[int] = None,
+                 post_mlp: Optional[bool] = None):
         super().__init__()
         if integration not in INTEGRATIONS:
             raise ValueError(f'integration={integration!r}: expected one of {INTEGRATIONS}')
-        self.vision = vision
+        eramv = dict(anchors=anchors, include_cls=include_cls, inject_layers=inject_layers,
+                     injected_queries=injected_queries, layer_base=layer_base, post_mlp=post_mlp)
+        given = {k: v for k, v in eramv.items() if v is not None}
+        if integration == 'full' and given:
+            raise ValueError(f'{", ".join(f"{k}={v!r}" for k, v in given.items())}: eRAM-V settings, which apply to '
+                             f'integration="eramv"; leave them out for integration="full"')
+        defaults = ERAMV_DEFAULTS if integration == 'eramv' else FULL_DEFAULTS  # None: the integration's default
+        self.select_layer = defaults['select_layer'] if select_layer is None else select_layer
+        self.projector_type = defaults['projector'] if projector is None else projector
+        self.vision = vision.select(self.select_layer)
         config = language_model.config.get_text_config()
         self.hidden_size = config.hidden_size
-        self.projector = nn.Linear(vision.dim, self.hidden_size)
+        self.projector = build_projector(self.projector_type, vision.dim, self.hidden_size)  # V and V_A alike
         self.language_model = language_model
         scales_inputs = (config.model_type in GEMMA_FAMILY
                          and not hasattr(language_model.get_input_embeddings(), 'embed_scale'))
@@ -130,15 +229,18 @@ class VisionLanguageModel(nn.Module):
         self.integration = integration
         if integration == 'eramv':  # diffzoo.vlm.eramv
             depth = len(find_decoder(language_model).layers)
-            if injected_queries not in INJECTED_QUERIES:
+            eramv = {k: ERAMV_DEFAULTS[k] if v is None and k in ERAMV_DEFAULTS else v for k, v in eramv.items()}
+            if eramv['injected_queries'] not in INJECTED_QUERIES:
                 raise ValueError(f'injected_queries={injected_queries!r}: expected all (eRAM-V\'s Eq. 8: anchors '
                                  f'and text read the injected features) or text (text positions only)')
-            self.anchors, self.include_cls, self.injected_queries = int(anchors), bool(include_cls), injected_queries
+            self.anchors, self.include_cls = int(eramv['anchors']), bool(eramv['include_cls'])
+            self.injected_queries = eramv['injected_queries']
+            inject_layers, layer_base = eramv['inject_layers'], eramv['layer_base']
             if inject_layers is None:
                 inject_layers, layer_base = default_inject_layers(depth), 1
             self.inject_indices = module_indices(inject_layers, depth, layer_base)  # 0-based decoder modules
             self.inject_layers = [i + 1 for i in self.inject_indices]  # counted from 1, as eRAM-V
-            self.post_mlp = PostProjectionMLP(self.hidden_size) if post_mlp else nn.Identity()
+            self.post_mlp = PostProjectionMLP(self.hidden_size) if eramv['post_mlp'] else nn.Identity()
             register_attention()  # injected keys enter through diffzoo's attention functions
             config._attn_implementation = DIFF_EAGER if config._attn_implementation in ('eager', DIFF_EAGER) else DIFF_SDPA
 
@@ -146,17 +248,21 @@ class VisionLanguageModel(nn.Module):
     def config(self):
         return self.language_model.config
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The projector's dtype, which the pixels are cast to."""
+        return next(self.projector.parameters()).dtype
+
     def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, P, D): projected patch tokens (pre-divided by √D for LMs that scale all input embeddings)."""
-        dtype = self.projector.weight.dtype
-        tokens = self.vision(pixel_values.to(dtype))  # (B, P, D_v)
+        tokens = self.vision(pixel_values.to(self.dtype))  # (B, P, D_v)
         return self.projector(tokens) * self.embed_scale
 
     def visual_inputs(self, pixel_values: torch.Tensor):
         """(sequence image embeddings (B, P or k, D), injected features (B, P, D) or None, anchor indices)."""
         if self.integration == 'full':
             return self.image_embeddings(pixel_values), None, None
-        tokens, scores, cls = anchor_scores(self.vision, pixel_values.to(self.projector.weight.dtype), with_cls=True)
+        tokens, scores, cls = anchor_scores(self.vision, pixel_values.to(self.dtype), with_cls=True)
         features = self.post_mlp(self.projector(tokens))  # (B, P, D): every patch, fine-grained
         anchors, index = select_anchors(features, scores, self.anchors)  # (B, k, D), original order
         if self.include_cls:  # eRAM-V's 65 anchors: [CLS] (first in the tower's order), then the top-k patches
@@ -256,13 +362,16 @@ class VisionLanguageModel(nn.Module):
 
 
 def build_vlm(vision: Union[str, nn.Module], language_model: nn.Module, integration: str = 'full',
-              **eramv) -> VisionLanguageModel:
-    """A PaliGemma-style model: `vision` (timm / open_clip tower or name) + Linear + `language_model`
-    (a transformers causal LM, differential or not). integration="eramv" feeds visual anchors and
-    injects the fine-grained features instead (`diffzoo.vlm.eramv`; keywords anchors=64 patches,
+              **settings) -> VisionLanguageModel:
+    """A PaliGemma-style model: `vision` (timm / open_clip tower or name) + projector + `language_model`
+    (a transformers causal LM, differential or not).
+
+    Both integrations take select_layer (module docstring; 'final_norm' for full, -2 for eramv) and
+    projector ('linear' for full, 'mlp2x_gelu' for eramv). integration="eramv" feeds visual anchors and
+    injects the fine-grained features instead (`diffzoo.vlm.eramv`), with keywords anchors=64 patches,
     include_cls=True ([CLS] too: 65 anchors), inject_layers=None (eRAM-V's, scaled; counted from 1, or
     from 0 with layer_base=0), injected_queries='all' (Eq. 8; 'text': text positions only),
-    post_mlp=True)."""
+    post_mlp=True."""
     if not hasattr(language_model, 'get_input_embeddings'):
         raise ValueError(f'language_model: {type(language_model).__name__} is not a transformers causal LM')
-    return VisionLanguageModel(build_vision_tokens(vision), language_model, integration, **eramv)
+    return VisionLanguageModel(build_vision_tokens(vision), language_model, integration, **settings)

@@ -5,7 +5,7 @@ import transformers
 from diffzoo.layers import capture_attention_maps
 from diffzoo.vlm import build_vlm, differentialize
 from diffzoo.bench.eramv import cost_report
-from diffzoo.vlm.eramv import default_inject_layers, module_indices
+from diffzoo.vlm.eramv import anchor_scores, default_inject_layers, module_indices
 from tests.vlm.models import tiny_lm
 
 VOCAB = 50
@@ -49,24 +49,138 @@ def test_default_injection_layers_count_from_1_and_take_every_second_layer_of_er
         _vlm(integration='llava')
 
 
-def _cls_attention_and_tokens(model, pixels):
-    """The last block's CLS row (B, P), mean over heads, and all the tower's tokens (B, 1 + P, D_v)."""
-    trunk = model.vision.tower
-    with capture_attention_maps(trunk) as maps:
-        tokens = trunk.forward_features(pixels)
-    return maps[list(maps)[-1]][:, :, 0, 1:].mean(1), tokens
+def _hidden_states(trunk, pixels, tap=None):
+    """LLaVA-1.5's `hidden_states` of a timm ViT, by running its parts by hand: [the embeddings, each
+    block's output] (no final norm), each (B, 1 + P, D_v); with `tap` (a block index), also that
+    block's attention map (B, h, N, N) read on its explicit path."""
+    x = trunk.norm_pre(trunk.patch_drop(trunk._pos_embed(trunk.patch_embed(pixels))))
+    states, attn = [x], None
+    for i, block in enumerate(trunk.blocks):
+        if i == tap:
+            with capture_attention_maps(block) as maps:
+                x = block(x)
+            attn = maps[list(maps)[-1]]
+        else:
+            x = block(x)
+        states.append(x)
+    return states, attn
 
 
-def test_anchors_are_the_top_k_by_cls_attention_in_original_order():
+def _mlp2x_gelu(x, projector):
+    """LLaVA-1.5's projector by hand in fp64 from `projector`'s weights: W2·GELU(W1·x + b1) + b2."""
+    first, last = projector[0], projector[2]
+    h = x.double() @ first.weight.double().T + first.bias.double()
+    h = 0.5 * h * (1 + torch.erf(h / 2 ** 0.5))  # exact GELU
+    return (h @ last.weight.double().T + last.bias.double()).float()
+
+
+def _top_k(scores, k):
+    return torch.stack([torch.tensor(sorted(torch.argsort(row, descending=True)[:k].tolist())) for row in scores])
+
+
+def test_anchors_are_the_top_k_by_cls_attention_of_the_penultimate_block_in_original_order():
     model = _vlm(anchors=8, include_cls=False)
     pixels, _ = _inputs()
     anchors, features, index = model.visual_inputs(pixels)
     assert anchors.shape == (2, 8, 32) and features.shape == (2, PATCHES, 32)
     assert torch.all(index[:, 1:] > index[:, :-1])  # original order
-    cls, _ = _cls_attention_and_tokens(model, pixels)
-    expected = cls.topk(8, dim=1).indices.sort(dim=1).values
-    assert torch.equal(index, expected)
-    torch.testing.assert_close(anchors, features.gather(1, expected[..., None].expand(-1, -1, 32)) * model.embed_scale)
+    states, attn = _hidden_states(model.vision.tower, pixels, tap=2)  # depth 4: block 2 is the penultimate
+    assert torch.equal(index, _top_k(attn[:, :, 0, 1:].mean(1), 8))
+    torch.testing.assert_close(features, _mlp2x_gelu(states[-2][:, 1:], model.projector))  # post-MLP: identity at init
+    torch.testing.assert_close(anchors, features.gather(1, index[..., None].expand(-1, -1, 32)) * model.embed_scale)
+
+
+@pytest.mark.parametrize('select_layer, block', [(-2, 2), (-1, 3), (1, 0), (3, 2)])
+def test_features_and_cls_attention_come_from_the_selected_block_without_the_final_norm(select_layer, block):
+    """select_layer indexes LLaVA-1.5's hidden_states ([embeddings, block 1, …, block L]); the anchor
+    scores are that block's CLS attention."""
+    model = _vlm(select_layer=select_layer)
+    pixels, _ = _inputs()
+    tokens, scores, cls = anchor_scores(model.vision, pixels, with_cls=True)
+    states, attn = _hidden_states(model.vision.tower, pixels, tap=block)
+    torch.testing.assert_close(tokens, states[select_layer][:, 1:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cls, states[select_layer][:, 0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(scores, attn[:, :, 0, 1:].mean(1))
+    assert model.vision.block_index == block
+
+
+def test_the_cls_attention_equals_softmax_qk_of_the_penultimate_block_of_a_plain_timm_vit():
+    """An independent fp64 reference on timm's own ViT: its blocks run by hand, the penultimate
+    block's attention written out as softmax(q·kᵀ/√d), its output taken before the final norm."""
+    import copy
+    import timm
+    torch.manual_seed(0)
+    tower = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=3, num_classes=0).eval()
+    model = build_vlm(tower, _lm(), integration='eramv', anchors=5, include_cls=False).eval()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    tokens, scores = anchor_scores(model.vision, pixels)
+    ref = copy.deepcopy(tower).double()
+    x = ref.norm_pre(ref._pos_embed(ref.patch_embed(pixels.double())))  # (B, 1 + 16, 192)
+    x = ref.blocks[0](x)
+    attn = ref.blocks[1].attn
+    B, N, C = x.shape
+    qkv = attn.qkv(ref.blocks[1].norm1(x)).reshape(B, N, 3, attn.num_heads, C // attn.num_heads).permute(2, 0, 3, 1, 4)
+    q, k = qkv[0], qkv[1]  # (B, h, N, d)
+    a = torch.softmax(q @ k.transpose(-1, -2) * (C // attn.num_heads) ** -0.5, dim=-1)  # (B, h, N, N)
+    expected_scores = a[:, :, 0, 1:].mean(1)  # (B, 16)
+    expected_tokens = ref.blocks[1](x)[:, 1:]
+    print('max |scores - fp64|', (scores.double() - expected_scores).abs().max().item(),
+          'max |tokens - fp64|', (tokens.double() - expected_tokens).abs().max().item())
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=0, atol=1e-6)
+    torch.testing.assert_close(tokens.double(), expected_tokens, rtol=0, atol=1e-5)
+    _, _, index = model.visual_inputs(pixels)
+    assert torch.equal(index, _top_k(expected_scores, 5))
+
+
+def test_final_norm_is_the_earlier_choice_the_last_block_through_the_final_norm():
+    model = _vlm(anchors=8, include_cls=False, select_layer='final_norm')
+    pixels, _ = _inputs()
+    _, features, index = model.visual_inputs(pixels)
+    trunk = model.vision.tower
+    with capture_attention_maps(trunk) as maps:
+        tokens = trunk.forward_features(pixels)  # the last block, then the final norm
+    assert torch.equal(index, _top_k(maps[list(maps)[-1]][:, :, 0, 1:].mean(1), 8))
+    torch.testing.assert_close(features, _mlp2x_gelu(tokens[:, 1:], model.projector))
+
+
+def test_anchors_and_injected_features_share_one_llava_projector():
+    model = _vlm(anchors=8)
+    D_v, D = model.vision.dim, model.hidden_size
+    projector = model.projector
+    assert isinstance(projector, torch.nn.Sequential) and len(projector) == 3
+    assert [type(m) for m in projector] == [torch.nn.Linear, torch.nn.GELU, torch.nn.Linear]
+    assert (projector[0].in_features, projector[0].out_features) == (D_v, D)
+    assert projector[1].approximate == 'none'  # exact GELU, as LLaVA-1.5
+    assert (projector[2].in_features, projector[2].out_features) == (D, D)
+    vision_to_text = [n for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and m.in_features == D_v and not n.startswith('vision.')]
+    assert vision_to_text == ['projector.0']  # one projector in the model
+    pixels, _ = _inputs()
+    anchors, features, index = model.visual_inputs(pixels)
+    tokens, _, cls = anchor_scores(model.vision, pixels, with_cls=True)
+    torch.testing.assert_close(anchors[:, 0], _mlp2x_gelu(cls, projector) * model.embed_scale)  # [CLS]
+    picked = tokens.gather(1, index[..., None].expand(-1, -1, D_v))
+    torch.testing.assert_close(anchors[:, 1:], _mlp2x_gelu(picked, projector) * model.embed_scale)  # V_A
+    torch.testing.assert_close(features, _mlp2x_gelu(tokens, projector))  # V
+    with torch.no_grad():
+        projector[2].bias += 1.0  # one parameter moves the anchors and the injected features alike
+    shifted, moved, _ = model.visual_inputs(pixels)
+    torch.testing.assert_close(shifted, anchors + model.embed_scale)
+    torch.testing.assert_close(moved, features + 1.0)
+    assert type(_vlm('full').projector) is torch.nn.Linear  # the plain wrapper keeps PaliGemma's Linear
+    linear = _vlm(projector='linear', anchors=8)
+    assert type(linear.projector) is torch.nn.Linear  # the earlier eRAM-V projector, by name
+
+
+def test_bad_select_layer_projector_and_eramv_settings_on_a_full_model_are_refused():
+    for bad in (0, 5, -5, 'last', 1.5, True):
+        with pytest.raises(ValueError, match=rf"select_layer={bad!r}: expected a block"):
+            _vlm(select_layer=bad)
+    with pytest.raises(ValueError, match=r"projector='mlp': expected one of linear, mlp2x_gelu"):
+        _vlm(projector='mlp')
+    with pytest.raises(ValueError, match=r'anchors=8, post_mlp=False: eRAM-V settings, which apply to '
+                                         r'integration="eramv"'):
+        _vlm('full', anchors=8, post_mlp=False)
 
 
 def test_default_anchors_are_cls_then_the_top_64_patches():
@@ -74,13 +188,14 @@ def test_default_anchors_are_cls_then_the_top_64_patches():
     torch.manual_seed(0)
     tower = timm.create_model('vit_diff_micro_patch8_64', img_size=96)  # 144 patches
     model = build_vlm(tower, _lm(), integration='eramv').eval()
+    assert (model.select_layer, model.projector_type) == (-2, 'mlp2x_gelu')
     pixels = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0))
     anchors, features, index = model.visual_inputs(pixels)
     D = features.shape[-1]
     assert anchors.shape == (2, 65, D) and features.shape == (2, 144, D)  # [CLS] + the top 64 patches
-    cls, tokens = _cls_attention_and_tokens(model, pixels)
-    torch.testing.assert_close(anchors[:, 0], model.post_mlp(model.projector(tokens[:, 0])) * model.embed_scale)
-    expected = torch.stack([torch.tensor(sorted(torch.argsort(row, descending=True)[:64].tolist())) for row in cls])
+    states, attn = _hidden_states(tower, pixels, tap=2)
+    torch.testing.assert_close(anchors[:, 0], _mlp2x_gelu(states[-2][:, 0], model.projector) * model.embed_scale)
+    expected = _top_k(attn[:, :, 0, 1:].mean(1), 64)
     assert torch.equal(index, expected)  # original order
     torch.testing.assert_close(anchors[:, 1:], features.gather(1, expected[..., None].expand(-1, -1, D)) * model.embed_scale)
 
@@ -107,7 +222,7 @@ def test_injected_features_are_read_exactly_at_the_chosen_layers(queries):
 
 def test_all_anchors_and_no_injection_is_the_full_token_model_at_init():
     pixels, ids = _inputs()
-    full = _vlm('full')
+    full = _vlm('full', select_layer=-2, projector='mlp2x_gelu')  # LLaVA-1.5: eRAM-V's features and projector
     eramv = _vlm(anchors=PATCHES, inject_layers=[], include_cls=False)
     eramv.load_state_dict(full.state_dict(), strict=False)  # same tower, projector and LM; post-MLP is identity at init
     torch.testing.assert_close(eramv(pixels, ids).logits, full(pixels, ids).logits)
@@ -127,12 +242,13 @@ def test_eramv_composes_with_differential_decoders_and_the_kv_cache(variant):
     loss = model(pixels, ids, labels=ids).loss
     loss.backward()
     assert model.post_mlp.fc2.weight.grad.abs().sum() > 0  # the injected path reaches the post-projection MLP
-    assert model.projector.weight.grad.abs().sum() > 0
+    assert model.projector[0].weight.grad.abs().sum() > 0
 
 
 def test_cost_report_shows_fewer_flops_than_the_full_token_model():
     pixels, ids = _inputs(batch=1, length=8)
-    report = cost_report({'full': _vlm('full'), 'eramv': _vlm(anchors=8)}, pixels, ids, reps=2)
+    full = _vlm('full', select_layer=-2, projector='mlp2x_gelu')  # the same parts
+    report = cost_report({'full': full, 'eramv': _vlm(anchors=8)}, pixels, ids, reps=2)
     assert report['full']['sequence_length'] == PATCHES + 8 and report['eramv']['sequence_length'] == 9 + 8
     assert report['full']['flops_ratio'] == 1.0
     assert 0 < report['eramv']['language_model_flops_ratio'] < 0.5  # 17 positions instead of 72, plus injected K/V
@@ -142,11 +258,14 @@ def test_cost_report_shows_fewer_flops_than_the_full_token_model():
     assert report['eramv']['latency_s'] > 0
 
 
-@pytest.mark.parametrize('module, model_flags', [
-    ('diffzoo.bench.eramv', ['--model', 'diffclip-tiny', '{lm}']),
-    ('diffzoo.vlm.eramv', ['--vision', 'diffclip-tiny', '--language-model', '{lm}']),  # earlier command and flags
+@pytest.mark.parametrize('module, model_flags, parts', [
+    ('diffzoo.bench.eramv',
+     ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear'],
+     ('final_norm', 'linear')),
+    ('diffzoo.vlm.eramv', ['--vision', 'diffclip-tiny', '--language-model', '{lm}'],  # earlier command and flags
+     (-2, 'mlp2x_gelu')),
 ])
-def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, module, model_flags):
+def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, module, model_flags, parts):
     import json
     import subprocess
     import sys
@@ -159,12 +278,14 @@ def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, module, model_
     report = json.loads((tmp_path / 'report.json').read_text())
     assert report['eramv']['sequence_length'] == 1 + 16 + 8 and report['full']['sequence_length'] == 64 + 8
     assert report['config']['vision'] == 'diffclip-tiny' and report['config']['language_model'] == str(tmp_path / 'lm')
+    assert (report['config']['select_layer'], report['config']['projector']) == parts
 
 
 def test_cost_report_cli_names_a_missing_or_doubled_model(capsys):
     from diffzoo.bench.eramv import main
     for argv, message in ((['--vision', 'diffclip-tiny'], 'required: --model VISION LM_DIR'),
-                          (['--model', 'a', 'b', '--vision', 'c'], 'leave out --vision and --language-model')):
+                          (['--model', 'a', 'b', '--vision', 'c'], 'leave out --vision and --language-model'),
+                          (['--model', 'a', 'b', '--select-layer', 'last'], '--select-layer last: expected a block')):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -202,7 +323,7 @@ def test_an_eramv_recipe_fine_tunes_and_its_adapter_carries_the_post_projection_
     results = (run / 'results.json').read_text()
     assert '"other": 0' in results
     extra = load_file(str(run / 'adapter' / 'diffzoo_extra.safetensors'))
-    assert {'post_mlp.fc1.weight', 'post_mlp.fc2.weight', 'projector.weight'} <= set(extra)
+    assert {'post_mlp.fc1.weight', 'post_mlp.fc2.weight', 'projector.0.weight', 'projector.2.weight'} <= set(extra)
     assert extra['post_mlp.fc2.weight'].abs().sum() > 0  # trained away from its zero init
     torch.manual_seed(0)
     fresh = build_vlm('diffclip-tiny', transformers.AutoModelForCausalLM.from_pretrained(language_model_dir),

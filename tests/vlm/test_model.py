@@ -56,6 +56,75 @@ def test_vision_towers_give_patch_tokens(vision, patches):
         build_vision_tokens('no-such-model')
 
 
+def _open_clip_hidden_states(visual, pixels):
+    """open_clip's own ViT run by hand: [embeddings after ln_pre, each block's output], (B, 1 + P, D_v)."""
+    x = visual.conv1(pixels).flatten(2).transpose(1, 2)  # (B, P, D_v)
+    x = torch.cat([visual.class_embedding.expand(x.shape[0], 1, -1), x], 1) + visual.positional_embedding
+    x = visual.ln_pre(x)
+    states = [x]
+    for block in visual.transformer.resblocks:
+        x = block(x) if visual.transformer.batch_first else block(x.transpose(0, 1)).transpose(0, 1)
+        states.append(x)
+    return states
+
+
+@pytest.mark.parametrize('select_layer', [-2, -1, 1, 'final_norm'])
+def test_select_layer_takes_a_blocks_output_of_timm_and_open_clip_towers(select_layer):
+    """select_layer indexes LLaVA-1.5's hidden_states ([embeddings, block 1, …, block L], no final
+    norm); 'final_norm' is the last block through the tower's final norm, the earlier (and PaliGemma's)."""
+    import open_clip.transformer
+    torch.manual_seed(0)
+    visual = open_clip.transformer.VisionTransformer(image_size=32, patch_size=8, width=24, layers=3, heads=2,
+                                                     mlp_ratio=2., output_dim=16).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    states = _open_clip_hidden_states(visual, pixels)
+    expected = visual.ln_post(states[-1]) if select_layer == 'final_norm' else states[select_layer]
+    torch.testing.assert_close(build_vision_tokens(visual, select_layer)(pixels), expected[:, 1:])
+    model = _vlm('llama')  # diffclip-tiny: a timm trunk of 4 blocks
+    trunk = model.vision.tower
+    x = trunk.norm_pre(trunk._pos_embed(trunk.patch_embed(pixels := _pixels(model))))
+    states = [x]
+    for block in trunk.blocks:
+        states.append(x := block(x))
+    expected = trunk.norm(states[-1]) if select_layer == 'final_norm' else states[select_layer]
+    tokens = build_vision_tokens(model.vision, select_layer)
+    torch.testing.assert_close(tokens(pixels), expected[:, 1:])
+    torch.testing.assert_close(tokens(pixels, prefix=True), expected)
+    assert tokens.tower is trunk and model.vision.select_layer == 'final_norm'  # the same tower; the model's unchanged
+
+
+def test_the_full_model_takes_llava_15s_features_and_projector_by_name():
+    """integration="full" keeps PaliGemma's choices (final norm, one Linear); select_layer=-2 and
+    projector='mlp2x_gelu' give LLaVA-1.5's, entering the decoder as projected."""
+    model = _vlm('llama')
+    assert (model.select_layer, model.projector_type) == ('final_norm', 'linear')
+    assert type(model.projector) is torch.nn.Linear
+    llava = build_vlm('diffclip-tiny', _lm('llama'), select_layer=-2, projector='mlp2x_gelu').eval()
+    assert [type(m) for m in llava.projector] == [torch.nn.Linear, torch.nn.GELU, torch.nn.Linear]
+    pixels, ids = _pixels(llava, 1), _ids(1, 4)
+    trunk = llava.vision.tower
+    x = trunk.norm_pre(trunk._pos_embed(trunk.patch_embed(pixels)))
+    for block in trunk.blocks[:-1]:
+        x = block(x)
+    first, last = llava.projector[0], llava.projector[2]
+    expected = last(torch.nn.functional.gelu(first(x[:, 1:])))  # (1, P, D): the penultimate block, projected
+    seen = {}
+    layer = llava.language_model.model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda m, args, kw: seen.update(h=kw.get('hidden_states', args[0] if args else None)),
+                                             with_kwargs=True)
+    llava(pixels, ids)
+    handle.remove()
+    torch.testing.assert_close(seen['h'][:, :expected.shape[1]], expected)
+
+
+def test_a_tower_without_blocks_takes_only_its_final_features():
+    import timm
+    cnn = timm.create_model('resnet10t', num_classes=0)
+    assert build_vision_tokens(cnn).select_layer == 'final_norm'
+    with pytest.raises(ValueError, match=r"select_layer=-2: ResNet has no transformer blocks .*select_layer='final_norm'"):
+        build_vision_tokens(cnn, -2)
+
+
 @pytest.mark.parametrize('family', ['gemma', 'llama'])
 def test_image_tokens_enter_the_decoder_as_projected_and_text_with_the_lms_own_scale(family):
     """PaliGemma's numerics: Gemma's √D multiplies text embeddings only, never the image tokens."""
