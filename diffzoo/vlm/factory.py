@@ -3,9 +3,15 @@
 A spec is a recipe's `model` mapping (`diffzoo.recipes`, kind "vlm"), chosen by its `type`:
 
     {type: paligemma, path: DIR}                a local PaliGemma checkpoint with its processor
-    {type: build_vlm, vision: NAME, language_model: DIR, integration: full | eramv, anchors,
-     inject_layers, post_mlp}                   `build_vlm`: a timm / open_clip tower (open_clip
-                                                name[,pretrained] or timm:<name>) + a local causal LM
+    {type: build_vlm, vision: NAME, language_model: DIR, integration: full | eramv, select_layer,
+     projector, anchors, include_cls, inject_layers, layer_base, injected_queries, post_mlp}
+                                                `build_vlm`: a timm / open_clip tower (open_clip
+                                                name[,pretrained] or timm:<name>) + a local causal LM;
+                                                the other keys are build_vlm's keywords (null: the
+                                                integration's default)
+
+The spec is checked against the recipe schema (`diffzoo.vlm.recipe.MODEL`): an unknown key is
+refused with the valid ones listed.
 
 The returned `VLM` holds the model with its own preprocessing (the processor, or the tower's
 transform with its pretrained tag's mean/std) and answers the questions every caller asks —
@@ -27,7 +33,7 @@ from .data import PaliGemmaCollator, VLMCollator
 from .differential import differentialize
 from .lora import add_lora, load_adapter
 from .model import VisionLanguageModel, build_vlm
-from .recipe import check_model, load_vlm_recipe
+from .recipe import MODEL, check_model, load_vlm_recipe
 
 
 class VLM:
@@ -160,11 +166,12 @@ def _build_paligemma(spec: Mapping) -> VLM:
 def _build_vlm(spec: Mapping) -> VLM:
     lm = transformers.AutoModelForCausalLM.from_pretrained(spec['language_model'])
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec['language_model'])
-    eramv = {k: spec[k] for k in ('anchors', 'inject_layers', 'post_mlp') if spec.get(k) is not None}
-    model = build_vlm(spec['vision'], lm, spec.get('integration', 'full'), **eramv)
+    settings = {k: v for k, v in spec.items() if k not in BUILD_VLM_PARTS and v is not None}  # build_vlm's keywords
+    model = build_vlm(spec['vision'], lm, spec['integration'], **settings)
     return BuiltVLM(model, tokenizer, model.vision.preprocess)
 
 
+BUILD_VLM_PARTS = ('type', 'vision', 'language_model', 'integration')  # the rest of a build_vlm spec: keywords
 BUILDERS = {'paligemma': _build_paligemma, 'build_vlm': _build_vlm}
 
 
@@ -175,7 +182,7 @@ def load_vlm(spec: Mapping, adapter: Union[str, Path, None] = None, differential
     kind = spec.get('type')
     if kind not in BUILDERS:
         raise ValueError(f'model.type={kind!r}: expected one of {sorted(BUILDERS)}')
-    vlm = BUILDERS[kind](spec)
+    vlm = BUILDERS[kind](MODEL.check(spec, 'model'))
     if adapter is not None:
         vlm.load_adapter(adapter, trainable=trainable)
     elif differential:

@@ -21,7 +21,23 @@ from typing import Dict, Mapping
 from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
 
 from .differential import MLPS, VARIANTS
-from .model import INTEGRATIONS
+from .eramv import INJECTED_QUERIES
+from .model import FINAL_NORM, INTEGRATIONS, PROJECTORS, check_select_layer
+
+
+class SelectLayerKey(Key):
+    """`select_layer`: a block counted from the end (negative) or from 1, or 'final_norm' (checked as
+    `build_vlm` checks it, except against the tower's depth, which only the model knows)."""
+
+    def check(self, value, where: str):
+        value = super().check(value, where)
+        if value is not None:
+            try:
+                check_select_layer(value)
+            except ValueError as exc:
+                raise RecipeError(f'recipe key {where}: {exc}') from None
+        return value
+
 
 TYPE = Key((str,), REQUIRED, 'which model: paligemma or build_vlm')
 MODEL = Typed({
@@ -34,9 +50,21 @@ MODEL = Typed({
         'vision': Key((str,), REQUIRED, 'the vision tower: an open_clip name[,pretrained] or timm:<name>'),
         'language_model': Key((str,), REQUIRED, 'a local transformers causal LM directory with its tokenizer'),
         'integration': Key((str,), 'full', 'full (every visual token in the sequence) or eramv', INTEGRATIONS),
-        'anchors': Key((int,), None, "eRAM-V's visual anchors (default: build_vlm's)"),
-        'inject_layers': Key((list,), None, "eRAM-V's injection layers (default: build_vlm's)"),
-        'post_mlp': Key((bool,), None, "eRAM-V's post-projection MLP (default: build_vlm's)"),
+        # build_vlm's keywords; null: the integration's default (diffzoo.vlm.model, diffzoo.vlm.eramv)
+        'select_layer': SelectLayerKey((int, str), None, f'vision features: a block counted from the end (-2: the '
+                                       f'penultimate, eramv default) or from 1, or {FINAL_NORM} (the last block '
+                                       f'through the final norm, full default)'),
+        'projector': Key((str,), None, 'linear (PaliGemma, full default) or mlp2x_gelu (LLaVA-1.5, eramv default)',
+                         tuple(PROJECTORS)),
+        'anchors': Key((int,), None, "eRAM-V's visual anchors: top-k patches by CLS attention (default 64)"),
+        'include_cls': Key((bool,), None, "eRAM-V: [CLS] first among the anchors (default true: 65 anchors)"),
+        'inject_layers': Key((list,), None, "eRAM-V's injection layers (default: the paper's 8, 10, …, 22 of 32, "
+                                            "scaled)"),
+        'layer_base': Key((int,), None, "eRAM-V: inject_layers counted from 1 (default, the paper's) or 0",
+                          (0, 1)),
+        'injected_queries': Key((str,), None, "eRAM-V: who reads the injected features: all (Eq. 8, default) "
+                                              "or text", INJECTED_QUERIES),
+        'post_mlp': Key((bool,), None, "eRAM-V's post-projection MLP (default true)"),
     }),
 }, doc='the model, chosen by type')
 

@@ -115,3 +115,67 @@ def test_console_script_lists_the_recipes():
     assert done.returncode == 0, done.stderr[-2000:]
     listed = [line.split()[0] for line in done.stdout.splitlines()]
     assert listed == recipe_names('vlm')
+
+
+def test_every_build_vlm_keyword_is_a_recipe_key():
+    import inspect
+    from diffzoo.vlm.model import VisionLanguageModel
+    from diffzoo.vlm.recipe import MODEL
+    keywords = set(inspect.signature(VisionLanguageModel).parameters) - {'vision', 'language_model'}
+    assert set(MODEL.sections['build_vlm'].keys) == keywords | {'type', 'vision', 'language_model'}
+
+
+def test_a_recipe_sets_every_eramv_keyword(language_model_dir):
+    from diffzoo.vlm.factory import vlm_from_recipe
+    model = {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(language_model_dir),
+             'integration': 'eramv', 'select_layer': 1, 'projector': 'linear', 'anchors': 8, 'include_cls': False,
+             'inject_layers': [0], 'layer_base': 0, 'injected_queries': 'text', 'post_mlp': False}
+    built = vlm_from_recipe({'model': model}).model
+    assert (built.select_layer, built.vision.select_layer, built.vision.block_index) == (1, 1, 0)
+    assert built.projector_type == 'linear' and type(built.projector).__name__ == 'Linear'
+    assert (built.anchors, built.include_cls, built.injected_queries) == (8, False, 'text')
+    assert built.inject_indices == [0] and built.inject_layers == [1]
+    assert type(built.post_mlp).__name__ == 'Identity'
+    plain = {k: model[k] for k in ('type', 'vision', 'language_model', 'integration')}
+    default = vlm_from_recipe({'model': plain}).model  # null or absent: eRAM-V's defaults
+    assert (default.select_layer, default.projector_type, default.anchors, default.include_cls,
+            default.injected_queries, default.inject_layers, type(default.post_mlp).__name__) == (
+        -2, 'mlp2x_gelu', 64, True, 'all', [1], 'PostProjectionMLP')  # a 3-layer LM: layer 1
+    full = vlm_from_recipe({'model': dict(model, integration='full', select_layer='final_norm', projector='mlp2x_gelu',
+                                          **dict.fromkeys(('anchors', 'include_cls', 'inject_layers', 'layer_base',
+                                                           'injected_queries', 'post_mlp')))}).model
+    assert (full.select_layer, full.projector_type) == ('final_norm', 'mlp2x_gelu')
+    with pytest.raises(ValueError, match=r'anchors=8, .*: eRAM-V settings, which apply to integration="eramv"'):
+        vlm_from_recipe({'model': dict(model, integration='full')})
+
+
+@pytest.mark.parametrize('change, message', [
+    ({'anchor': 8}, r'unknown recipe keys:\n  model\.anchor \(did you mean model\.anchors'),
+    ({'select_layer': 'last'}, r"recipe key model\.select_layer: select_layer='last': expected a block"),
+    ({'select_layer': 0}, r'recipe key model\.select_layer: select_layer=0: expected a block'),
+    ({'projector': 'mlp'}, r"recipe key model\.projector: 'mlp' is not one of linear, mlp2x_gelu"),
+    ({'layer_base': 2}, r"recipe key model\.layer_base: 2 is not one of 0, 1"),
+    ({'injected_queries': 'anchors'}, r"recipe key model\.injected_queries: 'anchors' is not one of all, text"),
+    ({'include_cls': 'yes'}, r"recipe key model\.include_cls: 'yes' is not true or false"),
+])
+def test_bad_model_keys_are_refused_with_the_valid_ones(change, message):
+    from diffzoo.vlm.factory import load_vlm
+    model = dict({'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': '/x', 'integration': 'eramv'},
+                 **change)
+    with pytest.raises(RecipeError, match=message) as error:
+        check_model({'model': model})
+    if 'unknown' in message:
+        assert 'valid keys are:' in str(error.value) and 'model.injected_queries' in str(error.value)
+    with pytest.raises(RecipeError, match=message):  # the factory checks a spec given to it directly too
+        load_vlm(model)
+
+
+def test_the_eramv_recipe_spells_out_the_papers_settings(monkeypatch):
+    for var in ('VQAV2_DIR', 'DIFFCLIP_CHECKPOINT', 'LM_DIR'):
+        monkeypatch.setenv(var, f'/x/{var}')
+    model = check(load_vlm_recipe('diffclip-b16-vqav2-eramv'))['model']
+    assert model['vision'].startswith('diffclip-b16,') and model['integration'] == 'eramv'
+    assert {k: model[k] for k in ('select_layer', 'projector', 'anchors', 'include_cls', 'injected_queries',
+                                  'layer_base', 'post_mlp', 'inject_layers')} == {
+        'select_layer': -2, 'projector': 'mlp2x_gelu', 'anchors': 64, 'include_cls': True,
+        'injected_queries': 'all', 'layer_base': 1, 'post_mlp': True, 'inject_layers': None}
