@@ -1,18 +1,19 @@
 """diffzoo: differential-attention models inside timm and open_clip.
 
-After `import diffzoo`, timm knows the `vit_diff_*` models and open_clip the `diffclip-*` and
-`clip-*-baseline` models with DiffCLIP's pretrained tags (see `diffzoo.clip.seams`), whichever of
-timm, open_clip and diffzoo was imported first.
+After `import diffzoo`, timm knows the `vit_diff_*` models, open_clip the `diffclip-*` and
+`clip-*-baseline` models with DiffCLIP's pretrained tags (see `diffzoo.clip.seams`), and
+transformers' Auto classes the `diffzoo_differential` model type of saved differential decoders
+(see `diffzoo.hf_config`), whichever of timm, open_clip, transformers and diffzoo was imported first.
 
-`import diffzoo` itself imports none of torch, timm or open_clip, so a command's `--help` answers at
-once. Registration runs when the library it registers with is there:
+`import diffzoo` itself imports none of torch, timm, open_clip or transformers, so a command's
+`--help` answers at once. Registration runs when the library it registers with is there:
 
-- timm or open_clip already imported: at once;
+- the library already imported: at once;
 - otherwise right after the library's own import finishes, through a post-import hook (a finder on
-  `sys.meta_path` that wraps the loader of `timm` and `open_clip`; it leaves `sys.meta_path` once
-  both are registered). When a diffzoo module is itself importing timm or open_clip (its own import
-  not finished), registration waits for the outermost diffzoo module importing to finish, since it
-  imports diffzoo modules itself.
+  `sys.meta_path` that wraps the loader of `timm`, `open_clip` and `transformers`; it leaves
+  `sys.meta_path` once all three are registered; open_clip imports transformers). When a diffzoo
+  module is itself importing one of them (its own import not finished), registration waits for the
+  outermost diffzoo module importing to finish, since it imports diffzoo modules itself.
 
 The public names below (`DifferentialAttention`, `capture_attention_maps`, `diff_attn_layer`, the
 `layers` and `models` packages) are imported on first use (PEP 562).
@@ -27,7 +28,7 @@ __all__ = ['DifferentialAttention', 'capture_attention_maps', 'diff_attn_layer',
 
 _LAZY = {'DifferentialAttention': 'diffzoo.layers', 'capture_attention_maps': 'diffzoo.layers',
          'diff_attn_layer': 'diffzoo.layers', 'layers': None, 'models': None}
-_LIBRARIES = ('timm', 'open_clip')  # registered in this order: open_clip's diffclip towers are timm models
+_LIBRARIES = ('timm', 'open_clip', 'transformers')  # in this order: open_clip's diffclip towers are timm models
 
 _lock = threading.RLock()
 _registered = set()  # of _LIBRARIES
@@ -49,11 +50,14 @@ def __dir__():
 
 
 def _register(library: str) -> None:
-    """Register diffzoo's models with `library` ('timm' or 'open_clip'); idempotent."""
+    """Register diffzoo's models with `library` ('timm', 'open_clip' or 'transformers'); idempotent."""
     with _lock:
         if library in _registered:
             return
-        if library == 'open_clip':
+        if library == 'transformers':
+            from .hf_config import register  # AutoConfig only: imports transformers' configuration side
+            register()
+        elif library == 'open_clip':
             _register('timm')
             from .clip import install  # imports open_clip, after it finished importing
             install()
@@ -106,7 +110,7 @@ class _LoaderAfter:
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of timm, open_clip and diffzoo's own modules (see the module docstring)."""
+    """Wraps the loaders of timm, open_clip, transformers and diffzoo's own modules (see the module docstring)."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in _LIBRARIES and not fullname.startswith(f'{__name__}.'):

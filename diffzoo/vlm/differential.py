@@ -48,8 +48,10 @@ eRAM-V's injected keys and values reach the attention functions as the forward k
 keeps its weights and takes SiLU as its gate activation (Llama/Qwen2 already have it; Gemma's GELU
 gate becomes SiLU).
 
-The settings are stored on the decoder's config (`diffzoo_differential`), so `save_pretrained`
-writes them with the weights and `load_differential(path)` rebuilds and reloads the model.
+The settings are stored on the decoder's config (`diffzoo_differential`), and the model's config
+saves as the `diffzoo_differential` model type (`diffzoo.hf_config`), so `save_pretrained` writes
+them with the weights and transformers' Auto classes (after `import diffzoo`) or
+`load_differential(path)` rebuild and reload the model.
 """
 import functools
 import sys
@@ -67,6 +69,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
+from diffzoo.hf_config import mark_differential
 from diffzoo.layers.diff_attention import resolve_lambda_init, stats_dtype
 from diffzoo.layers.kernels import sub_normed_difference
 
@@ -208,6 +211,7 @@ def differentialize(
                                  'head_pairing': pairing})
     if config._attn_implementation not in (DIFF_SDPA, DIFF_EAGER):
         config._attn_implementation = DIFF_EAGER if config._attn_implementation == 'eager' else DIFF_SDPA
+    mark_differential(model)  # saved as the `diffzoo_differential` model type (diffzoo.hf_config)
     return model
 
 
@@ -411,12 +415,15 @@ def load_differential(path: Union[str, Path], model_class=None, **kwargs) -> nn.
     if spec is None:
         raise ValueError(f'{path}: config.json has no "{CONFIG_KEY}" settings; it was not saved from a '
                          f'differentialized model; load it with transformers and call differentialize()')
+    classes = getattr(type(config), 'model_classes', None) or {}  # diffzoo.hf_config
     if model_class is None:
         arch = (config.architectures or [None])[0]
-        model_class = getattr(transformers, arch, None) if arch else None
+        model_class = classes.get(arch) or (getattr(transformers, arch, None) if arch else None)
         if model_class is None:
             raise ValueError(f'{path}: config.architectures={config.architectures!r} names no transformers class; '
                              f'pass model_class=')
+    if model_class.__name__ in classes:  # saved as `diffzoo_differential`: its class loads it differential
+        return classes[model_class.__name__].from_pretrained(path, config=config, **kwargs)
     model = model_class.from_pretrained(path, **kwargs)
     differentialize(model, **saved_settings(spec))
     saved = {_suffix(k): v for k, v in _saved_tensors(path, PARAMETER_NAMES).items()}
