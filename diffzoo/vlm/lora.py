@@ -6,10 +6,16 @@ Only decoder layers get adapters (PaliGemma's SigLIP tower also has q/k/v projec
 frozen). A `build_vlm` model may also train its projector (`train_projector=True`), which starts
 from random for a new vision–LM pairing.
 
-`save_adapter(model, dir)` writes peft's adapter files plus `diffzoo_extra.safetensors` (the
-differential parameters, and the projector when trained) and `diffzoo_extra.json` (the
-`differentialize` settings); `load_adapter(base, dir)` makes a base model differential with those
-settings, attaches the adapter and loads the extra tensors.
+`save_adapter(model, dir)` writes peft's adapter files with the differential parameters in
+`adapter_model.safetensors` under their peft names (`base_model.model.….self_attn.lambda_q1`, …),
+which peft's loader copies into the model like any other key of the file: `PeftModel.from_pretrained(
+differentialize(base, **settings), dir)` alone restores the whole fine-tune. Next to them,
+`diffzoo_extra.json` (the `differentialize` settings) and `diffzoo_extra.safetensors` (a `build_vlm`
+projector and eRAM-V's post-MLP, which live outside the language model peft wraps; empty otherwise).
+`load_adapter(base, dir)` makes a base model differential with those settings, attaches the adapter
+and loads the projector. Adapters written before kept the differential parameters in
+`diffzoo_extra.safetensors` only; `load_adapter` and `load_adapter_weights` still read them there.
+(peft's own `save_pretrained` writes the LoRA weights only: save with `save_adapter`.)
 """
 import json
 from pathlib import Path
@@ -18,6 +24,7 @@ from typing import Dict, Optional, Union
 import torch
 import torch.nn as nn
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .differential import (CONFIG_KEY, _suffix, differential_parameters, differential_state_dict, differentialize,
@@ -92,20 +99,29 @@ def _peft_model(model: nn.Module):
 
 
 def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Tensors outside the adapter: the decoder's differential parameters (by layer) and, for a
-    build_vlm model, its projector (and eRAM-V's post-MLP), trained or not (a new pairing's
-    projector must not be redrawn)."""
-    state = {_suffix(k): v.detach().cpu() for k, v in differential_state_dict(model).items()}
+    """Tensors outside the language model peft wraps: a build_vlm model's projector (and eRAM-V's
+    post-MLP), trained or not (a new pairing's projector must not be redrawn)."""
+    state = {}
     for name, module in projection_modules(model).items():
         state.update({f'{name}.{k}': v.detach().cpu() for k, v in module.state_dict().items()})
     return state
 
 
+def adapter_differential_state(peft_model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The differential parameters under their names in the peft model, as `adapter_model.safetensors` holds them."""
+    return {k: v.detach().cpu().contiguous() for k, v in differential_state_dict(peft_model).items()}
+
+
 def save_adapter(model: nn.Module, directory: Union[str, Path]) -> Path:
-    """peft's adapter files + the differential parameters (and a trained projector) + their settings."""
+    """peft's adapter files, the differential parameters added to peft's weights file; a trained
+    projector and the `differentialize` settings beside them."""
     directory = Path(directory)
     peft_model = _peft_model(model)
     peft_model.save_pretrained(directory)
+    weights = directory / ADAPTER_WEIGHTS
+    with safe_open(str(weights), framework='pt') as f:
+        metadata = f.metadata()
+    save_file({**load_file(str(weights)), **adapter_differential_state(peft_model)}, str(weights), metadata=metadata)
     spec = getattr(find_decoder(peft_model).config, CONFIG_KEY, None)
     save_file({k: v.contiguous() for k, v in extra_state(model).items()}, str(directory / EXTRA_WEIGHTS))
     (directory / EXTRA_CONFIG).write_text(json.dumps({'differential': spec}, indent=1) + '\n')
@@ -128,6 +144,8 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
     if spec:
         differentialize(target, **saved_settings(spec))
     model = _attach(model, PeftModel.from_pretrained(target, str(directory), is_trainable=trainable))
+    for p in differential_parameters(model):  # loaded by peft with the adapter (older adapters: below)
+        p.requires_grad_(trainable)
     _load_extra(model, directory, trainable)
     return model
 
@@ -147,8 +165,8 @@ def load_adapter_weights(model: nn.Module, directory: Union[str, Path]) -> nn.Mo
 
 
 def _load_extra(owner: nn.Module, directory: Path, trainable: Optional[bool]) -> None:
-    """Copy the saved differential parameters (and projector, post-MLP) into `owner`'s parameters,
-    setting their requires_grad to `trainable` (None: left as they are)."""
+    """Copy the saved projector and post-MLP (and an older adapter's differential parameters) into
+    `owner`'s parameters, setting their requires_grad to `trainable` (None: left as they are)."""
     extra = load_file(str(directory / EXTRA_WEIGHTS))
     loaded = set()
     with torch.no_grad():

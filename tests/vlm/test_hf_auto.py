@@ -123,6 +123,20 @@ def test_eager_kernel_is_kept_on_reload_and_a_resaved_model_reloads_again(tmp_pa
         torch.testing.assert_close(again.eval()(ids).logits, expected, rtol=0, atol=0)
 
 
+def test_checkpoints_saved_in_the_earlier_format_still_load_with_load_differential(tmp_path):
+    """Before the model type, config.json was the base model's with a `diffzoo_differential` entry."""
+    model = _trained('gemma', 'split')
+    ids = _ids()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / 'config.json').read_text())
+    config['model_type'] = config.pop(BASE_KEY)
+    del config['auto_map']
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    (tmp_path / CODE_FILE).unlink()
+    loaded = load_differential(tmp_path).eval()
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_paligemma_reloads_through_auto_model_for_image_text_to_text(tmp_path, load_log):
     text = dict(model_type='gemma', vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=1, head_dim=8)
