@@ -13,16 +13,17 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from diffzoo.hf_config import SETTINGS_KEY, DifferentialConfigMixin
 
-from .differential import differentialize
+from .differential import differentialize, saved_settings
 
 
 def differential_settings(config) -> dict:
-    """The `differentialize` keywords a differential config records."""
+    """The `differentialize` keywords a differential config records (`saved_settings`: split without a
+    recorded pairing is adjacent)."""
     settings = getattr(config.get_text_config(), SETTINGS_KEY, None) or getattr(config, SETTINGS_KEY, None)
     if not settings:
         raise ValueError(f'{type(config).__name__}: no "{SETTINGS_KEY}" settings; a differential config records '
                          f'them when differentialize() is called; load the checkpoint it was saved with')
-    return settings
+    return saved_settings(settings)
 
 
 @functools.lru_cache(maxsize=None)

@@ -183,11 +183,15 @@ def test_bad_head_pairings_are_named():
         differentialize(_model('llama'), variant='duplicate', head_pairing='halves')
 
 
-def test_split_settings_saved_before_head_pairing_reload_with_adjacent_pairs(tmp_path):
+@pytest.mark.parametrize('config_format', ['llama model type', 'diffzoo_differential model type'])
+def test_split_settings_saved_before_head_pairing_reload_with_adjacent_pairs(tmp_path, config_format):
     model = differentialize(_model('llama'), variant='split', head_pairing='adjacent')
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / 'config.json').read_text())
     del config['diffzoo_differential']['head_pairing']  # as written before the option existed
+    if config_format == 'llama model type':  # the earlier save format: the base model type, no auto_map
+        config['model_type'] = config.pop('diffzoo_base_model_type')
+        config.pop('auto_map')
     (tmp_path / 'config.json').write_text(json.dumps(config))
     loaded = load_differential(tmp_path).eval()
     assert loaded.model.layers[0].self_attn.differential.head_pairing == 'adjacent'

@@ -19,6 +19,7 @@ from tests.vlm.models import tiny_lm
 
 VOCAB = 64
 FAMILIES = ['llama', 'qwen2', 'gemma']  # GQA, MHA with biases, MQA
+HALVES = {'llama'}  # split pairs heads i, i + H/2 by default under GQA with an even KV-head count
 
 
 def _trained(family: str, variant: str, **kw):
@@ -63,7 +64,9 @@ def test_auto_model_for_causal_lm_reloads_the_differential_model_without_key_rep
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / 'config.json').read_text())
     assert saved['model_type'] == MODEL_TYPE and saved[BASE_KEY] == model.config.model_type
-    assert saved[SETTINGS_KEY] == {'variant': variant, 'lambda_init': 'depth', 'layers': [0, 2], 'mlp': 'swiglu'}
+    pairing = None if variant == 'duplicate' else 'halves' if family in HALVES else 'adjacent'
+    assert saved[SETTINGS_KEY] == {'variant': variant, 'lambda_init': 'depth', 'layers': [0, 2], 'mlp': 'swiglu',
+                                   'head_pairing': pairing}
     assert (tmp_path / CODE_FILE).is_file()
 
     load_log.clear()
@@ -96,7 +99,7 @@ def test_auto_config_and_auto_model_give_the_differential_config_and_base_model(
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(config) is type(model.config) and config.model_type == model.config.model_type
     assert getattr(config, CONFIG_KEY) == {'variant': 'duplicate', 'lambda_init': 0.5, 'layers': [0, 1, 2],
-                                           'mlp': 'original'}
+                                           'mlp': 'original', 'head_pairing': None}
     load_log.clear()
     base = transformers.AutoModel.from_pretrained(tmp_path).eval()
     reports = _key_reports(load_log)  # the head is unexpected in a base model, as for any causal LM checkpoint
