@@ -83,10 +83,15 @@ def write_paligemma(directory: Path) -> None:
     images.image_seq_length = 16  # (32 / 8)² patches
     transformers.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(directory)
     torch.manual_seed(0)
-    config = transformers.PaliGemmaConfig(
-        text_config=dict(model_type='gemma', vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+    config = paligemma_config(len(vocab), vocab['<image>'], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(directory)
+
+
+def paligemma_config(vocab_size: int = 80, image_token_index: int = 79, **kw) -> 'transformers.PaliGemmaConfig':
+    """A tiny PaliGemma: Gemma MQA decoder (4 query heads, 1 KV head, 2 layers), one-block SigLIP tower."""
+    return transformers.PaliGemmaConfig(
+        text_config=dict(model_type='gemma', vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8),
         vision_config=dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
                            intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
-        image_token_index=vocab['<image>'], projection_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(directory)
+        image_token_index=image_token_index, projection_dim=32, **kw)

@@ -8,7 +8,7 @@ import transformers
 
 from diffzoo.vlm.differential import (DIFF_EAGER, DIFF_SDPA, differential_parameters, differentialize,
                                       diffzoo_eager_attention, diffzoo_sdpa_attention, load_differential)
-from tests.vlm.models import lm_config, tiny_lm
+from tests.vlm.models import lm_config, paligemma_config, tiny_lm
 
 VOCAB = 64
 
@@ -294,13 +294,8 @@ def test_bf16_model_runs_close_to_fp32():
 
 
 def test_paligemma_decoder_only_is_differential_and_round_trips(tmp_path):
-    text = dict(model_type='gemma', vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=1, head_dim=8)
-    vision = dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
-                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     torch.manual_seed(0)
-    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=79,
-                                          projection_dim=32)
+    config = paligemma_config()
     model = transformers.PaliGemmaForConditionalGeneration(config).eval()
     differentialize(model, variant='duplicate')
     assert model.config.text_config._attn_implementation == DIFF_SDPA

@@ -15,7 +15,7 @@ import transformers
 from diffzoo.hf_config import BASE_KEY, CODE_FILE, MODEL_TYPE, SETTINGS_KEY
 from diffzoo.vlm.differential import (CONFIG_KEY, DIFF_EAGER, DIFF_SDPA, differential_parameters, differentialize,
                                       load_differential)
-from tests.vlm.models import tiny_lm
+from tests.vlm.models import paligemma_config, tiny_lm
 
 VOCAB = 64
 FAMILIES = ['llama', 'qwen2', 'gemma']  # GQA, MHA with biases, MQA
@@ -141,13 +141,8 @@ def test_checkpoints_saved_in_the_earlier_format_still_load_with_load_differenti
 
 
 def test_paligemma_reloads_through_auto_model_for_image_text_to_text(tmp_path, load_log):
-    text = dict(model_type='gemma', vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=1, head_dim=8)
-    vision = dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
-                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     torch.manual_seed(0)
-    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=79,
-                                          projection_dim=32)
+    config = paligemma_config()
     model = differentialize(transformers.PaliGemmaForConditionalGeneration(config).eval(), variant='split')
     with torch.no_grad():
         for p in differential_parameters(model):
