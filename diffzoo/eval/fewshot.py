@@ -17,35 +17,12 @@ on frozen features, every setting a flag:
 When a dataset has fewer eligible classes than `way` (the synthetic corpus has 3 shapes) the
 episode uses all of them and the metric name says so (`3way_5shot_acc`).
 """
-from dataclasses import dataclass
 from typing import Dict, Iterator, Tuple
 
 import numpy as np
 import torch
 
-from .models import EvalError
-
-CLASSIFIERS = ('logistic', 'prototype')
-
-
-@dataclass(frozen=True)
-class FewShotConfig:
-    way: int = 5
-    shot: int = 5
-    query: int = 15
-    episodes: int = 600
-    seed: int = 0
-    classifier: str = 'logistic'
-
-    def __post_init__(self):
-        for name in ('way', 'shot', 'query', 'episodes'):
-            if getattr(self, name) < 1:
-                raise EvalError(f'--fewshot-{name} {getattr(self, name)}: must be at least 1')
-        if self.way < 2:
-            raise EvalError(f'--fewshot-way {self.way}: an episode needs at least 2 classes')
-        if self.classifier not in CLASSIFIERS:
-            raise EvalError(f'--fewshot-classifier {self.classifier!r}: choose one of {", ".join(CLASSIFIERS)}')
-
+from .options import EvalError, FewShotConfig
 
 Episode = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # support idx, support y, query idx, query y
 

@@ -19,12 +19,10 @@ from typing import Dict, List, Optional
 
 from diffzoo.checkpoint import PARAMS_TXT, RUN_CONFIG, run_settings
 
+from .options import EvalError
+
 RUN_TRANSFORM_KWARGS = ('image_mean', 'image_std', 'image_interpolation')  # run flags create_model_and_transforms takes
 HASH_CHARS = 12
-
-
-class EvalError(ValueError):
-    """A bad evaluation input; the message names it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ def run_checkpoints(run_dir, model_name: Optional[str] = None, every: bool = Tru
     name = model_name or settings.get('model')
     if not name:
         raise EvalError(f'--run-dir {run_dir}: neither {RUN_CONFIG} nor {PARAMS_TXT} names the model; '
-                        f'pass --run-model NAME (the open_clip model the run trained)')
+                        f'pass --model NAME,{run_dir} (NAME: the open_clip model the run trained)')
     check_model_name(name, f'--run-dir {run_dir}')
     preprocess = {key: settings[key] for key in RUN_TRANSFORM_KWARGS if settings.get(key) is not None}
     epochs = sorted(found) if every else [max(found)]

@@ -15,10 +15,7 @@ from diffzoo.data.synthetic import class_names
 
 from . import benchmark, fewshot, mmvp, synthetic
 from .models import EvalError
-
-SYNTHETIC = 'synthetic'
-MMVP = 'mmvp'
-TASKS = ('zeroshot_classification', 'zeroshot_retrieval', 'linear_probe', 'fewshot', 'mmvp')
+from .options import MMVP, SYNTHETIC
 
 
 def supported_tasks(dataset: str):

@@ -1,0 +1,109 @@
+"""Running what `python -m diffzoo.eval` was asked (its parsed arguments): load each model, run each dataset's
+tasks, write the rows after every dataset, end with the table."""
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+from diffzoo.checkpoint import CheckpointError
+from diffzoo.data.shards import DataError
+
+from . import benchmark, suite
+from .models import ModelSpec, load, parse_model, run_checkpoints
+from .options import MMVP, SYNTHETIC, EvalError, FewShotConfig
+from .results import Row, plot_vs_epoch, table, write_json
+
+ERRORS = (EvalError, CheckpointError, DataError)  # bad inputs: `main` prints the message and exits 2
+
+
+def _run_of(text: str) -> Optional[Path]:
+    """The training run directory of --model NAME,RUN (None when the second part is a file, a tag or absent)."""
+    where = text.partition(',')[2].strip()
+    return Path(where) if where and Path(where).is_dir() else None
+
+
+def training_runs(args) -> List[Tuple[Path, Optional[str]]]:
+    """The training run directories asked for, each with its model name (None: the run's record names it):
+    --run-dir RUN, and every --model NAME,RUN whose second part is a directory."""
+    runs = [(Path(args.run_dir), args.run_model)] if args.run_dir else []
+    return runs + [(_run_of(text), text.partition(',')[0].strip() or None) for text in args.model if _run_of(text)]
+
+
+def model_specs(args) -> List[ModelSpec]:
+    """A table column per model (--model NAME[,PRETRAINED]) and per checkpoint taken from a training run."""
+    specs = [parse_model(text) for text in args.model if _run_of(text) is None]
+    for run_dir, name in training_runs(args):
+        specs += run_checkpoints(run_dir, name, every=args.every_checkpoint)
+    return specs
+
+
+def default_output(args) -> Path:
+    """--output, else RUN/eval/results.json when one training run is evaluated, else ./eval-results.json."""
+    if args.output:
+        return Path(args.output)
+    runs = training_runs(args)
+    return runs[0][0] / 'eval' / 'results.json' if len(runs) == 1 else Path('eval-results.json')
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def run(args) -> int:
+    """Evaluate as the parsed arguments of `python -m diffzoo.eval` say; 0 when done."""
+    if args.every_checkpoint and not training_runs(args):
+        raise EvalError('--every-checkpoint needs --run-dir RUN or --model NAME,RUN (a training run directory)')
+    if not args.dataset:
+        raise EvalError('pass at least one --dataset (see python -m diffzoo.eval -h)')
+    specs = model_specs(args)
+    if not specs:
+        raise EvalError('nothing to evaluate: pass --model NAME[,PRETRAINED] or --run-dir RUN')
+    config = FewShotConfig(args.fewshot_way, args.fewshot_shot, args.fewshot_query, args.fewshot_episodes,
+                            args.seed, args.fewshot_classifier)
+    plan = []
+    for dataset in dict.fromkeys(args.dataset):
+        if dataset not in (SYNTHETIC, MMVP):
+            benchmark.check_known(dataset)
+    suite.check_tasks(list(dict.fromkeys(args.dataset)), args.task)
+    for dataset in dict.fromkeys(args.dataset):
+        root = benchmark.dataset_root(args.dataset_root, dataset)
+        tasks = suite.tasks_for(dataset, args.task)
+        suite.check_dataset(dataset, root, tasks)
+        plan.append((dataset, root, tasks))
+    device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    amp = device.startswith('cuda') and not args.no_amp
+    output = default_output(args)
+    settings = dict(vars(args), device=device, amp=amp, output=str(output), clip_benchmark=_version('clip-benchmark'),
+                    open_clip=_version('open_clip_torch'))
+
+    rows: List[Row] = []
+    for i, spec in enumerate(specs, 1):
+        print(f'[{i}/{len(specs)}] {spec.label}: loading {spec.name}'
+              + (f' from {spec.pretrained}' if spec.pretrained else ' (random init)'), flush=True)
+        loaded = load(spec, device, args.force_image_size, args.seed)
+        for dataset, root, tasks in plan:
+            for task in tasks:
+                start = time.time()
+                print(f'  {dataset}: {task} …', flush=True)
+                results = suite.run(loaded, dataset, root, task, device, amp, args.batch_size, args.workers, config,
+                                    args.lp_epochs, args.lp_lr, progress=print)
+                for task_name, metrics in results.items():
+                    rows += [Row(spec.name, spec.pretrained, loaded.checkpoint_sha256, dataset, task_name, metric,
+                                 value, spec.label, spec.epoch) for metric, value in metrics.items()]
+                shown = ', '.join(f'{k} {v:.2f}' for m in results.values() for k, v in list(m.items())[:3])
+                print(f'  {dataset}: {task} done in {time.time() - start:.0f}s ({shown})', flush=True)
+                write_json(output, rows, settings)
+        del loaded
+    print()
+    print(table(rows))
+    print(f'\nresults: {output}')
+    if args.every_checkpoint:
+        plot = plot_vs_epoch(rows, output.with_name(output.stem + '_vs_epoch.png'))
+        if plot:
+            print(f'plot: {plot}')
+    return 0
