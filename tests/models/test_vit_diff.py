@@ -190,7 +190,7 @@ def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout, rou
     """pretrained_cfg_overlay=dict(file=…) or checkpoint_path=: the official checkpoint or diffzoo.convert's
     safetensors; the trunk loads, the head is new (10 classes)."""
     import open_clip
-    from diffzoo.convert import official_diffclip
+    from diffzoo.clip.hub import official_diffclip
     path = official.path if layout == 'official' else tmp_path / 'diffclip.safetensors'
     if layout == 'open_clip':
         official_diffclip(official.path, path)
