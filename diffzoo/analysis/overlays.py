@@ -10,15 +10,9 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-import open_clip
-import torch
-
-from diffzoo.eval.models import EvalError, parse_model
+from diffzoo.eval.options import EvalError
 
 from .images import load_images
-from .maps import block_entropy, cls_attention, query_attention, vision_trunk
-from .plots import plot_entropy, plot_overlays
-from .report import entropy_table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,8 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--out', default='attention.png', help='overlay PNG (default attention.png); with '
                         '--entropy the entropy plot goes next to it as <stem>_entropy.png')
     parser.add_argument('--entropy', action='store_true', help='also measure attention entropy per block and head')
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
-                        help='torch device (default cuda if available, else cpu)')
+    parser.add_argument('--device', help='torch device (default cuda if available, else cpu)')
     return parser
 
 
@@ -50,6 +43,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not args.models:
         parser.error('give at least one --model NAME (e.g. --model diffclip-tiny --model clip-tiny-baseline)')
+    # open_clip, torch and the analysis modules using them: imported after parsing, so --help answers at once
+    import open_clip
+    import torch
+
+    from diffzoo.eval.models import parse_model
+
+    from .maps import block_entropy, cls_attention, query_attention, vision_trunk
+    from .plots import plot_entropy, plot_overlays
+    from .report import entropy_table
+    args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     t0 = time.time()
     try:
         pil = load_images(args.images)
