@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffzoo.demo import METRICS
+from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
 
 SMALL = ['--train', '128', '--val', '32', '--epochs', '1']
