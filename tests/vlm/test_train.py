@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 from transformers.trainer_utils import get_last_checkpoint
 
 from diffzoo.data.synthetic import SceneObject, draw_object
-from diffzoo.train.vlm import VLMTrainer, checkpoint_problem
+from diffzoo.train.vlm_trainer import VLMTrainer, checkpoint_problem
 from diffzoo.vlm import build_vlm, differentialize, load_adapter, load_vlm
 from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
 from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters

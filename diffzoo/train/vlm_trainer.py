@@ -1,0 +1,276 @@
+"""The fine-tuning `python -m diffzoo.train.vlm` runs (`diffzoo.train.vlm` parses the command): `VLMTrainer`,
+transformers' `Trainer` with diffzoo's additions, its log callback, the choice of checkpoint to resume from, and
+`run`, which takes a checked recipe from data to results.json."""
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import matplotlib
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_pt_utils import safe_globals
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers
+from diffzoo.recipes import RecipeError
+from diffzoo.vlm.data import SkippedImages, load_vqav2
+from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
+from diffzoo.vlm.factory import load_vlm
+from diffzoo.vlm.lora import (ADAPTER_WEIGHTS, EXTRA_CONFIG, EXTRA_WEIGHTS, load_adapter_weights, save_adapter,
+                              trainable_parameters)
+from diffzoo.vlm.recipe import RESUMABLE_CHANGES
+
+RUN_RECIPE = 'recipe.json'
+SKIPPED_IMAGES = 'skipped_images.json'
+INCOMPLETE = 'incomplete-'  # set-aside checkpoints: not `checkpoint-*`, so Trainer neither resumes nor rotates them
+ADAPTER_CONFIG = 'adapter_config.json'  # peft's
+
+
+def checkpoint_problem(checkpoint: Path) -> Optional[str]:
+    """Why `checkpoint` cannot be resumed from, or None when every file a checkpoint save writes is there
+    and loads: trainer_state.json (written last), the adapter and extra tensors with their settings,
+    optimizer, scheduler, the RNG state of each process (and the gradient scaler, when there is one)."""
+    def torch_file(path: Path):
+        with safe_globals():  # Trainer's allow-list for numpy RNG states
+            torch.load(path, map_location='cpu', weights_only=True)
+
+    loaders = [(TRAINER_STATE_NAME, lambda p: json.loads(p.read_text())['global_step']),
+               (ADAPTER_CONFIG, lambda p: json.loads(p.read_text())),
+               (EXTRA_CONFIG, lambda p: json.loads(p.read_text())),
+               (ADAPTER_WEIGHTS, lambda p: load_file(str(p))), (EXTRA_WEIGHTS, lambda p: load_file(str(p))),
+               (OPTIMIZER_NAME, torch_file), (SCHEDULER_NAME, torch_file)]
+    rng = sorted(p.name for p in checkpoint.glob('rng_state*.pth'))
+    if not rng:
+        return 'no rng_state*.pth'
+    optional = [SCALER_NAME] if (checkpoint / SCALER_NAME).exists() else []
+    loaders += [(name, torch_file) for name in rng + optional]
+    for name, load in loaders:
+        path = checkpoint / name
+        if not path.is_file():
+            return f'no {name}'
+        try:
+            load(path)
+        except Exception as exc:  # any failure to read it back makes the checkpoint unusable
+            return f'{name} does not load ({type(exc).__name__}: {str(exc)[:200]})'
+    return None
+
+
+def last_complete_checkpoint(folder: Path, set_aside: bool = True
+                             ) -> Tuple[Optional[Path], List[Tuple[Path, str, Optional[Path]]]]:
+    """The newest `checkpoint-<step>` in `folder` that `checkpoint_problem` passes, and the newer ones passed
+    over as (path, reason, where it was set aside). Unlike transformers' `get_last_checkpoint` (the highest
+    step, complete or not), a run killed while saving resumes from the checkpoint before. With `set_aside`
+    the incomplete ones are renamed `incomplete-checkpoint-<step>` (kept for inspection, out of Trainer's
+    resume and rotation)."""
+    folder = Path(folder)
+    steps = {}
+    for path in folder.glob(f'{PREFIX_CHECKPOINT_DIR}-*') if folder.is_dir() else []:
+        step = path.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        if step.isdigit() and path.is_dir():
+            steps[int(step)] = path
+    skipped = []
+    for step in sorted(steps, reverse=True):
+        problem = checkpoint_problem(steps[step])
+        if problem is None:
+            return steps[step], skipped
+        target = None
+        if set_aside:
+            target, n = folder / f'{INCOMPLETE}{steps[step].name}', 1
+            while target.exists():
+                n += 1
+                target = folder / f'{INCOMPLETE}{steps[step].name}.{n}'
+            steps[step].rename(target)
+        skipped.append((steps[step], problem, target))
+    return None, skipped
+
+
+class VLMTrainer(Trainer):
+    """`Trainer` with λ/sub-norm at their own learning rate, adapter-only checkpoints and λ in the logs."""
+
+    def __init__(self, *args, lambda_lr: Optional[float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lambda_lr = lambda_lr
+        self.skipped_images = SkippedImages()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.skipped_images.update(inputs)  # pops what the collator dropped before the forward pass
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.get('labels')
+        if labels is None or bool((labels != -100).any()):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # Nothing scored (a batch of unreadable images became a placeholder row): a zero loss through the
+        # forward pass, so every parameter still takes part (DDP) and the step adds no gradient.
+        outputs = model(**{k: v for k, v in inputs.items() if k != 'labels'})
+        loss = outputs.logits.float().sum() * 0.0
+        return (loss, outputs) if return_outputs else loss
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            groups = [{'params': [p for n, p in trainable if not n.endswith(PARAMETER_NAMES)]},
+                      {'params': [p for n, p in trainable if n.endswith(PARAMETER_NAMES)],
+                       'lr': self.lambda_lr or self.args.learning_rate}]
+            a = self.args
+            self.optimizer = torch.optim.AdamW([g for g in groups if g['params']], lr=a.learning_rate,
+                                               betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                                               weight_decay=a.weight_decay)
+        return self.optimizer
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        if self.args.should_save:
+            save_adapter(self.model, output_dir or self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_adapter_weights(self.model, resume_from_checkpoint)
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        if 'loss' in logs:
+            logs.update({f'lambda/layer_{i}': lam for i, lam in layer_lambdas(self.model).items()})
+        super().log(logs, start_time)
+
+
+class RunLog(TrainerCallback):
+    """log.jsonl and a progress line per logged step (rank 0); a log and a checkpoint at the last step."""
+
+    def __init__(self, path: Path, samples_per_step: int):
+        self.path, self.samples_per_step = path, samples_per_step
+        self.last_step, self.last_time = 0, time.time()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_step, self.last_time = state.global_step, time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = control.should_save = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or 'loss' not in (logs or {}):
+            return
+        now = time.time()
+        record = {'step': state.global_step, 'epoch': state.epoch, 'loss': logs['loss'],
+                  'samples_per_s': (state.global_step - self.last_step) * self.samples_per_step / (now - self.last_time),
+                  **{k: v for k, v in logs.items() if k.startswith('lambda/')}}
+        self.last_step, self.last_time = state.global_step, now
+        with open(self.path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+        print(f'step {record["step"]}/{state.max_steps}  loss {record["loss"]:.4f}  '
+              f'{record["samples_per_s"]:.1f} samples/s', flush=True)
+
+
+def plot_loss(log: List[Dict], path: Path) -> None:
+    matplotlib.use('Agg')
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
+    ax.plot([r['step'] for r in log], [r['loss'] for r in log])
+    ax.set_xlabel('optimizer step')
+    ax.set_ylabel('answer-token loss')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _check_resume(recipe: Dict, run_dir: Path) -> None:
+    """A run directory with checkpoints of other settings is refused (only RESUMABLE_CHANGES may differ)."""
+    stored = json.loads((run_dir / RUN_RECIPE).read_text())
+    changed = sorted(k for k in set(stored) | set(recipe)
+                     if k not in RESUMABLE_CHANGES and stored.get(k) != recipe.get(k))
+    if changed:
+        raise RecipeError(f'{run_dir}: the checkpoint was trained with other settings for {changed}; resume with '
+                          f'the same recipe (only {", ".join(RESUMABLE_CHANGES)} may change) or set --output elsewhere')
+
+
+def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArguments:
+    precision = recipe['precision'] or ('bf16' if cuda else 'fp32')
+    report = [r for r in recipe['report_to'].split(',') if r and r != 'none']
+    return TrainingArguments(
+        output_dir=str(run_dir / 'checkpoints'), per_device_train_batch_size=recipe['batch_size'],
+        gradient_accumulation_steps=recipe['grad_accum'], learning_rate=recipe['lr'],
+        weight_decay=recipe['weight_decay'], num_train_epochs=recipe['epochs'],
+        max_steps=recipe['max_steps'] or -1, lr_scheduler_type=recipe['lr_scheduler'],
+        warmup_steps=recipe['warmup_steps'], max_grad_norm=recipe['max_grad_norm'], bf16=precision == 'bf16',
+        logging_steps=recipe['log_every'], save_steps=recipe['save_every'], save_total_limit=2,
+        seed=recipe['seed'], use_cpu=not cuda, dataloader_drop_last=True,
+        dataloader_num_workers=recipe['workers'], remove_unused_columns=False, report_to=report or 'none',
+        log_level='warning', disable_tqdm=False)
+
+
+def run(recipe: Dict, name: str) -> Dict:
+    """Fine-tune as the (validated) recipe says; returns what results.json holds."""
+    run_dir = Path(recipe['output']) / name
+    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
+    os.environ.setdefault('TENSORBOARD_LOGGING_DIR', str(run_dir / 'tensorboard'))
+    args = training_arguments(recipe, run_dir, cuda)
+    rank, world = args.process_index, args.world_size
+    data = recipe['data']
+    seed = recipe['seed'] if data['seed'] is None else data['seed']
+    train_set = load_vqav2(data['root'], data['split'], data['fraction'], seed)
+    val_set = load_vqav2(data['root'], data['val_split'], data['val_fraction'], seed) if data['val_split'] else []
+    steps_per_epoch = len(train_set) // (recipe['batch_size'] * world) // recipe['grad_accum']
+    if steps_per_epoch == 0:
+        raise RecipeError(f'{len(train_set)} training samples make no optimizer step at batch {recipe["batch_size"]} × '
+                          f'accumulation {recipe["grad_accum"]} × {world} processes; lower batch_size or raise '
+                          f'data.fraction')
+    max_steps = recipe['max_steps'] or int(steps_per_epoch * recipe['epochs'])
+    with args.main_process_first(local=False, desc='choosing the checkpoint'):  # rank 0 sets incomplete ones aside
+        checkpoint, incomplete = last_complete_checkpoint(Path(args.output_dir), set_aside=rank == 0)
+    if rank == 0:
+        for path, problem, target in incomplete:
+            print(f'skipping {path}: incomplete ({problem}), most likely a run stopped while saving it; '
+                  f'set aside as {target.name}', flush=True)
+    if checkpoint is not None:
+        _check_resume(recipe, run_dir)
+
+    torch.manual_seed(recipe['seed'])  # a build_vlm projector (and eRAM-V post-MLP) starts from this seed
+    vlm = load_vlm(recipe['model'], differential=recipe['differential'])
+    vlm.add_lora(**recipe['lora'], train_projector=recipe['train_projector'])
+    counts = trainable_parameters(vlm.model)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
+        print(f'{name}: {len(train_set)} training questions, {max_steps} steps of {recipe["batch_size"]} × '
+              f'{recipe["grad_accum"]} × {world}; trainable {counts}', flush=True)
+        if checkpoint is not None:
+            step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
+            print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
+    samples_per_step = recipe['batch_size'] * recipe['grad_accum'] * world
+    trainer = VLMTrainer(model=vlm.model, args=args, train_dataset=train_set,
+                         data_collator=vlm.collator(train=True, max_length=data['max_length']),
+                         callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'])
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    skipped = trainer.skipped_images
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, skipped)
+        skipped = parts[0].merge(parts[1:])
+
+    results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
+    if val_set:
+        if rank == 0:
+            print(f'evaluating on {len(val_set)} validation questions ({world} process(es))', flush=True)
+        vlm.model.eval()
+        answers = gather_answers(answer_questions(vlm, val_set, recipe['batch_size'], recipe['eval_max_new_tokens'],
+                                                  rank, world), world)
+        results.update(vqa_accuracy=accuracy(answers, val_set), questions=len(answers))
+    if rank == 0:
+        (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
+        print(f'{name}: {skipped.summary()}' + (f' ({run_dir / SKIPPED_IMAGES})' if skipped.files else ''),
+              flush=True)
+        save_adapter(vlm.model, run_dir / 'adapter')
+        log = [json.loads(line) for line in (run_dir / 'log.jsonl').read_text().splitlines()]
+        results['final_loss'] = log[-1]['loss'] if log else None
+        if val_set:
+            (run_dir / 'val_answers.json').write_text(json.dumps(answers) + '\n')
+        (run_dir / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
+        if log:
+            plot_loss(log, run_dir / 'loss.png')
+        acc = f'{results["vqa_accuracy"]:.2f}' if 'vqa_accuracy' in results else 'n/a'
+        print(f'\n{name}: {results["steps"]} steps, final loss {results["final_loss"]:.4f}, VQA accuracy {acc}\n'
+              f'  {run_dir / "results.json"}\n  {run_dir / "loss.png"}\n  {run_dir / "adapter"}', flush=True)
+    return results
