@@ -1,0 +1,146 @@
+"""The README's examples, run: every `python -m diffzoo…` command it names answers --help, the shell commands
+that run offline in seconds run for real, and its Python blocks run (with the substitutions listed below, on
+CPU, nothing downloaded). An example that needs weights, a dataset or a GPU is in SKIPPED with the reason; a
+new example that is in neither list fails the test until it is placed."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / 'README.md').read_text()
+
+# shell commands run as written (from a scratch directory)
+RUN = {
+    'python -m diffzoo.train recipes': 'clip-b16-baseline-cc3m',
+    'python -m diffzoo.train.vlm recipes': 'paligemma-3b-vqav2-diff',
+}
+WEIGHTS, DATA, GPU = 'needs pretrained weights', 'needs a dataset', 'needs a GPU'
+SKIPPED = {
+    'make demo': 'trains two models for minutes (tests/test_demo.py runs the demo on a small corpus)',
+    'make test': 'the whole test suite',
+    'python -m diffzoo.convert official-diffclip checkpoint_best.pt diffclip_b16_cc12m.safetensors':
+        f'{WEIGHTS}: the official checkpoint (tests/clip/test_official_checkpoint.py converts a synthetic one)',
+    'python -m diffzoo.convert official-diffclip checkpoint_best.pt diffclip-b16-cc12m/': f'{WEIGHTS} (as above)',
+    'python -m diffzoo.convert publish diffclip-b16-cc12m/ --repo me/diffclip-b16-cc12m':
+        'uploads to the Hugging Face hub',
+    'scripts/download_cc3m.sh Train_GCC-training.tsv /data/cc3m': f'{DATA}: downloads CC3M',
+    'python -m diffzoo.data check /data/cc3m': f'{DATA}: CC3M shards',
+    'python -m diffzoo.data retry /data/cc3m failed.tsv': f'{DATA}: a CC3M download',
+    'scripts/download_cc3m.sh failed.tsv /data/cc3m --extend': f'{DATA}: downloads CC3M',
+    'export CC3M_SHARDS=/data/cc3m': 'sets the variable the next command reads',
+    'scripts/train.sh diffclip-b16-cc3m': f'{GPU} and {DATA} (CC3M)',
+    'scripts/train.sh clip-b16-baseline-cc3m --max_batch_per_gpu 256 -- --grad-checkpointing':
+        f'{GPU} and {DATA} (CC3M)',
+    'python -m diffzoo.train plot-lambda runs/diffclip-b16-cc3m': 'needs a training run (runs/diffclip-b16-cc3m)',
+    'python -m diffzoo.eval --model diffclip-b16,runs/diffclip-b16-cc3m/checkpoints/epoch_40.pt '
+    '--model clip-b16-baseline,runs/clip-b16-baseline-cc3m/checkpoints/epoch_40.pt --dataset imagenet1k '
+    "--dataset cifar10 --dataset wds/mscoco_captions --dataset-root '/data/{dataset}'":
+        f'needs trained checkpoints and {DATA}s (ImageNet, CIFAR-10, COCO)',
+    'python -m diffzoo.eval --run-dir runs/diffclip-tiny --every-checkpoint --dataset synthetic '
+    '--dataset-root demo/data': 'needs a training run and the demo corpus (tests/eval/test_cli.py runs one)',
+    'python -m diffzoo.analysis.overlays office.jpg --model diffclip-b16,cc3m --model clip-b16-baseline,cc3m '
+    '--query mug --query lamp --entropy': f'{WEIGHTS} (cc3m) and an image',
+    'python -m diffzoo.train.vlm --recipe paligemma-3b-vqav2-diff': f'{WEIGHTS} (PaliGemma), {DATA} (VQAv2), {GPU}',
+    'torchrun --nproc-per-node 8 -m diffzoo.train.vlm --recipe paligemma-3b-vqav2-baseline --data.fraction 1':
+        f'8 GPUs, {WEIGHTS} (PaliGemma), {DATA} (VQAv2)',
+    'python -m diffzoo.eval.vqa --predictions val_answers.json --annotations v2_mscoco_val2014_annotations.json':
+        f'{DATA}: VQAv2 annotations',
+    'python -m diffzoo.eval.needle build --source val2014 --out needle/2x2 --m 1 --n 2 --size 224':
+        f'{DATA}: COCO val2014',
+    'python -m diffzoo.eval.needle run --haystacks needle/2x2 --recipe paligemma-3b-vqav2-diff '
+    '--adapter runs/vlm/paligemma-3b-vqav2-diff/adapter --protocol two_step --out needle/2x2/diff':
+        f'{WEIGHTS} (PaliGemma and a trained adapter), haystacks',
+    'python -m diffzoo.analysis --model paligemma-3b-vqav2-diff --adapter runs/vlm/paligemma-3b-vqav2-diff/adapter '
+    '--model paligemma-3b-vqav2-baseline --images val_images/ --prompts "answer en what is on the table?" '
+    '--out analysis/': f'{WEIGHTS} (PaliGemma and a trained adapter), images',
+    'python -m diffzoo.analysis --model diffclip-b16,cc3m --model clip-b16-baseline,cc3m --images val_images/':
+        f'{WEIGHTS} (cc3m), images',
+    'python -m diffzoo.bench --device cuda': GPU,
+    'python -m diffzoo.bench --device cpu --sections model layer': 'minutes of timing (--smoke runs in tests/bench)',
+    'python -m diffzoo.bench --device cuda --sections model --compile --model diffclip-b16 clip-b16-baseline': GPU,
+    'python -m diffzoo.bench --device cuda --split-kernel triton': GPU,
+}
+
+# Python blocks, by the README section they stand in: (code run before the block, {text: replacement}), or a reason
+PYTHON = {
+    'open_clip': ("from PIL import Image\nimage = Image.new('RGB', (320, 240), 'gray')\n",
+                  {"pretrained='cc12m'": 'pretrained=None'}),  # the cc12m weights are downloaded: random init
+    'timm': ('', {'pretrained=True': 'pretrained=False'}),  # DiffCLIP's weights are downloaded: random init
+    'Vision-language models: Differential PaliGemma':
+        f'{WEIGHTS}: PaliGemma-3B, a DiffCLIP checkpoint and a language model folder',
+    'The attention layer': ("import open_clip, torch, diffzoo\nmodel = open_clip.create_model('diffclip-tiny')\n"
+                            'images = torch.randn(2, 3, 64, 64)\n', {}),
+}
+
+
+def _blocks(language):
+    """(section heading, code) of each ```language block, in README order."""
+    found, heading = [], None
+    for match in re.finditer(r'^(#+) ([^\n]*)$|^```' + language + r'\n(.*?)^```', README, re.M | re.S):
+        if match.group(1):
+            heading = match.group(2).strip()
+        else:
+            found.append((heading, match.group(3)))
+    return found
+
+
+def _commands():
+    commands = []
+    for _, code in _blocks('bash'):
+        for line in code.replace('\\\n', ' ').splitlines():
+            command = re.sub(r'\s+', ' ', line.split(' #')[0]).strip()
+            if command:
+                commands.append(command)
+    return commands
+
+
+def _run(argv, cwd, timeout=300):
+    env = dict(os.environ, HF_HUB_OFFLINE='1')  # nothing is downloaded
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_every_shell_command_is_run_or_skipped_with_a_reason():
+    commands = _commands()
+    assert commands, 'no ```bash blocks found in README.md'
+    unplaced = [c for c in commands if c not in RUN and c not in SKIPPED]
+    assert not unplaced, f'README commands in neither RUN nor SKIPPED of {__file__}: {unplaced}'
+    assert not (set(RUN) | set(SKIPPED)) - set(commands), 'RUN/SKIPPED name commands the README no longer has'
+    assert all(SKIPPED.values())
+
+
+def test_every_python_block_is_run_or_skipped_with_a_reason():
+    headings = [heading for heading, _ in _blocks('python')]
+    assert headings and set(headings) == set(PYTHON), (headings, list(PYTHON))
+
+
+# every `python -m diffzoo.X` (and `torchrun … -m diffzoo.X`) the README names; `python -m diffzoo.…` is prose
+NAMED = sorted(set(re.findall(r'(?:python|torchrun[^`\n]*?) -m (diffzoo(?:\.\w+)+)', README)))
+
+
+@pytest.mark.parametrize('module', NAMED)
+def test_every_command_named_answers_help(module, tmp_path):
+    done = _run([sys.executable, '-m', module, '--help'], tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith('usage: '), (done.stdout[:300], done.stderr[-2000:])
+
+
+@pytest.mark.parametrize('command', list(RUN))
+def test_shell_command_runs(command, tmp_path):
+    argv = command.split()
+    done = _run([sys.executable, *argv[1:]] if argv[0] == 'python' else argv, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert RUN[command] in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize('heading', [h for h, v in PYTHON.items() if isinstance(v, tuple)])
+def test_python_block_runs(heading, tmp_path):
+    prelude, substitutions = PYTHON[heading]
+    code = next(code for h, code in _blocks('python') if h == heading)
+    for text, replacement in substitutions.items():
+        assert text in code, f'README block under "{heading}" no longer has {text!r}'
+        code = code.replace(text, replacement)
+    done = _run([sys.executable, '-c', prelude + code + "\nprint('ran')\n"], tmp_path, timeout=600)
+    assert done.returncode == 0 and done.stdout.endswith('ran\n'), done.stderr[-3000:]
