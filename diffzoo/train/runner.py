@@ -120,7 +120,8 @@ def _flag_values(flags: List[str]) -> Dict:
 
 
 def run(argv: List[str], doc: str = '') -> int:
-    """Train as `argv` says (`python -m diffzoo.train`'s arguments); 0 when open_clip_train finished."""
+    """Train as `argv` says (`python -m diffzoo.train`'s arguments); 0 when open_clip_train finished. `doc`, the
+    command's usage text, ends the error raised when `argv` names nothing to run."""
     head, raw = (argv[:argv.index('--')], argv[argv.index('--') + 1:]) if '--' in argv else (argv, [])
     recipe_arg, head = _pop_recipe(head)
     local_rank, rank, world_size = _world()
