@@ -69,9 +69,21 @@ SKIPPED = {
 PYTHON = {
     'open_clip': ("from PIL import Image\nimage = Image.new('RGB', (320, 240), 'gray')\n",
                   {"pretrained='cc12m'": 'pretrained=None'}),  # the cc12m weights are downloaded: random init
-    'timm': ('', {'pretrained=True': 'pretrained=False'}),  # DiffCLIP's weights are downloaded: random init
+    'timm': ("import timm, torch, diffzoo\n"  # checkpoint_path= reads a local file: a timm B/16 with a 512-class head
+             "torch.save(timm.create_model('vit_diff_base_patch16_224', num_classes=512).state_dict(), "
+             "'checkpoint_best.pt')\n",
+             {'pretrained=True': 'pretrained=False'}),  # DiffCLIP's weights are downloaded: random init
     'Vision-language models: Differential PaliGemma':
         f'{WEIGHTS}: PaliGemma-3B, a DiffCLIP checkpoint and a language model folder',
+    'Saving and reloading a differential model or its adapter': (
+        # a tiny Llama stands in for the model, its LoRA fine-tune and the pretrained base the block names
+        "import transformers\nfrom diffzoo.vlm import add_lora, differentialize\n"
+        "config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, "
+        "num_attention_heads=4, num_key_value_heads=2)\n"
+        "base = transformers.LlamaForCausalLM(config)\nbase.save_pretrained('base')\n"
+        "model = differentialize(transformers.LlamaForCausalLM.from_pretrained('base'), variant='split')\n"
+        "peft_model = add_lora(differentialize(transformers.LlamaForCausalLM.from_pretrained('base'), "
+        "variant='split'), r=4, alpha=8)\n", {}),
     'The attention layer': ("import open_clip, torch, diffzoo\nmodel = open_clip.create_model('diffclip-tiny')\n"
                             'images = torch.randn(2, 3, 64, 64)\n', {}),
 }
