@@ -12,8 +12,6 @@ SCRIPTS = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scrip
 HEAVY = ('torch', 'timm', 'open_clip', 'transformers')
 # still import a heavy library before their --help answers
 HEAVY_AT_IMPORT = {
-    'diffzoo-train-vlm': "its help lists the recipe keys of diffzoo.vlm.recipe.VLM_RECIPE, and that module's package "
-                         '(diffzoo/vlm/__init__.py) and its .differential / .model imports load torch and transformers',
     'diffzoo-clip-benchmark': "the help is CLIP_benchmark's own parser, built in clip_benchmark.cli.get_parser_args "
                               '(choices from clip_benchmark.models, which imports torch); clip_benchmark.cli imports '
                               'torch at its top, so only a copy of that parser could answer without torch',

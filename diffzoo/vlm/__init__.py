@@ -13,10 +13,26 @@
 
 Fine-tuning: `python -m diffzoo.train.vlm`; VQA accuracy and MMNeedle: `diffzoo.eval.vqa`, `diffzoo.eval.needle`.
 """
-from .differential import differential_parameters, differentialize, load_differential
-from .factory import VLM, load_vlm
-from .lora import add_lora, load_adapter, save_adapter, trainable_parameters
-from .model import VisionLanguageModel, build_vlm
+import importlib
 
+_LAZY = {  # name → submodule; imported on first use (PEP 562), so `diffzoo.vlm.recipe` and `.options`
+    # load without torch or transformers (a command's --help)
+    'differential_parameters': 'differential', 'differentialize': 'differential', 'load_differential': 'differential',
+    'VLM': 'factory', 'load_vlm': 'factory',
+    'add_lora': 'lora', 'load_adapter': 'lora', 'save_adapter': 'lora', 'trainable_parameters': 'lora',
+    'VisionLanguageModel': 'model', 'build_vlm': 'model',
+}
 __all__ = ['load_vlm', 'VLM', 'differentialize', 'differential_parameters', 'load_differential', 'build_vlm',
            'VisionLanguageModel', 'add_lora', 'save_adapter', 'load_adapter', 'trainable_parameters']
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+    value = getattr(importlib.import_module(f'{__name__}.{_LAZY[name]}'), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

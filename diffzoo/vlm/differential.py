@@ -72,10 +72,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 from diffzoo.hf_config import mark_differential
 from diffzoo.layers.diff_attention import resolve_lambda_init, stats_dtype
 from diffzoo.layers.kernels import sub_normed_difference
+from .options import HEAD_PAIRINGS, MLPS, VARIANTS
 
-VARIANTS = ('duplicate', 'split')
-HEAD_PAIRINGS = ('halves', 'adjacent')  # split: query heads (i, i + H/2) as DiffLlama, or (2i, 2i + 1)
-MLPS = ('original', 'swiglu')
 DIFF_SDPA, DIFF_EAGER = 'diffzoo_sdpa', 'diffzoo_eager'
 CONFIG_KEY = 'diffzoo_differential'
 INJECTED = 'diffzoo_injected'  # the forward keyword carrying eRAM-V's injected keys/values (eramv.InjectedFeatures)

@@ -42,10 +42,10 @@ import torch
 import torch.nn as nn
 
 from diffzoo.layers.maps import capture_attention_maps
+from .options import INJECTED_QUERIES
 
 REFERENCE_DEPTH = 32
 REFERENCE_LAYERS = tuple(range(8, 23, 2))  # eRAM-V's injection layers in a 32-layer LLM, counted from 1
-INJECTED_QUERIES = ('all', 'text')
 # build_vlm(..., integration="eramv")'s settings when not given: the paper's (module docstring)
 ERAMV_DEFAULTS = {'select_layer': -2, 'projector': 'mlp2x_gelu', 'anchors': 64, 'include_cls': True,
                   'injected_queries': 'all', 'layer_base': 1, 'post_mlp': True}

@@ -45,35 +45,18 @@ import torch
 import torch.nn as nn
 from transformers import DynamicCache
 
+from .options import FINAL_NORM, INTEGRATIONS, PROJECTOR_NAMES, check_select_layer
 from .differential import DIFF_EAGER, DIFF_SDPA, INJECTED, find_decoder, register_attention
 from .eramv import (ERAMV_DEFAULTS, INJECTED_QUERIES, InjectedFeatures, PostProjectionMLP, anchor_scores,
                     default_inject_layers, module_indices, select_anchors)
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
-INTEGRATIONS = ('full', 'eramv')
-FINAL_NORM = 'final_norm'  # select_layer: the last block's output through the tower's final norm
 PROJECTORS = {  # name → (D_v, D) → module
     'linear': lambda d_in, d_out: nn.Linear(d_in, d_out),  # PaliGemma
     'mlp2x_gelu': lambda d_in, d_out: nn.Sequential(  # LLaVA-1.5 (its state-dict keys: 0.weight, 2.weight, …)
         nn.Linear(d_in, d_out), nn.GELU(), nn.Linear(d_out, d_out)),
 }
 FULL_DEFAULTS = {'select_layer': FINAL_NORM, 'projector': 'linear'}  # integration="full": PaliGemma's
-
-
-def check_select_layer(select_layer, depth: Optional[int] = None) -> Optional[int]:
-    """0-based index of the block whose output `select_layer` takes (module docstring) in a tower of
-    `depth` blocks; without `depth`, only the form is checked (None)."""
-    if select_layer == FINAL_NORM:
-        return None if depth is None else depth - 1
-    top = '' if depth is None else f' of the tower\'s {depth}'
-    if isinstance(select_layer, bool) or not isinstance(select_layer, int) or select_layer == 0 or (
-            depth is not None and not -depth <= select_layer <= depth):
-        raise ValueError(f'select_layer={select_layer!r}: expected a block{top}, counted from the end (-1: the last '
-                         f'block\'s output, -2: the penultimate one\'s, as LLaVA-1.5 and eRAM-V) or from 1, without '
-                         f'the final norm; or {FINAL_NORM!r} (the last block through the tower\'s final norm)')
-    if depth is None:
-        return None
-    return select_layer + depth if select_layer < 0 else select_layer - 1
 
 
 def build_projector(projector: str, vision_dim: int, hidden_size: int) -> nn.Module:

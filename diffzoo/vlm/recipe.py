@@ -20,9 +20,7 @@ from typing import Dict, Mapping
 
 from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
 
-from .differential import MLPS, VARIANTS
-from .eramv import INJECTED_QUERIES
-from .model import FINAL_NORM, INTEGRATIONS, PROJECTORS, check_select_layer
+from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, VARIANTS, check_select_layer
 
 
 class SelectLayerKey(Key):
@@ -55,7 +53,7 @@ MODEL = Typed({
                                        f'penultimate, eramv default) or from 1, or {FINAL_NORM} (the last block '
                                        f'through the final norm, full default)'),
         'projector': Key((str,), None, 'linear (PaliGemma, full default) or mlp2x_gelu (LLaVA-1.5, eramv default)',
-                         tuple(PROJECTORS)),
+                         PROJECTOR_NAMES),
         'anchors': Key((int,), None, "eRAM-V's visual anchors: top-k patches by CLS attention (default 64)"),
         'include_cls': Key((bool,), None, "eRAM-V: [CLS] first among the anchors (default true: 65 anchors)"),
         'inject_layers': Key((list,), None, "eRAM-V's injection layers (default: the paper's 8, 10, …, 22 of 32, "

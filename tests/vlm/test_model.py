@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from diffzoo.vlm import build_vlm, differentialize
-from diffzoo.vlm.model import build_vision_tokens, prefix_lm_mask
+from diffzoo.vlm.model import PROJECTORS, build_vision_tokens, prefix_lm_mask
+from diffzoo.vlm.options import PROJECTOR_NAMES
 from tests.vlm.models import tiny_lm
 
 VOCAB = 50
@@ -190,3 +191,8 @@ def test_generation_with_cache_equals_without_and_padding_changes_nothing(differ
     assert torch.equal(cached, uncached)
     alone = model.generate(pixels[1:], ids[1:, :3], max_new_tokens=5)
     assert torch.equal(cached[1:], alone)
+
+
+def test_recipes_offer_exactly_the_projectors_the_model_builds():
+    """diffzoo.vlm.options (torch-free, what recipes check) names the projectors model.py builds."""
+    assert tuple(PROJECTORS) == PROJECTOR_NAMES
