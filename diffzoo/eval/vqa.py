@@ -267,16 +267,32 @@ def answer_questions(vlm, samples: Sequence, batch_size: int = 8, max_new_tokens
                      world: int = 1) -> List[Dict]:
     """Greedy answers of a `diffzoo.vlm.VLM` to VQA samples (`diffzoo.vlm.data.VQASample`), in the
     results format [{"question_id", "answer"}]. Under `world` processes each answers every
-    `world`-th sample from `rank`; `gather_answers` joins them."""
+    `world`-th sample from `rank`; `gather_answers` joins them. A question whose image does not decode
+    gets no answer (each such file is named once); `left_out` counts them."""
     collate = vlm.collator(train=False)
     mine = list(samples)[rank::world]
-    answers = []
+    answers, named = [], set()
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
-        batch = {k: v.to(vlm.device) if hasattr(v, 'to') else v for k, v in collate(chunk).items()}
+        batch = collate(chunk)
+        dropped = batch.pop('skipped_images', None)
+        if dropped:
+            chunk = [] if dropped['placeholder'] else [chunk[k] for k in dropped['kept']]
+            for source in dict.fromkeys(dropped['sources']):
+                if source not in named:
+                    named.add(source)
+                    print(f'skipped an unreadable image (its questions are not answered): {source}', flush=True)
+        if not chunk:
+            continue
+        batch = {k: v.to(vlm.device) if hasattr(v, 'to') else v for k, v in batch.items()}
         for s, text in zip(chunk, vlm.generate(batch, max_new_tokens)):
             answers.append({'question_id': s.question_id, 'answer': text})
     return answers
+
+
+def left_out(answers: List[Dict], samples: Sequence) -> int:
+    """Questions of `samples` without an answer (their image does not decode)."""
+    return len({s.question_id for s in samples} - {a['question_id'] for a in answers})
 
 
 def gather_answers(answers: List[Dict], world: int) -> List[Dict]:

@@ -20,7 +20,8 @@ state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `d
   once in the log and listed in `skipped_images.json`; a resumed run skips the trained batches in the
   sampler, so their images are not decoded again;
 - the validation questions are answered by every process, each its share, and scored with the
-  official VQA accuracy (`diffzoo.eval.vqa`).
+  official VQA accuracy (`diffzoo.eval.vqa`); a question whose image does not decode is not answered
+  (the file is named once) and counted as `questions_left_out` in `results.json`.
 
 Run directory `<output>/<recipe name>`: `recipe.json` (the settings), `log.jsonl` (one line per
 logged step), `checkpoints/checkpoint-<step>/`, `tensorboard/`, at the end `adapter/`,

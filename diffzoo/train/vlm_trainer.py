@@ -16,7 +16,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TR
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers
+from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers, left_out
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.data import SkippedImages, load_vqav2
 from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
@@ -257,7 +257,11 @@ def run(recipe: Dict, name: str) -> Dict:
         vlm.model.eval()
         answers = gather_answers(answer_questions(vlm, val_set, recipe['batch_size'], recipe['eval_max_new_tokens'],
                                                   rank, world), world)
-        results.update(vqa_accuracy=accuracy(answers, val_set), questions=len(answers))
+        results.update(vqa_accuracy=accuracy(answers, val_set), questions=len(answers),
+                       questions_left_out=left_out(answers, val_set))
+        if rank == 0 and results['questions_left_out']:
+            print(f'VQA accuracy over the {len(answers)} answered questions: {results["questions_left_out"]} '
+                  f'validation questions left out (unreadable images, named above)', flush=True)
     if rank == 0:
         (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
         print(f'{name}: {skipped.summary()}' + (f' ({run_dir / SKIPPED_IMAGES})' if skipped.files else ''),

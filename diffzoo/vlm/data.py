@@ -15,12 +15,12 @@ PaliGemma's task prompt is "answer en {question}\\n" and the target the consensu
 BOS + prompt (bidirectional), suffix = answer + EOS (causal, the only scored tokens), right padding.
 `PaliGemmaCollator` uses a PaliGemma processor, whose `suffix=` does the same for real checkpoints.
 
-An image that does not decode (truncated or corrupt file) drops its sample from a training batch; the
-batch then carries `skipped_images` (the dropped samples' `source`s), which `SkippedImages` counts (one
-entry per distinct file) and the trainer pops before the forward pass. A batch with no readable image
-becomes one placeholder row (a blank image, nothing scored), so every process still takes its step.
-At evaluation (`train=False`) an unreadable image is an error naming the file: answers must stay
-aligned with their questions.
+An image that does not decode (truncated or corrupt file) drops its sample from the batch; the batch
+then carries `skipped_images` (the dropped samples' `source`s and the positions of the kept ones),
+which `SkippedImages` counts (one entry per distinct file) and the trainer pops before the forward
+pass. A batch with no readable image becomes one placeholder row (a blank image, nothing scored), so
+every process still takes its step. At evaluation (`train=False`) the same holds:
+`diffzoo.eval.vqa.answer_questions` answers the kept questions only and reports the others as left out.
 """
 import io
 import json
@@ -62,21 +62,25 @@ class VQASample:
 UNREADABLE = (OSError, SyntaxError)  # PIL: UnidentifiedImageError (an OSError), truncated data, broken chunks
 
 
-def _load_images(samples: Sequence[VQASample], train: bool) -> Tuple[List[VQASample], List[Image.Image], List[str]]:
-    """(kept samples, their RGB images, sources of the dropped ones); at evaluation an unreadable image raises."""
+def _load_images(samples: Sequence[VQASample]) -> Tuple[List[int], List[Image.Image], List[str]]:
+    """(positions of the samples kept, their RGB images, sources of the dropped ones): an unreadable image
+    drops its sample, in training and at evaluation alike."""
     kept, images, skipped = [], [], []
-    for s in samples:
+    for i, s in enumerate(samples):
         try:
             image = s.load_image()
-        except UNREADABLE as exc:
-            if not train:
-                raise ValueError(f'{s.source}: image of question {s.question_id} does not decode '
-                                 f'({type(exc).__name__}: {exc}); replace the file or drop the question') from exc
+        except UNREADABLE:
             skipped.append(s.source)
             continue
-        kept.append(s)
+        kept.append(i)
         images.append(image)
     return kept, images, skipped
+
+
+def _skipped_record(skipped: List[str], kept: List[int], placeholder: bool) -> Dict:
+    """The batch's `skipped_images` entry: dropped sources, positions of the kept samples in the samples
+    given (what `diffzoo.eval.vqa.answer_questions` pairs answers with), whether the row is a placeholder."""
+    return {'sources': skipped, 'kept': kept, 'placeholder': bool(placeholder)}
 
 
 def _placeholder() -> Tuple[List[VQASample], List[Image.Image]]:
@@ -220,7 +224,8 @@ class VLMCollator:
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
         tok = self.tokenizer
-        samples, images, skipped = _load_images(samples, self.train)
+        kept, images, skipped = _load_images(samples)
+        samples = [samples[i] for i in kept]
         placeholder = skipped and not samples
         if placeholder:
             samples, images = _placeholder()
@@ -247,7 +252,7 @@ class VLMCollator:
         if self.train:
             batch['labels'] = labels
         if skipped:
-            batch['skipped_images'] = {'sources': skipped, 'placeholder': bool(placeholder)}
+            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder)
         return batch
 
 
@@ -259,7 +264,8 @@ class PaliGemmaCollator:
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
         image = getattr(self.processor, 'image_token', '<image>')  # PaliGemma's prompts start with the image tokens
-        samples, images, skipped = _load_images(samples, self.train)
+        kept, images, skipped = _load_images(samples)
+        samples = [samples[i] for i in kept]
         placeholder = skipped and not samples
         if placeholder:
             samples, images = _placeholder()
@@ -269,5 +275,5 @@ class PaliGemmaCollator:
         if placeholder:
             batch['labels'] = torch.full_like(batch['input_ids'], -100)
         if skipped:
-            batch['skipped_images'] = {'sources': skipped, 'placeholder': bool(placeholder)}
+            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder)
         return batch

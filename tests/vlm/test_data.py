@@ -50,12 +50,13 @@ def test_unreadable_images_are_dropped_and_named(data, language_model_dir):
     batch = collate(samples[:6])  # images 0, 1 (truncated), 2 (not an image): 2 good questions of 6
     assert batch['pixel_values'].shape[0] == batch['input_ids'].shape[0] == 2
     assert batch['skipped_images'] == {'sources': [samples[2].image, samples[3].image, samples[4].image,
-                                                   samples[5].image], 'placeholder': False}
+                                                   samples[5].image], 'kept': [0, 1], 'placeholder': False}
     assert (batch['labels'] != -100).sum(1).tolist() == [2, 2]  # answer + EOS of each kept question
     assert 'skipped_images' not in collate(samples[:2])  # a good batch is the model's input, unchanged
-    with pytest.raises(ValueError, match=rf'{re.escape(samples[2].image)}: image of question {samples[2].question_id} '
-                                         r'does not decode'):
-        VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64), train=False)(samples[:4])
+    batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64), train=False)(samples[1:4])  # evaluation
+    assert batch['input_ids'].shape[0] == 1 and 'labels' not in batch
+    assert batch['skipped_images'] == {'sources': [samples[2].image, samples[3].image], 'kept': [0],
+                                       'placeholder': False}
 
 
 def test_a_batch_of_unreadable_images_becomes_one_unscored_row(data, language_model_dir, paligemma_dir):
@@ -63,7 +64,7 @@ def test_a_batch_of_unreadable_images_becomes_one_unscored_row(data, language_mo
     tokenizer = transformers.AutoTokenizer.from_pretrained(language_model_dir)
     batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))(samples[2:6])
     assert batch['input_ids'].shape[0] == 1 and (batch['labels'] == -100).all()
-    assert batch['skipped_images'] == {'sources': [s.image for s in samples[2:6]], 'placeholder': True}
+    assert batch['skipped_images'] == {'sources': [s.image for s in samples[2:6]], 'kept': [], 'placeholder': True}
     processor = transformers.AutoProcessor.from_pretrained(paligemma_dir)
     batch = PaliGemmaCollator(processor)(samples[1:4])
     assert batch['input_ids'].shape[0] == 1 and (batch['labels'] != -100).any()
@@ -106,3 +107,25 @@ def test_resume_skips_trained_batches_without_decoding_them(data, language_model
         seen.update(batch)
     assert len(decoded) == 6 and seen.record() == {'count': 0, 'files': [], 'samples_skipped': 0,
                                                    'samples_trained': 6}
+
+
+def test_evaluation_answers_the_readable_questions_and_names_each_unreadable_file_once(data, language_model_dir,
+                                                                                          capsys):
+    """answer_questions over batches with unreadable images: the readable questions get the answers they get
+    without the unreadable ones beside them; the others none, each file named once; a batch of unreadable
+    images only answers nothing."""
+    from diffzoo.eval.vqa import answer_questions, left_out
+    from diffzoo.vlm import load_vlm
+    samples = data  # images of samples 2, 3 (truncated) and 4, 5 (not an image) do not decode
+    vlm = load_vlm({'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(language_model_dir)})
+    vlm.model.eval()
+    readable = [samples[0], samples[1], samples[6], samples[7]]
+    expected = answer_questions(vlm, readable[:2], batch_size=4) + answer_questions(vlm, readable[2:], batch_size=4)
+    capsys.readouterr()
+    # batches: (0, 1, 2, 3) keeps 0, 1; (4, 5, 6, 7) keeps 6, 7; (2, 3) keeps nothing
+    answers = answer_questions(vlm, samples[0:8] + samples[2:4], batch_size=4)
+    assert answers == expected
+    out = capsys.readouterr().out
+    for source in (samples[2].image, samples[4].image):
+        assert out.count(f'skipped an unreadable image (its questions are not answered): {source}') == 1
+    assert left_out(answers, samples[0:8]) == 4

@@ -231,11 +231,20 @@ def test_unreadable_images_are_skipped_named_once_and_the_rest_trains(assets, la
         root / 'train2014' / 'COCO_train2014_000000001011.jpg'
     truncated.write_bytes(truncated.read_bytes()[:300])  # cut off mid-scan: PIL opens it, decoding fails
     not_jpeg.write_bytes(b'<html>404 Not Found</html>\n' * 8)  # UnidentifiedImageError
+    _write_split(root, 'val', 4, seed=1)  # 8 validation questions, 2 per image
+    val_image = sorted((root / 'val2014').glob('*.jpg'))[1]
+    val_image.write_bytes(val_image.read_bytes()[:300])
     recipe = _recipe(assets, language_model_dir, tmp_path / 'runs', max_steps=8, log_every=4, save_every=8, data={
-        'root': str(root), 'split': 'train', 'val_split': None})
+        'root': str(root), 'split': 'train', 'val_split': 'val'})
     out = _train(recipe).stdout
     for path in (truncated, not_jpeg):
         assert out.count(f'skipped an unreadable image (its questions are left out): {path}') == 1
+    # the evaluation at the end answers the 6 readable questions; the run's results and adapter are kept
+    assert out.count(f'skipped an unreadable image (its questions are not answered): {val_image}') == 1
+    assert 'VQA accuracy over the 6 answered questions: 2 validation questions left out' in out
+    results = json.loads((tmp_path / 'runs' / 'tiny-vqa' / 'results.json').read_text())
+    assert results['questions'] == 6 and results['questions_left_out'] == 2
+    assert (tmp_path / 'runs' / 'tiny-vqa' / 'adapter' / 'adapter_model.safetensors').is_file()
     run = tmp_path / 'runs' / 'tiny-vqa'
     assert json.loads((run / 'skipped_images.json').read_text()) == {
         'count': 2, 'files': sorted([str(truncated), str(not_jpeg)], key=out.index),
