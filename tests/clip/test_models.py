@@ -74,13 +74,17 @@ def test_diffclip_b16_is_the_official_architecture():
 
 @pytest.mark.parametrize('size', SIZES)
 def test_twins_differ_only_by_attention_parameters(size):
-    counts = {n: _n(open_clip.create_model(n.format(size)))
-              for n in ('diffclip-{}', 'diffclip-{}-vision', 'diffclip-{}-dynamic', 'clip-{}-baseline')}
+    # counting needs shapes only: built on the meta device, without allocating or initialising weights
+    with torch.device('meta'):
+        models = {n: open_clip.create_model(n.format(size), device='meta')
+                  for n in ('diffclip-{}', 'diffclip-{}-vision', 'diffclip-{}-dynamic', 'clip-{}-baseline')}
+    counts = {n: _n(m) for n, m in models.items()}
     base = counts['clip-{}-baseline']
     diff = counts['diffclip-{}']
     assert counts['diffclip-{}-dynamic'] == diff
     assert base < counts['diffclip-{}-vision'] < diff
-    model = open_clip.create_model(f'diffclip-{size}')
+    model = models['diffclip-{}']
+    assert next(model.parameters()).is_meta
     extra = sum(a.lambda_q1.numel() * 4 + a.sub_norm.weight.numel() for a in _diff_layers(model))
     assert diff - base == extra
 
