@@ -10,7 +10,8 @@ file (open_clip_train's epoch_K.pt, an official DiffCLIP checkpoint_best.pt) or 
 of NAME (cc3m, cc12m); without it the model is randomly initialised (--seed). A training run
 adds its newest checkpoints/epoch_K.pt, or every one with --every-checkpoint (a column per epoch,
 and a PNG of each metric against epoch): --run-dir RUN when the run names its model
-(RUN/diffzoo-run.json or RUN/params.txt), --model NAME,RUN to name it (PRETRAINED a directory).
+(RUN/diffzoo-run.json or RUN/params.txt), --model NAME,RUN to name it (PRETRAINED a directory;
+one named like a tag of NAME is refused as ambiguous: write ./cc3m for the directory).
 
 Datasets and tasks (--task, repeatable; `auto` is each dataset's default):
     CLIP_benchmark classification sets   zeroshot_classification (auto), linear_probe (CUDA), fewshot

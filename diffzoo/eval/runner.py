@@ -19,9 +19,17 @@ ERRORS = (EvalError, CheckpointError, DataError)  # bad inputs: `main` prints th
 
 
 def _run_of(text: str) -> Optional[Path]:
-    """The training run directory of --model NAME,RUN (None when the second part is a file, a tag or absent)."""
-    where = text.partition(',')[2].strip()
-    return Path(where) if where and Path(where).is_dir() else None
+    """The training run directory of --model NAME,RUN (None when the second part is a file, a tag or absent);
+    a directory named like a tag of NAME is refused, naming both readings."""
+    name, _, where = (part.strip() for part in text.partition(','))
+    if not where or not Path(where).is_dir():
+        return None
+    import open_clip
+    if where in open_clip.list_pretrained_tags_by_model(name):
+        raise EvalError(f'--model {text}: {where!r} is both a pretrained tag of {name} and a directory here; '
+                        f'write --model {name},./{where} for the training run, or run from another directory '
+                        f'for the tag')
+    return Path(where)
 
 
 def training_runs(args) -> List[Tuple[Path, Optional[str]]]:

@@ -106,3 +106,18 @@ def test_a_truncated_val_shard_is_an_error_naming_it(corpus, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f'error: {shard}: unreadable after sample ') and 'Traceback' not in err
     assert f'python -m diffzoo.data synthetic {root} --fresh' in err
+
+
+def test_a_directory_named_like_a_tag_is_refused_naming_both_readings(corpus, tmp_path, capsys, monkeypatch):
+    """--model diffclip-b16,cc3m with a ./cc3m directory could mean the tag or the run: refused with the fix;
+    ./cc3m is the directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'cc3m').mkdir()
+    common = ['--dataset', 'synthetic', '--dataset-root', str(corpus), '--workers', '0']
+    assert main(['--model', 'diffclip-b16,cc3m', *common]) == 2
+    err = capsys.readouterr().err
+    assert "'cc3m' is both a pretrained tag of diffclip-b16 and a directory here" in err
+    assert '--model diffclip-b16,./cc3m' in err
+    assert main(['--model', 'diffclip-b16,./cc3m', *common]) == 2  # read as a run: it has no checkpoints
+    err = capsys.readouterr().err
+    assert 'is both' not in err and 'cc3m' in err and 'checkpoint' in err
