@@ -18,35 +18,25 @@ transformers' Auto classes the `diffzoo_differential` model type of saved differ
 The public names below (`DifferentialAttention`, `capture_attention_maps`, `diff_attn_layer`, the
 `layers` and `models` packages) are imported on first use (PEP 562).
 """
-import importlib
 import importlib.abc
 import sys
 import threading
 
+from diffzoo._lazy import lazy_exports
+
 __version__ = '0.1.0'
 __all__ = ['DifferentialAttention', 'capture_attention_maps', 'diff_attn_layer', 'layers', 'models', '__version__']
 
-_LAZY = {'DifferentialAttention': 'diffzoo.layers', 'capture_attention_maps': 'diffzoo.layers',
-         'diff_attn_layer': 'diffzoo.layers', 'layers': None, 'models': None}
+__getattr__, __dir__ = lazy_exports(__name__, {  # name -> submodule (None: a submodule itself)
+    'DifferentialAttention': 'layers', 'capture_attention_maps': 'layers', 'diff_attn_layer': 'layers',
+    'layers': None, 'models': None})
+
 _LIBRARIES = ('timm', 'open_clip', 'transformers')  # in this order: open_clip's diffclip towers are timm models
 
 _lock = threading.RLock()
 _registered = set()  # of _LIBRARIES
 _importing = 0  # diffzoo modules whose import has begun and not finished (while the hook is installed)
 _loading = set()  # of _LIBRARIES: those whose own import has begun and not finished
-
-
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    module = importlib.import_module(_LAZY[name] or f'{__name__}.{name}')
-    value = module if _LAZY[name] is None else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
 
 
 def _register(library: str) -> None:

@@ -59,7 +59,7 @@ Maps are read on explicit paths: decoders run with `eager` attention (`diffzoo_e
 differential) during the analysis, restored afterwards; vision towers through
 `diffzoo.layers.capture_attention_maps`.
 """
-import importlib
+from diffzoo._lazy import lazy_exports
 
 # name -> submodule, imported on first use (PEP 562): the submodules import torch, and
 # `python -m diffzoo.analysis --help` imports this package before it parses
@@ -73,15 +73,4 @@ _EXPORTS = {
 }
 _SOURCE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_SOURCE)
-
-
-def __getattr__(name):
-    if name not in _SOURCE:
-        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    value = getattr(importlib.import_module(f'{__name__}.{_SOURCE[name]}'), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_SOURCE))
+__getattr__, __dir__ = lazy_exports(__name__, _SOURCE)

@@ -13,7 +13,7 @@
 
 Fine-tuning: `python -m diffzoo.train.vlm`; VQA accuracy and MMNeedle: `diffzoo.eval.vqa`, `diffzoo.eval.needle`.
 """
-import importlib
+from diffzoo._lazy import lazy_exports
 
 _LAZY = {  # name → submodule; imported on first use (PEP 562), so `diffzoo.vlm.recipe` and `.options`
     # load without torch or transformers (a command's --help)
@@ -24,15 +24,4 @@ _LAZY = {  # name → submodule; imported on first use (PEP 562), so `diffzoo.vl
 }
 __all__ = ['load_vlm', 'VLM', 'differentialize', 'differential_parameters', 'load_differential', 'build_vlm',
            'VisionLanguageModel', 'add_lora', 'save_adapter', 'load_adapter', 'trainable_parameters']
-
-
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    value = getattr(importlib.import_module(f'{__name__}.{_LAZY[name]}'), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
