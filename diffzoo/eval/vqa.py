@@ -278,7 +278,7 @@ def answer_questions(vlm, samples: Sequence, batch_size: int = 8, max_new_tokens
         dropped = batch.pop('skipped_images', None)
         if dropped:
             chunk = [] if dropped['placeholder'] else [chunk[k] for k in dropped['kept']]
-            for source in dict.fromkeys(dropped['sources']):
+            for source in dropped['sources']:
                 if source not in named:
                     named.add(source)
                     print(f'skipped an unreadable image (its questions are not answered): {source}', flush=True)

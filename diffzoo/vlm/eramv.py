@@ -42,7 +42,6 @@ import torch
 import torch.nn as nn
 
 from diffzoo.layers.maps import capture_attention_maps
-from .options import INJECTED_QUERIES
 
 REFERENCE_DEPTH = 32
 REFERENCE_LAYERS = tuple(range(8, 23, 2))  # eRAM-V's injection layers in a 32-layer LLM, counted from 1

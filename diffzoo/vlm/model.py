@@ -45,10 +45,10 @@ import torch
 import torch.nn as nn
 from transformers import DynamicCache
 
-from .options import FINAL_NORM, INTEGRATIONS, PROJECTOR_NAMES, check_select_layer
 from .differential import DIFF_EAGER, DIFF_SDPA, INJECTED, find_decoder, register_attention
-from .eramv import (ERAMV_DEFAULTS, INJECTED_QUERIES, InjectedFeatures, PostProjectionMLP, anchor_scores,
-                    default_inject_layers, module_indices, select_anchors)
+from .eramv import (ERAMV_DEFAULTS, InjectedFeatures, PostProjectionMLP, anchor_scores, default_inject_layers,
+                    module_indices, select_anchors)
+from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, check_select_layer
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
 PROJECTORS = {  # name → (D_v, D) → module
