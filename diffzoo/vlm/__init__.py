@@ -22,6 +22,5 @@ _LAZY = {  # name → submodule; imported on first use (PEP 562), so `diffzoo.vl
     'add_lora': 'lora', 'load_adapter': 'lora', 'save_adapter': 'lora', 'trainable_parameters': 'lora',
     'VisionLanguageModel': 'model', 'build_vlm': 'model',
 }
-__all__ = ['load_vlm', 'VLM', 'differentialize', 'differential_parameters', 'load_differential', 'build_vlm',
-           'VisionLanguageModel', 'add_lora', 'save_adapter', 'load_adapter', 'trainable_parameters']
+__all__ = sorted(_LAZY)
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
