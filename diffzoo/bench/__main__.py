@@ -98,7 +98,7 @@ def resolve(args: argparse.Namespace) -> Dict:
     import open_clip
     import torch
 
-    from diffzoo.layers.diff_attention import SPLIT_KERNELS
+    from diffzoo.layers.kernels import SPLIT_KERNELS
 
     from .measure import BenchError, resolve_device
     device = resolve_device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))

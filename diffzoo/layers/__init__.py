@@ -2,7 +2,7 @@ from .diff_attention import (
     VARIANTS,
     DifferentialAttention,
     diff_attn_layer,
-    resolve_lambda_init,
     set_split_kernel,
 )
+from .lambda_init import resolve_lambda_init
 from .maps import capture_attention_maps

@@ -51,10 +51,10 @@ passes each differential map (B, h, N, N) through `self.diff_map` (an identity),
 hooks or `capture_attention_maps` can read it.
 
 Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need
-one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` follows
-SPLIT_KERNEL_AUTO, chosen with `python -m diffzoo.bench`: two_calls was fastest on an H100 (cuDNN
-takes the unequal widths); on CPU four_calls keeps the flash kernel without copying q, k or v,
-where two_calls / one_call fall back to the math kernel and hold the N×N matrices):
+one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` is chosen at
+run time by device, `kernels.auto_split_kernel`, measured with `python -m diffzoo.bench`: two_calls
+on an H100 (cuDNN takes the unequal widths), four_calls on CPU, which keeps the flash kernel without
+copying q, k or v where two_calls / one_call fall back to the math kernel and hold the N×N matrices):
 
     two_calls    SDPA(Q1, K1, V) and SDPA(Q2, K2, V): cuDNN / memory-efficient kernels (unequal widths)
     one_call     one SDPA over the 2h query heads, V repeated for each pair: same kernels, one launch
@@ -67,8 +67,26 @@ where two_calls / one_call fall back to the math kernel and hold the N×N matric
                  P1 − λ·P2 formed before a single P·V product, the sub-norm in its epilogue and a
                  FlashAttention-2-style backward; it takes is_causal and key-padding masks in bf16,
                  fp16 or fp32. Calls it cannot take (attention dropout, other masks, no Triton, a
-                 CPU tensor outside Triton's interpreter) run SPLIT_KERNEL_AUTO's kernel, with a
-                 warning naming the reason. Opt-in until its tests have passed on a GPU.
+                 CPU tensor outside Triton's interpreter) run the `auto` kernel, with a warning
+                 naming the reason. Opt-in until its tests have passed on a GPU.
+
+Tracing: every path the default configuration takes works with `torch.jit.script`, torch.fx
+(`symbolic_trace`, timm's and torchvision's `create_feature_extractor`), `torch.compile(fullgraph=
+True)`, `torch.export` and ONNX export. The rules that keep it so:
+- no Python branch in `forward` (or the methods it calls) on a tensor's value, or on the dtype,
+  shape or device of an argument that may be a symbolic value (`attn_mask` is one);
+- choices are made at construction (the variant's head counts and qkv split are plain ints, v2
+  is told by `lambda_proj is not None`, which TorchScript resolves statically), by attributes set
+  from outside (`fused_attn`, `split_kernel`), or inside the kernel functions of
+  `diffzoo.layers.kernels`, which torch.fx records as leaves and which run their choices on real
+  tensors when the graph runs;
+- what TorchScript cannot compile sits behind `torch.jit.is_scripting()`: scripted, a
+  `split_kernel="triton"` layer selects the `auto` SDPA kernel by itself, the saved-outputs op runs
+  its forward chain under ordinary autograd (same numbers, more memory), and the output projection
+  is not folded into it. An fx graph runs the same kernels as eager mode, the Triton one included
+  (it sits inside a leaf); torch.compile and torch.export see it as one custom op.
+  `DIFFZOO_COMPILED_SUB_NORM=1` (opt-in) compiles the saved-outputs op's chains in eager mode and
+  in fx graphs; inside torch.compile and TorchScript they run as written.
 
 Numerics: softmax, λ and the sub-norm's statistics are computed in torch.promote_types(dtype,
 float32): fp32 for fp32, bf16 and fp16, fp64 for fp64 (nothing of an fp64 layer is rounded to fp32).
@@ -82,64 +100,38 @@ A2V where plain attention keeps AV), not four. The explicit path computes the ma
 the sub-norm in fp32 (fp64 for fp64).
 """
 import functools
-import math
-import numbers
-import warnings
-from typing import Optional, Type, Union
+from typing import Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DiffAttention, RmsNorm
-from timm.layers.attention import resolve_self_attn_mask
 
-from . import kernels
-from .kernels import sub_normed_difference
+from .kernels import (SPLIT_KERNELS, add_mask, duplicate_attention, explicit_output, split_attention,
+                      v2_attention)
+from .lambda_init import LambdaInit, resolve_lambda_init
+from .numerics import stats_dtype
 
-LambdaInit = Union[float, str]
+# the kernel functions are fx leaves wherever this module calls them (timm's tracer also knows them)
+torch.fx.wrap('split_attention')
+torch.fx.wrap('duplicate_attention')
+torch.fx.wrap('v2_attention')
+torch.fx.wrap('add_mask')
+torch.fx.wrap('explicit_output')
+
 VARIANTS = ('split', 'duplicate', 'v2')
-SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls', 'triton')
-SPLIT_KERNEL_AUTO = {'cuda': 'two_calls', 'cpu': 'four_calls'}  # measured by python -m diffzoo.bench
 LAMBDA_PROJ_INITS = ('unilm', 'zeros')  # v2's W_λ: unilm's (no bias, nn.Linear init) or zero weight and bias
-LAMBDA_INIT_FIX = ("pass a constant such as lambda_init=0.8 (DiffCLIP) or lambda_init='depth' "
-                   "(0.8 − 0.6·exp(−0.3·l) in block l)")
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of softmax, λ and norm statistics: fp32 for fp32/bf16/fp16, fp64 for fp64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def resolve_lambda_init(lambda_init: LambdaInit, depth: int) -> float:
-    """λ_init for block `depth` (0-based) under a policy: a number in [0, 1), or "depth".
-
-    Anything else is refused: λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init and the sub-norm scale
-    (1 − λ_init) need 0 ≤ λ_init < 1 (at 1 every head outputs 0 and q/k/v get no gradient), and
-    NaN or inf would reach the outputs. Bools are not numbers here.
-    """
-    if isinstance(lambda_init, str):
-        if lambda_init != 'depth':
-            raise ValueError(f"lambda_init={lambda_init!r}: expected a number in [0, 1) or 'depth'; {LAMBDA_INIT_FIX}")
-        if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 0:
-            raise ValueError(f"depth={depth!r}: lambda_init='depth' needs the block's 0-based index, an int >= 0; "
-                             f'pass depth=i for block i')
-        return 0.8 - 0.6 * math.exp(-0.3 * depth)
-    if isinstance(lambda_init, bool) or not isinstance(lambda_init, numbers.Real) or not 0 <= lambda_init < 1:
-        raise ValueError(
-            f"lambda_init={lambda_init!r}: expected a number in [0, 1) or 'depth' (λ's reparameterisation and the "
-            f'(1 − λ_init) sub-norm scale need 0 ≤ λ_init < 1; at 1 every head outputs 0); {LAMBDA_INIT_FIX}')
-    return float(lambda_init)
 
 
 class DifferentialAttention(DiffAttention):
     """Differential attention with a λ_init policy and split / duplicate / v2 variants.
 
-    See the module docstring for the formulas and the head convention. Besides timm's arguments:
-    `lambda_init` (a number in [0, 1) or "depth"), `variant` ("split", "duplicate", "v2"),
-    `split_kernel` ("auto" or one of SPLIT_KERNELS), and `lambda_proj_init` for v2's λ projection:
-    "unilm" (default; no bias, nn.Linear's init, as unilm's Differential Transformer V2) or "zeros"
-    (a bias, weight and bias zero so λ starts at 0.5: diffzoo's earlier default, whose checkpoints
-    have `lambda_proj.bias`).
+    See the module docstring for the formulas, the head convention and the tracing rules. Besides
+    timm's arguments: `lambda_init` (a number in [0, 1) or "depth"), `variant` ("split",
+    "duplicate", "v2"), `split_kernel` ("auto" or one of SPLIT_KERNELS), and `lambda_proj_init` for
+    v2's λ projection: "unilm" (default; no bias, nn.Linear's init, as unilm's Differential
+    Transformer V2) or "zeros" (a bias, weight and bias zero so λ starts at 0.5: diffzoo's earlier
+    default, whose checkpoints have `lambda_proj.bias`).
     """
 
     def __init__(
@@ -178,6 +170,7 @@ class DifferentialAttention(DiffAttention):
         self.variant = variant
         self.lambda_init_policy = lambda_init
         self.lambda_proj_init = lambda_proj_init
+        self.lambda_proj = None  # v2's W_λ (an nn.Linear); None tells the other variants, statically
         super().__init__(
             dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, scale_norm=scale_norm,
             proj_bias=proj_bias, attn_drop=attn_drop, proj_drop=proj_drop, norm_layer=norm_layer,
@@ -187,6 +180,11 @@ class DifferentialAttention(DiffAttention):
         self.depth = depth
         self.diff_map = nn.Identity()
         self.split_kernel = split_kernel
+        # head layout, fixed here so forward has no branch on the variant: (query heads, key heads)
+        # of width head_dim, and the qkv projection's (q, k, v) widths
+        self.qk_heads = {'split': (2 * num_heads, 2 * num_heads), 'duplicate': (num_heads, num_heads),
+                                          'v2': (2 * num_heads, num_heads)}[variant]
+        self.qkv_split = [2 * dim if variant == 'v2' else dim, dim, dim]
 
         if variant != 'split':
             # duplicate and v2 attend with the undivided head: q/k/v head dim C / h
@@ -220,7 +218,7 @@ class DifferentialAttention(DiffAttention):
         nn.Linear's default init ("unilm"), or zero weight and bias so λ starts at 0.5 ("zeros")."""
         if self.variant != 'v2':
             super().reset_parameters()
-        elif hasattr(self, 'lambda_proj'):
+        elif self.lambda_proj is not None:
             if self.lambda_proj_init == 'zeros':
                 nn.init.zeros_(self.lambda_proj.weight)
                 nn.init.zeros_(self.lambda_proj.bias)
@@ -242,138 +240,67 @@ class DifferentialAttention(DiffAttention):
         self.reset_parameters()
 
     def _compute_lambda(self) -> torch.Tensor:
-        """timm's λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init, its dot products promoted (not rounded)
-        to at least fp32: fp32 parameters give timm's numbers, fp64 ones keep fp64."""
-        if self.lambda_q1 is None:
-            return super()._compute_lambda()
-        acc = stats_dtype(self.lambda_q1.dtype)
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1).to(acc))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1).to(acc))
+        """timm's λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init (or timm's dual-scalar form), its dot
+        products promoted (not rounded) to at least fp32: fp32 parameters give timm's numbers, fp64
+        ones keep fp64."""
+        if self.lambda_a is not None and self.lambda_b is not None:
+            lambda_1 = torch.exp(self.lambda_a)
+            lambda_2 = torch.exp(self.lambda_b)
+        else:
+            assert self.lambda_q1 is not None and self.lambda_k1 is not None
+            assert self.lambda_q2 is not None and self.lambda_k2 is not None
+            acc = stats_dtype(self.lambda_q1.dtype)
+            lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1).to(acc))
+            lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1).to(acc))
         return lambda_1 - lambda_2 + self.lambda_init
 
-    def compute_lambda(self, x: torch.Tensor) -> torch.Tensor:
-        """λ in fp32 (fp64 for fp64): a scalar for split/duplicate, (B, h, N, 1) per token and head for v2."""
-        if self.variant == 'v2':
+    def compute_lambda(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """λ in fp32 (fp64 for fp64): a scalar for split/duplicate (x unused), (B, h, N, 1) per token
+        and head for v2 (from x)."""
+        if self.lambda_proj is not None:
+            assert x is not None, 'v2 projects λ from the input: pass x'
             w = self.lambda_proj(x)  # (B, N, h)
             lam = torch.sigmoid(w.to(stats_dtype(w.dtype)))
             return lam.transpose(1, 2).unsqueeze(-1)  # (B, h, N, 1)
-        lam = self._compute_lambda()
-        return lam.to(stats_dtype(lam.dtype))
-
-    def _project(self, x: torch.Tensor):
-        """q, k, v in head layout; q/k shapes depend on the variant (see module docstring)."""
-        B, N, C = x.shape
-        h = self.num_heads
-        if self.variant == 'v2':
-            q, k, v = self.qkv(x).split([2 * C, C, C], dim=-1)
-            q = q.reshape(B, N, 2 * h, self.head_dim).transpose(1, 2)  # (B, 2h, N, d)
-            k = k.reshape(B, N, h, self.head_dim).transpose(1, 2)  # (B, h, N, d)
-        elif self.variant == 'duplicate':
-            q, k, v = self.qkv(x).chunk(3, dim=-1)
-            q = q.reshape(B, N, h, self.head_dim).transpose(1, 2)  # (B, h, N, d)
-            k = k.reshape(B, N, h, self.head_dim).transpose(1, 2)  # (B, h, N, d)
         else:
-            q, k, v = self.qkv(x).chunk(3, dim=-1)
-            q = q.reshape(B, N, 2 * h, self.head_dim).transpose(1, 2)  # (B, 2h, N, d)
-            k = k.reshape(B, N, 2 * h, self.head_dim).transpose(1, 2)  # (B, 2h, N, d)
-        v = v.reshape(B, N, h, C // h).transpose(1, 2)  # (B, h, N, C/h)
+            lam = self._compute_lambda()
+            return lam.to(stats_dtype(lam.dtype))
+
+    def _project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, hq, N, d), k (B, hk, N, d), v (B, h, N, C/h), with (hq, hk) = `qk_heads` (module docstring)."""
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).split(self.qkv_split, dim=-1)
+        q = q.reshape(B, N, self.qk_heads[0], self.head_dim).transpose(1, 2)  # (B, hq, N, d)
+        k = k.reshape(B, N, self.qk_heads[1], self.head_dim).transpose(1, 2)  # (B, hk, N, d)
+        v = v.reshape(B, N, self.num_heads, C // self.num_heads).transpose(1, 2)  # (B, h, N, C/h)
         return self.q_norm(q), self.k_norm(k), v
 
-    def _resolve_split_kernel(self, q, attn_mask) -> str:
-        """The split kernel this call runs: `split_kernel`, `auto` by device, and `triton` only
-        where it can take the call (else the device's auto kernel, with a warning)."""
-        fallback = SPLIT_KERNEL_AUTO.get(q.device.type, 'two_calls')
-        if self.split_kernel == 'auto':
-            return fallback
-        if self.split_kernel == 'triton':
-            reason = kernels.unsupported(q, attn_mask, self.attn_drop_p if self.training else 0.)
-            if reason is not None:
-                warnings.warn(f'split_kernel="triton" cannot take {reason}; running {fallback!r} instead')
-                return fallback
-        return self.split_kernel
-
-    def _split_maps(self, q, k, v, sdpa, attn_mask, kernel):
-        """A1·V and A2·V of the split variant by an SDPA-based `kernel` (module docstring): two
-        lists of (B, h, N, ·) parts that tile the value width 2d in order."""
-        B, h, N, dv = v.shape
-        d = q.shape[-1]  # explicit widths in every view: an empty batch cannot infer a -1
-        if kernel == 'four_calls' and self.training and self.attn_drop_p > 0:
-            kernel = 'padded'  # one dropout mask per map over the whole value width, as the formula has it
-        q1, q2 = q.view(B, h, 2, N, d).unbind(2)  # (B, h, N, d) each, views
-        k1, k2 = k.view(B, h, 2, N, d).unbind(2)
-        if kernel == 'two_calls':
-            return [sdpa(q1, k1, v)], [sdpa(q2, k2, v)]
-        if kernel == 'four_calls':
-            va, vb = v.chunk(2, dim=-1)  # (B, h, N, d) each, views
-            return [sdpa(q1, k1, va), sdpa(q1, k1, vb)], [sdpa(q2, k2, va), sdpa(q2, k2, vb)]
-        if attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] == h > 1:
-            sdpa = functools.partial(sdpa, attn_mask=attn_mask.repeat_interleave(2, 1))  # onto the 2h query heads
-        v2 = v.unsqueeze(2).expand(B, h, 2, N, dv).reshape(B, 2 * h, N, dv)  # V for both maps of a pair
-        if kernel == 'padded':
-            q, k = F.pad(q, (0, dv - q.shape[-1])), F.pad(k, (0, dv - k.shape[-1]))  # (B, 2h, N, 2d)
-            o = sdpa(q, k, v2, scale=self.scale)
-        else:  # one_call
-            o = sdpa(q, k, v2)
-        o1, o2 = o.view(B, h, 2, N, dv).unbind(2)  # (B, h, N, 2d) each
-        return [o1], [o2]
-
-    def _fused(self, q, k, v, lam, attn_mask, is_causal, kernel=None):
-        """SDPA outputs in (B, N, h, ·) views: A1V and A2V as lists of parts tiling the head width
-        (split, by `kernel`; duplicate), or v2's O1 − λ·O2 in fp32 (its λ varies per token)."""
-        B, h, N, dv = v.shape
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(q.dtype)
-        if self.variant == 'v2' and attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[1] == h > 1:
-            attn_mask = attn_mask.repeat_interleave(2, dim=1)  # per-head mask onto the 2h query heads
-        sdpa = functools.partial(
-            F.scaled_dot_product_attention,
-            attn_mask=attn_mask, dropout_p=self.attn_drop_p if self.training else 0., is_causal=is_causal)
-        if self.variant == 'v2':
-            o = sdpa(q, k, v, enable_gqa=True).view(B, h, 2, N, dv)  # (B, h, 2, N, d)
-            o = o.to(stats_dtype(o.dtype))
-            return (o[:, :, 0] - lam * o[:, :, 1]).transpose(1, 2)  # (B, N, h, d)
-        if self.variant == 'duplicate':
-            o1 = o2 = [sdpa(q, k, v)]  # A1 = A2: (1 − λ)·AV
-        else:
-            o1, o2 = self._split_maps(q, k, v, sdpa, attn_mask, kernel)
-        # (B, N, h, ·): SDPA kernels return this memory layout, so the transposes copy nothing
-        return [o.transpose(1, 2) for o in o1], [o.transpose(1, 2) for o in o2]
-
-    def _folds_proj(self) -> bool:
-        """The fused op applies the output projection itself when nothing sits between: no scale
-        norm, and `proj` a plain `nn.Linear` without hooks (a wrapped or hooked `proj` is called)."""
+    def _folded_proj(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The output projection's weight and bias when the fused op applies it itself: no scale norm,
+        and `proj` a plain `nn.Linear` without hooks (a wrapped or hooked `proj` is called); else None."""
         proj = self.proj
-        return (isinstance(self.norm, nn.Identity) and type(proj) is nn.Linear
-                and not proj._forward_hooks and not proj._forward_pre_hooks)
+        if (isinstance(self.norm, nn.Identity) and type(proj) is nn.Linear
+                and not proj._forward_hooks and not proj._forward_pre_hooks):
+            return proj.weight, proj.bias
+        return None, None
 
-    def differential_maps(self, q, k, lam, attn_mask=None, is_causal=False) -> torch.Tensor:
+    def differential_maps(self, q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor,
+                          attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         """Explicit A1 − λ·A2 in fp32 (fp64 for fp64), (B, h, N, N); softmax likewise, dropout on A1 and A2."""
         B, h, N, d = q.shape[0], self.num_heads, q.shape[2], q.shape[3]
-        if self.variant == 'duplicate':
-            q, k = q.unsqueeze(2), k.unsqueeze(2)  # (B, h, 1, N, d)
-        elif self.variant == 'v2':
-            q, k = q.view(B, h, 2, N, d), k.unsqueeze(2)  # (B, h, 2, N, d), (B, h, 1, N, d)
-        else:
-            q, k = q.view(B, h, 2, N, d), k.view(B, h, 2, N, d)  # (B, h, 2, N, d)
-        scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, 1|2, N, N)
-        scores = scores.to(stats_dtype(scores.dtype))
-        bias = resolve_self_attn_mask(N, scores, attn_mask, is_causal=is_causal)
-        if bias is not None:
-            bias = bias.to(scores.dtype)
-            scores = scores + (bias.unsqueeze(2) if bias.ndim == 4 else bias)
+        q = q.view(B, h, self.qk_heads[0] // h, N, d)  # (B, h, 2 or 1, N, d)
+        k = k.view(B, h, self.qk_heads[1] // h, N, d)  # (B, h, 2 or 1, N, d): one K for both maps of v2, duplicate
+        scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, 2 or 1, N, N)
+        scores = add_mask(scores.to(stats_dtype(scores.dtype)), attn_mask, is_causal)
         attn = self.attn_drop(scores.softmax(dim=-1))
-        if self.variant == 'duplicate':
-            a1 = a2 = attn[:, :, 0]
-        else:
-            a1, a2 = attn.unbind(2)  # (B, h, N, N) each
-        return a1 - lam * a2
+        return attn[:, :, 0] - lam * attn[:, :, -1]  # duplicate: index 0 and -1 are its one map
 
-    def _sub_norm_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """The sub-norm weight with (1 − λ_init) folded in, formed in fp32 (fp64 for fp64), in `like`'s dtype and device."""
+    def _sub_norm_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The sub-norm weight with (1 − λ_init) folded in, formed in fp32 (fp64 for fp64), in `dtype`."""
         weight = self.sub_norm.weight
         if weight is None:
-            return torch.full(self.sub_norm.normalized_shape, 1 - self.lambda_init, dtype=like.dtype, device=like.device)
-        return (weight.to(stats_dtype(weight.dtype)) * (1 - self.lambda_init)).to(like.dtype)
+            return torch.full(self.sub_norm.normalized_shape, 1 - self.lambda_init, dtype=dtype, device=device)
+        return (weight.to(stats_dtype(weight.dtype)) * (1 - self.lambda_init)).to(dtype)
 
     def forward(
             self,
@@ -384,29 +311,31 @@ class DifferentialAttention(DiffAttention):
         B, N, C = x.shape
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)
-        kernel = self._resolve_split_kernel(q, attn_mask) if self.fused_attn and self.variant == 'split' else None
-        if kernel == 'triton':
-            proj = self.proj if self._folds_proj() else None
-            eps = torch.finfo(v.dtype).eps if self.sub_norm.eps is None else self.sub_norm.eps  # F.rms_norm's default
-            out = kernels.split_diff_attention(
-                q, k, v, lam, self._sub_norm_weight(v), self.scale, eps,
-                kernels.key_padding_bias(attn_mask, B, N), is_causal, proj)  # (B, N, C) or projected
-            if proj is not None:
-                return self.proj_drop(out)
-        elif self.fused_attn and self.variant != 'v2':
-            o1, o2 = self._fused(q, k, v, lam, attn_mask, is_causal, kernel)
-            proj = self.proj if self._folds_proj() else None
-            out = sub_normed_difference(o1, o2, lam, self._sub_norm_weight(o1[0]), self.sub_norm.eps, proj)
-            if proj is not None:
-                return self.proj_drop(out)  # (B, N, C)
+        dropout_p = self.attn_drop_p if self.training else 0.
+        if self.lambda_proj is not None:  # v2: λ per token and head, no sub-norm
+            if self.fused_attn:
+                out = v2_attention(q, k, v, lam, attn_mask, dropout_p, is_causal)  # (B, N, h, d) fp32
+            else:
+                out = explicit_output(self.diff_map(self.differential_maps(q, k, lam, attn_mask, is_causal)), v,
+                                      None, None)
         elif self.fused_attn:
-            out = self._fused(q, k, v, lam, attn_mask, is_causal)  # (B, N, h, d) fp32
+            proj_weight: Optional[torch.Tensor] = None
+            proj_bias: Optional[torch.Tensor] = None
+            if not torch.jit.is_scripting():
+                proj_weight, proj_bias = self._folded_proj()
+            weight = self._sub_norm_weight(v.dtype, v.device)
+            if self.variant == 'duplicate':
+                out = duplicate_attention(q, k, v, lam, weight, self.sub_norm.eps, attn_mask, dropout_p, is_causal,
+                                          proj_weight, proj_bias)
+            else:
+                out = split_attention(q, k, v, lam, weight, self.sub_norm.eps, attn_mask, dropout_p, is_causal,
+                                      self.scale, self.split_kernel, proj_weight, proj_bias)
+            if proj_weight is not None:
+                return self.proj_drop(out)  # (B, N, C), projected
         else:
-            attn = self.diff_map(self.differential_maps(q, k, lam, attn_mask, is_causal))
-            with torch.autocast(x.device.type, enabled=False):
-                out = (attn @ v.to(attn.dtype)).transpose(1, 2)  # (B, N, h, C/h) fp32 (fp64 for fp64)
-                if self.variant != 'v2':
-                    out = F.rms_norm(out, self.sub_norm.normalized_shape, self._sub_norm_weight(out), self.sub_norm.eps)
+            attn = self.diff_map(self.differential_maps(q, k, lam, attn_mask, is_causal))  # (B, h, N, N) fp32
+            weight = self._sub_norm_weight(attn.dtype, attn.device)
+            out = explicit_output(attn, v, weight, self.sub_norm.eps)  # (B, N, h, C/h) fp32 (fp64 for fp64)
         out = out.type_as(x).reshape(B, N, C)  # (B, N, C)
         out = self.norm(out)
         out = self.proj(out)

@@ -70,8 +70,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask,
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
 from diffzoo.hf_config import mark_differential
-from diffzoo.layers.diff_attention import resolve_lambda_init, stats_dtype
+from diffzoo.layers import resolve_lambda_init
 from diffzoo.layers.kernels import sub_normed_difference
+from diffzoo.layers.numerics import stats_dtype
 from .options import HEAD_PAIRINGS, MLPS, VARIANTS
 
 DIFF_SDPA, DIFF_EAGER = 'diffzoo_sdpa', 'diffzoo_eager'
@@ -250,7 +251,6 @@ def _pair_heads(num_heads: int, head_pairing: str) -> Tuple[slice, slice]:
     return slice(0, num_heads, 2), slice(1, num_heads, 2)
 
 
-@functools.lru_cache(maxsize=None)
 def _kv_index(num_heads: int, num_kv_heads: int, heads: Tuple[int, int, int]) -> Union[slice, Tuple[int, ...]]:
     """Which KV heads the query heads range(*heads) read (query head j reads KV head j // (H / H_kv)):
     a slice when each of an evenly spaced run of KV heads serves equally many of them in order (SDPA's
@@ -274,8 +274,11 @@ def _kv_for(t: torch.Tensor, num_heads: int, heads: slice) -> torch.Tensor:
     return t.index_select(1, torch.tensor(index, device=t.device))
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+def _same_kv(num_heads: int, num_kv_heads: int, first: slice, second: slice) -> bool:
+    """Whether the two maps' query heads read the same KV heads in the same order (adjacent pairs
+    under MQA, or within one GQA group): decided from the head layout, not from the tensors."""
+    return (_kv_index(num_heads, num_kv_heads, first.indices(num_heads))
+            == _kv_index(num_heads, num_kv_heads, second.indices(num_heads)))
 
 
 def _explicit_probs(query, key, mask, scaling, softcap, dropout, training) -> torch.Tensor:
@@ -336,7 +339,8 @@ def _differential_forward(module, query, key, value, attention_mask, dropout=0.0
         k1, k2 = _kv_for(key, H, first), _kv_for(key, H, second)
         v1, v2 = _kv_for(value, H, first), _kv_for(value, H, second)
         a1v1, a2v1 = attend(q1, k1, v1), attend(q2, k2, v1)
-        a1v2, a2v2 = (a1v1, a2v1) if _same_view(v1, v2) else (attend(q1, k1, v2), attend(q2, k2, v2))
+        same = _same_kv(H, value.shape[1], first, second)  # [V | V]: one product per map serves both halves
+        a1v2, a2v2 = (a1v1, a2v1) if same else (attend(q1, k1, v2), attend(q2, k2, v2))
         o1, o2 = [a1v1, a1v2], [a2v1, a2v2]  # parts of [V_a | V_b]
     out = sub_normed_difference(o1, o2, lam, _sub_norm_weight(module, o1[0]), module.sub_norm.eps)
     return out.reshape(B, L, H, d), None  # (B, L, heads, width) → the query heads' columns

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from timm.layers import Attention, DiffAttention
 
 from diffzoo.layers import VARIANTS, DifferentialAttention, capture_attention_maps, diff_attn_layer, resolve_lambda_init
-from diffzoo.layers.diff_attention import SPLIT_KERNELS, sub_normed_difference
+from diffzoo.layers.kernels import SPLIT_KERNELS, sub_normed_difference
 from tests.layers.helpers import saved_bytes
 
 B, N, DIM, HEADS = 2, 9, 64, 4
@@ -96,7 +96,7 @@ def test_scale_norm_and_a_hooked_or_wrapped_proj_take_the_unfolded_path(variant)
     wrapped = Wrapped(DIM, DIM)
     wrapped.load_state_dict(m.proj.state_dict())
     m.proj = wrapped
-    assert not m._folds_proj()
+    assert m._folded_proj() == (None, None)
     torch.testing.assert_close(m(x), 2 * plain)
     _assert_fused_matches_explicit(m, {})
 
@@ -111,9 +111,10 @@ def test_sub_normed_difference_backward_matches_finite_differences(parts, with_p
     lam = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(width, dtype=torch.float64, requires_grad=True)
     proj = torch.nn.Linear(h * width, 5, dtype=torch.float64) if with_proj else None
+    proj_args = (proj.weight, proj.bias) if with_proj else ()
 
     def f(lam, weight, *o):
-        return sub_normed_difference(list(o[:parts]), list(o[parts:]), lam, weight, 1e-6, proj)
+        return sub_normed_difference(list(o[:parts]), list(o[parts:]), lam, weight, 1e-6, *proj_args)
 
     assert torch.autograd.gradcheck(f, (lam, weight, *o))
     if with_proj:

@@ -32,7 +32,7 @@ def _grads(compiled, monkeypatch, inputs, dtype, with_proj, grad):
         with torch.no_grad():
             linear.weight.copy_(proj[0])
             linear.bias.copy_(proj[1])
-    y = sub_norm.sub_normed_difference(o1, o2, lam, weight, 1e-5, linear)
+    y = sub_norm.sub_normed_difference(o1, o2, lam, weight, 1e-5, *((linear.weight, linear.bias) if with_proj else ()))
     y.backward(grad.to(y.dtype))
     extra = [linear.weight.grad, linear.bias.grad] if with_proj else []
     return [y] + [t.grad for t in o1 + o2] + [lam.grad, weight.grad] + extra

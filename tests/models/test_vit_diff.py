@@ -107,6 +107,33 @@ def test_timm_features_intermediates_and_checkpointing(name):
     assert [f.shape for f in feats(x)] == [(2, model.embed_dim, 8, 8)] * 2
 
 
+@pytest.mark.parametrize('variant', ['split', 'duplicate', 'v2'])
+@pytest.mark.parametrize('family', ['vit_diff', 'vit_diff_dynamic'])  # λ_init 0.8 and 'depth'
+def test_scripting_and_fx_feature_extraction_as_timm_does(family, variant):
+    """timm's tracing routes on each variant and λ_init form: torch.jit.script under
+    set_scriptable, an fx feature extractor (timm's create_feature_extractor with its notrace
+    lists) equal to eager bit for bit in eval, a backward through it in train reaching every
+    parameter, and the fx graph scripted."""
+    name = f'{family}_micro_patch8_64'
+    with timm.layers.set_layer_config(scriptable=True):
+        model = timm.create_model(name, variant=variant, num_classes=7).eval()
+    x = _input(model, 2)
+    with torch.no_grad():
+        eager = model(x)
+        torch.testing.assert_close(torch.jit.script(model)(x), eager, rtol=1e-5, atol=1e-5)
+    nodes = {'blocks.1': 'block1', 'head': 'logits'}
+    extractor = timm.models.create_feature_extractor(model, return_nodes=nodes)
+    with torch.no_grad():
+        features = extractor(x)
+        assert torch.equal(features['logits'], eager)
+        assert torch.equal(features['block1'], model.blocks[:2](model.norm_pre(model._pos_embed(model.patch_embed(x)))))
+        torch.testing.assert_close(torch.jit.script(extractor)(x)['logits'], eager, rtol=1e-5, atol=1e-5)
+    model.train()
+    extractor = timm.models.create_feature_extractor(model, return_nodes=nodes)
+    extractor(x)['logits'].square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in extractor.parameters())
+
+
 def test_pretrained_without_weights_is_an_error_not_silence():
     with pytest.raises(ValueError, match='open_clip'):
         timm.create_model('vit_diff_small_patch16_224', pretrained=True)

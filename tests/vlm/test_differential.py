@@ -150,6 +150,43 @@ def test_generation_with_the_kv_cache_equals_generation_without(family, variant)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+class _Logits(torch.nn.Module):
+    """The causal LM as ids → logits without a cache: the form the tracers take."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize('family,variant,head_pairing', [
+    ('gemma', 'duplicate', None),  # MQA as PaliGemma's Gemma: Differential PaliGemma's variant
+    ('gemma', 'split', 'adjacent'),  # both maps of a pair on the one KV head
+    ('llama', 'split', 'halves'),  # GQA, DiffLlama's pairing across KV heads
+])
+def test_compile_fullgraph_and_export_trace_the_differential_decoder(family, variant, head_pairing):
+    """No graph break (fullgraph=True, AOTAutograd tracing the backward), gradients equal to eager;
+    an exported program equal to eager. Adjacent pairs on one KV head reuse each map's product for
+    both value halves: one tensor in two places of the saved-outputs op, which dynamo takes."""
+    model = differentialize(_model(family), variant=variant, head_pairing=head_pairing).train()
+    module, ids = _Logits(model), _ids()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for run in (module, torch.compile(module, fullgraph=True, backend='aot_eager')):
+        run(ids).square().mean().backward()
+        grads.append([p.grad.clone() for p in params])
+        model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    model.eval()
+    program = torch.export.export(module, (ids,))
+    with torch.no_grad():
+        assert torch.equal(program.module()(ids), module(ids))
+
+
 @pytest.mark.parametrize('family,expected', [('llama', 'halves'), ('llama_odd_groups', 'halves'),
                                              ('gemma', 'adjacent'), ('qwen2', 'adjacent')])
 def test_split_pairs_across_kv_heads_by_default_under_gqa_with_an_even_kv_head_count(family, expected):

@@ -11,7 +11,6 @@ import importlib.util
 from typing import Optional, Tuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 HAS_TRITON = importlib.util.find_spec('triton') is not None  # CUDA builds of torch ship it; CPU-only ones may not
@@ -119,14 +118,14 @@ if HAS_TRITON:
 def split_diff_attention(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor,
         scale: float, eps: float, key_bias: Optional[torch.Tensor] = None, is_causal: bool = False,
-        proj: Optional[nn.Linear] = None,
+        proj_weight: Optional[torch.Tensor] = None, proj_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """RMSNorm((softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s)) V) · weight per head as (B, N, C), or that
-    projected by `proj`, (B, N, C_out). q, k (B, 2h, N, d) (query head 2i is Q1 of differential
+    projected by an output projection's `proj_weight`, `proj_bias`, (B, N, C_out). q, k (B, 2h, N, d) (query head 2i is Q1 of differential
     head i, 2i+1 its Q2), v (B, h, N, 2d); lam a 0-dim fp32 tensor; weight (2d,) in v's dtype;
     key_bias None or (B, N) fp32 from `key_padding_bias`. Saves D (one (B, N, C)) and row statistics.
     """
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    pw, pb = (None, None) if proj is None else (proj.weight, proj.bias)
-    out, *_ = torch.ops.diffzoo.split_diff_attention(q, k, v, lam, weight, key_bias, pw, pb, scale, eps, is_causal)
+    out, *_ = torch.ops.diffzoo.split_diff_attention(q, k, v, lam, weight, key_bias, proj_weight, proj_bias,
+                                                     scale, eps, is_causal)
     return out
