@@ -3,7 +3,7 @@
 After `import diffzoo`, timm knows the `vit_diff_*` models, open_clip the `diffclip-*` and
 `clip-*-baseline` models with DiffCLIP's pretrained tags (see `diffzoo.clip.seams`), and
 transformers' Auto classes the `diffzoo_differential` model type of saved differential decoders
-(see `diffzoo.hf_config`), whichever of timm, open_clip, transformers and diffzoo was imported first.
+(see `diffzoo.vlm.hf_auto`), whichever of timm, open_clip, transformers and diffzoo was imported first.
 
 `import diffzoo` itself imports none of torch, timm, open_clip or transformers, so a command's
 `--help` answers at once. Registration runs when the library it registers with is there:
@@ -45,7 +45,7 @@ def _register(library: str) -> None:
         if library in _registered:
             return
         if library == 'transformers':
-            from .hf_config import register  # AutoConfig only: imports transformers' configuration side
+            from .vlm.hf_auto import register  # AutoConfig's entry: transformers' configuration and Auto classes
             register()
         elif library == 'open_clip':
             _register('timm')

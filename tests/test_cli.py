@@ -88,7 +88,7 @@ def test_public_names_are_imported_on_use():
 @pytest.mark.parametrize('module, argv, message', [
     ('diffzoo.analysis', ['--images', 'x'], 'pass --model once'),
     ('diffzoo.bench', ['--reps', 'many'], "--reps: invalid int value: 'many'"),
-    ('diffzoo.bench.eramv', [], 'required: --model VISION LM_DIR'),
+    ('diffzoo.bench.eramv', [], 'required: --model'),
     ('diffzoo.eval', ['--no-such-flag'], 'unrecognized arguments: --no-such-flag'),
     ('diffzoo.eval.vqa', [], 'required: --predictions, --annotations'),
     ('diffzoo.eval.needle', ['run'], 'required: --haystacks'),

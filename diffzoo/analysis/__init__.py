@@ -5,9 +5,9 @@ The package: `maps` (a CLIP tower's attention maps, query relevance, entropy per
 forward pass), `layers` (the analyses of a VLM or CLIP tower), `plots` and `report` (figures, tables),
 `cli` (`python -m diffzoo.analysis`).
 
-    python -m diffzoo.analysis --vlm-recipe RECIPE [--adapter DIR] --images DIR --prompts "…" "…"
-        [--compare RECIPE [--compare-adapter DIR]] [--out analysis/]
-    python -m diffzoo.analysis --clip NAME[,PRETRAINED] --images DIR [--compare NAME[,PRETRAINED]]
+    python -m diffzoo.analysis --model RECIPE [--adapter DIR] --images DIR --prompts "…" "…"
+        [--model RECIPE [--compare-adapter DIR]] [--out analysis/]
+    python -m diffzoo.analysis --model NAME[,PRETRAINED] --images DIR [--model NAME[,PRETRAINED]]
 
 writes `analysis.json` (every number below, per sample and averaged) and PNGs with the models
 overlaid, and prints a table. Natural log throughout; l = 0 … L−1 are decoder layers or vision blocks.

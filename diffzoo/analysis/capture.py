@@ -5,7 +5,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from diffzoo.vlm.differential import DIFF_EAGER, DIFF_SDPA, find_decoder
+from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA
+from diffzoo.vlm.differential import find_decoder
 
 
 @contextmanager

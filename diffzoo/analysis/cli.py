@@ -5,8 +5,7 @@
     python -m diffzoo.analysis --model NAME[,PRETRAINED] --images DIR [--model NAME[,PRETRAINED]]
 
 A model is a VLM recipe (a YAML file or a shipped name, `python -m diffzoo.train.vlm recipes`) or
-an open_clip model; the second --model, of the same kind, is overlaid on every plot. (`--vlm-recipe`,
-`--clip` and `--compare` are the earlier spellings of the first and second --model.)
+an open_clip model; the second --model, of the same kind, is overlaid on every plot.
 
 writes `analysis.json` (every number, per sample and averaged) and PNGs with the models overlaid,
 and prints a table; the definitions are `diffzoo.analysis`'s docstring.
@@ -38,9 +37,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument('--model', dest='models', action='append', default=[], metavar='RECIPE|NAME[,PRETRAINED]',
                    help='a VLM recipe (diffzoo.train.vlm; file or shipped name) or an open_clip model '
                         '(diffclip-*, clip-*-baseline); give it twice to overlay a second model of the same kind')
-    # earlier spellings, kept: the first model (--vlm-recipe, --clip) and the second (--compare)
-    p.add_argument('--vlm-recipe', '--clip', dest='first_model', help=argparse.SUPPRESS)
-    p.add_argument('--compare', dest='second_model', help=argparse.SUPPRESS)
     p.add_argument('--adapter', metavar='DIR', help='a LoRA adapter saved by diffzoo.train.vlm (of the first VLM --model)')
     p.add_argument('--compare-adapter', metavar='DIR', help='the adapter of the second VLM --model')
     p.add_argument('--label', help='name of the first model in plots and tables (default: recipe / model name)')
@@ -88,7 +84,7 @@ def _analyse(kind: str, source: str, adapter: Optional[str], pil, names, args, t
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    sources = [args.first_model] * bool(args.first_model) + args.models + [args.second_model] * bool(args.second_model)
+    sources = args.models
     if not 1 <= len(sources) <= 2:
         parser.error(f'{len(sources)} models given ({" ".join(sources) or "none"}): pass --model once, '
                      'or twice to compare two models')

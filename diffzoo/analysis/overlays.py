@@ -1,5 +1,4 @@
-"""`python -m diffzoo.analysis.overlays` (also `python -m diffzoo.attention`): where each model's
-vision tower attends, overlaid on images, and its attention entropy per block (`diffzoo.analysis.maps`).
+"""`python -m diffzoo.analysis.overlays`: where each model's vision tower attends, overlaid on images, and its attention entropy per block (`diffzoo.analysis.maps`).
 
     python -m diffzoo.analysis.overlays IMAGE [IMAGE ...] --model NAME[,PRETRAINED] [--model …]
         [--query mug --query lamp] [--layer -1] [--out attention.png] [--entropy]

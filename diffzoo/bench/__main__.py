@@ -56,7 +56,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--model', dest='models', action='extend', nargs='+', default=None, metavar='NAME',
                    help='open_clip model names, repeatable (default cuda: all five B/16; cpu: diffclip-b16 '
                         'clip-b16-baseline ViT-B-16; smoke: diffclip-tiny clip-tiny-baseline)')
-    p.add_argument('--models', dest='models', action='extend', nargs='+', help=argparse.SUPPRESS)  # earlier spelling
     p.add_argument('--baseline', default=None, help='the model every ratio divides by (default clip-b16-baseline)')
     p.add_argument('--batch', type=int, default=None, help='model batch (default cuda 256, cpu 16)')
     p.add_argument('--precision', choices=('fp32', 'bf16'), default=None,

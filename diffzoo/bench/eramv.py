@@ -10,8 +10,6 @@ ratios against the first model (the full-token one).
 
 Both models take the same visual features and projector (eRAM-V's by default: the penultimate block's
 output, LLaVA-1.5's two-layer MLP), so the difference is eRAM-V's integration alone.
-
-(`--vision V --language-model DIR` is the earlier spelling of `--model V DIR`.)
 """
 from __future__ import annotations  # torch's types in the signatures, torch imported on use
 
@@ -55,11 +53,9 @@ def cost_report(models: Dict[str, 'torch.nn.Module'], pixel_values: 'torch.Tenso
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.bench.eramv', description=__doc__.split('\n')[0])
-    p.add_argument('--model', nargs=2, metavar=('VISION', 'LM_DIR'),
+    p.add_argument('--model', nargs=2, metavar=('VISION', 'LM_DIR'), required=True,
                    help='the VLM: its vision tower (open_clip name[,pretrained] or timm:<name> with a CLS token) '
                         'and a local transformers causal LM directory')
-    p.add_argument('--vision', help=argparse.SUPPRESS)  # earlier spelling of --model's VISION
-    p.add_argument('--language-model', help=argparse.SUPPRESS)  # earlier spelling of --model's LM_DIR
     p.add_argument('--anchors', type=int, default=64)
     p.add_argument('--select-layer', default='-2', metavar='LAYER',
                    help="both models' visual features: a block counted from the end (-2, the penultimate, "
@@ -77,11 +73,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    if a.model and (a.vision or a.language_model):
-        p.error('--model VISION LM_DIR names both parts; leave out --vision and --language-model')
-    if not a.model and not (a.vision and a.language_model):
-        p.error('the following arguments are required: --model VISION LM_DIR')
-    a.vision, a.language_model = a.model or (a.vision, a.language_model)
+    a.vision, a.language_model = a.model
     del a.model
     if a.select_layer != 'final_norm':
         try:

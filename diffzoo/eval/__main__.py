@@ -45,7 +45,6 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument('--run-dir', metavar='RUN', help='a training run directory (runs/NAME) that names its model')
     m.add_argument('--every-checkpoint', action='store_true',
                    help='every epoch_K.pt of a training run (--run-dir, --model NAME,RUN), not the newest')
-    m.add_argument('--run-model', help=argparse.SUPPRESS)  # earlier spelling of --model NAME,RUN (with --run-dir)
     m.add_argument('--force-image-size', type=int, metavar='PX', help="open_clip's force_image_size")
     d = p.add_argument_group('datasets')
     d.add_argument('--dataset', action='append', default=[], metavar='NAME', help='repeat for several')

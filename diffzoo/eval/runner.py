@@ -35,7 +35,7 @@ def _run_of(text: str) -> Optional[Path]:
 def training_runs(args) -> List[Tuple[Path, Optional[str]]]:
     """The training run directories asked for, each with its model name (None: the run's record names it):
     --run-dir RUN, and every --model NAME,RUN whose second part is a directory."""
-    runs = [(Path(args.run_dir), args.run_model)] if args.run_dir else []
+    runs = [(Path(args.run_dir), None)] if args.run_dir else []
     return runs + [(_run_of(text), text.partition(',')[0].strip() or None) for text in args.model if _run_of(text)]
 
 

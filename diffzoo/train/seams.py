@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diffzoo.checkpoint import SAFE_GLOBALS, CheckpointError, UnsafeCheckpointError, read_checkpoint
 from diffzoo.clip.seams import expect_function
-from . import data_events
+from . import data_events, data_report
 from .metrics import LambdaLog
 from .shuffle import WebdatasetSeededShuffle, reseed
 
@@ -74,14 +74,14 @@ def _epoch_wrapper(original, events_dir: str):
         steps = data['train'].dataloader.num_batches // args.accum_freq  # as train_one_epoch counts them
         log = LambdaLog(run_dir, model, optimizer, epoch, steps, args.log_every_n_steps, tb_writer, args.wandb)
         hook = loss.register_forward_hook(log.on_loss)
-        data_events.start_epoch(events_dir, epoch)
+        data_report.start_epoch(events_dir, epoch)
         try:
             original(model, data, loss, epoch, optimizer, scaler, log.wrap_scheduler(scheduler), dist_model,
                      args, tb_writer=tb_writer)
         finally:
             hook.remove()
         log.end_epoch()
-        data_events.report_epoch(events_dir, epoch, args, run_dir)
+        data_report.report_epoch(events_dir, epoch, args, run_dir)
     return train_one_epoch
 
 

@@ -1,9 +1,9 @@
 """`python -m diffzoo.train.vlm --recipe NAME|PATH [--key value …]`: LoRA fine-tuning of a VLM on VQAv2.
 
-(`python -m diffzoo.vlm.train` is the same command.) The recipe (`diffzoo.vlm.recipe`; shipped ones
-in recipes/vlm/, `python -m diffzoo.train.vlm recipes` lists them) names the model (`diffzoo.vlm.load_vlm`), its differential
-settings, LoRA, the data and the optimisation; `--key value` overrides any key, with dots for nested
-ones (`--data.fraction 0.1`, `--lr 2e-5`, `--differential null` for the vanilla baseline).
+The recipe (`diffzoo.vlm.recipe`; shipped ones in recipes/vlm/, `python -m diffzoo.train.vlm recipes`
+lists them) names the model (`diffzoo.vlm.load_vlm`), its differential settings, LoRA, the data and
+the optimisation; `--key value` overrides any key, with dots for nested
+ones (`--data.fraction 0.1`, `--lr 2e-5`, `--attention '{type: vanilla}'` for the vanilla baseline).
 
 The loop is transformers' `Trainer` with peft: DDP under torchrun (gradient accumulation without
 all-reducing the micro-batches in between), AdamW, LR schedule with warm-up, gradient clipping,
@@ -43,7 +43,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.train.vlm', description=__doc__.split('\n')[0],
                                 epilog=f'recipe keys:\n{keys}', formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--recipe', help='a YAML file or a shipped name (`recipes` lists them)')
-    p.add_argument('--recipes', action='store_true', help=argparse.SUPPRESS)  # earlier spelling of `recipes`
     return p
 
 
@@ -61,8 +60,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.usage = '%(prog)s --recipe NAME|PATH [--key value …]\n       %(prog)s recipes'
     args, rest = p.parse_known_args(argv)
     try:
-        if args.recipes:
-            return _list_recipes()
         if not args.recipe:
             p.error('--recipe is required (`recipes` lists the shipped ones)')
         recipe = check(expand_env(apply_overrides(load_vlm_recipe(args.recipe), parse_overrides(rest))))

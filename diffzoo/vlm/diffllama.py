@@ -34,7 +34,9 @@ import torch
 import torch.nn as nn
 import transformers
 
-from .differential import CONFIG_KEY, DIFF_EAGER, SUB_NORM_EPS, differentialize, saved_settings
+from .attention import DIFF_EAGER
+from .differential import SUB_NORM_EPS, differentialize
+from .hf_config import SETTINGS_KEY, saved_settings
 
 # The configuration both models share; everything else of a DiffLlamaConfig is its default.
 SHARED_FIELDS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
@@ -52,9 +54,9 @@ def _convertible(config) -> Optional[str]:
         raise ValueError(f'{type(config).__name__} (model_type={model_type!r}): DiffLlama is a Llama; convert a '
                          f'LlamaForCausalLM made differential with differentialize(model, variant="split", '
                          f'lambda_init="depth")')
-    spec = getattr(config, CONFIG_KEY, None)
+    spec = getattr(config, SETTINGS_KEY, None)
     if spec is None:
-        raise ValueError(f'the Llama config has no "{CONFIG_KEY}" settings: the model is not differential; call '
+        raise ValueError(f'the Llama config has no "{SETTINGS_KEY}" settings: the model is not differential; call '
                          f'differentialize(model, variant="split", lambda_init="depth") first')
     spec = saved_settings(spec)
     heads, kv_heads, depth = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers

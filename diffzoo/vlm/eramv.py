@@ -30,12 +30,11 @@ prefix-LM mask of `diffzoo.vlm.model`: anchors and prompt attend to each other i
 answers causally).
 
 The injected keys and values are an input of the language model's forward: `InjectedFeatures`
-travels as the keyword `diffzoo_injected` (`differential.INJECTED`) through transformers' layers to
+travels as the keyword `diffzoo_injected` (`attention.INJECTED`) through transformers' layers to
 diffzoo's attention functions, which append them where the layer is one of the chosen ones; so they
 compose with `differentialize` (both maps then span the injected keys as well), SDPA, eager and the
 KV cache. `python -m diffzoo.bench.eramv` reports eRAM-V's FLOPs and latency.
 """
-import runpy
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -156,6 +155,3 @@ class InjectedFeatures:
         mask = torch.cat([attention_mask.expand(B, -1, -1, -1), extra], dim=-1)
         return torch.cat([key, k], dim=2), torch.cat([value, v], dim=2), mask
 
-
-if __name__ == '__main__':  # the earlier command line, kept: the report lives in diffzoo.bench.eramv
-    runpy.run_module('diffzoo.bench.eramv', run_name='__main__', alter_sys=True)

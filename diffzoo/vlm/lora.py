@@ -27,8 +27,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .differential import (CONFIG_KEY, _suffix, differential_parameters, differential_state_dict, differentialize,
-                           find_decoder, saved_settings)
+from .differential import _suffix, differential_parameters, differential_state_dict, differentialize, find_decoder
+from .hf_config import SETTINGS_KEY, saved_settings
 from .model import VisionLanguageModel
 
 ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
@@ -122,7 +122,7 @@ def save_adapter(model: nn.Module, directory: Union[str, Path]) -> Path:
     with safe_open(str(weights), framework='pt') as f:
         metadata = f.metadata()
     save_file({**load_file(str(weights)), **adapter_differential_state(peft_model)}, str(weights), metadata=metadata)
-    spec = getattr(find_decoder(peft_model).config, CONFIG_KEY, None)
+    spec = getattr(find_decoder(peft_model).config, SETTINGS_KEY, None)
     save_file({k: v.contiguous() for k, v in extra_state(model).items()}, str(directory / EXTRA_WEIGHTS))
     (directory / EXTRA_CONFIG).write_text(json.dumps({'differential': spec}, indent=1) + '\n')
     return directory

@@ -45,7 +45,8 @@ import torch
 import torch.nn as nn
 from transformers import DynamicCache
 
-from .differential import DIFF_EAGER, DIFF_SDPA, INJECTED, find_decoder, register_attention
+from .attention import DIFF_EAGER, DIFF_SDPA, INJECTED, register_attention
+from .differential import find_decoder
 from .eramv import (ERAMV_DEFAULTS, InjectedFeatures, PostProjectionMLP, anchor_scores, default_inject_layers,
                     module_indices, select_anchors)
 from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, check_select_layer

@@ -10,11 +10,10 @@
     running:      device, workers, log_every, save_every, eval_max_new_tokens, report_to, output
 
 `attention` is chosen by type as `model` is, so a recipe over a differential base says
-`attention: {type: vanilla}` and the base's settings go with the replaced mapping. The older spelling,
-`differential: {…}` (or `differential: null` for vanilla), is still read as `attention`.
-A validated recipe holds `differential`: differentialize's settings, or None for vanilla attention.
+`attention: {type: vanilla}` and the base's settings go with the replaced mapping. A validated recipe
+holds `differential`: differentialize's settings, or None for vanilla attention.
 
-`python -m diffzoo.vlm.train --recipes` lists the shipped recipes; `--help` lists every key.
+`python -m diffzoo.train.vlm recipes` lists the shipped recipes; `--help` lists every key.
 """
 from typing import Dict, Mapping
 
@@ -133,20 +132,13 @@ MODEL_PART = Section({k: VLM_RECIPE.keys[k] for k in ('model', 'attention')}, do
 
 
 def _attention(recipe: Mapping) -> Dict:
-    """The recipe with its `attention` stated: read from the older `differential` key (settings, or
-    null for vanilla) when that is given, vanilla when neither is."""
+    """The recipe with its `attention` stated (vanilla when not given). The retired `differential` key
+    (the decoder's settings, or null for vanilla) is refused, naming its replacement."""
     recipe = dict(recipe)
     if 'differential' in recipe:
-        old = recipe.pop('differential')
-        if 'attention' in recipe:
-            raise RecipeError(f'recipe gives both attention ({recipe["attention"]!r}) and differential ({old!r}), '
-                              f'the older spelling of attention; keep attention: {{type: differential, variant: …}} '
-                              f'or {{type: vanilla}} and drop differential')
-        if old is None:
-            old = VANILLA
-        elif isinstance(old, Mapping):
-            old = dict(old, type='differential')
-        recipe['attention'] = old
+        raise RecipeError(f'recipe key differential ({recipe["differential"]!r}) is retired: write '
+                          f'attention: {{type: differential, variant: …}} for its settings, or attention: '
+                          f'{{type: vanilla}} for null')
     recipe.setdefault('attention', VANILLA)
     return recipe
 

@@ -295,20 +295,13 @@ def test_cli_on_clip_towers_and_its_input_errors(tmp_path, capsys):
     assert exit_info.value.code == 2 and '3 models given (a b c)' in capsys.readouterr().err
 
 
-def test_cli_keeps_the_earlier_model_flags(tmp_path, capsys):
-    """--clip / --vlm-recipe (the first model) and --compare (the second) still work, unlisted in --help."""
-    images = _image_folder(tmp_path)
-    out = tmp_path / 'out'
-    assert main(['--compare', 'clip-tiny-baseline', '--clip', 'diffclip-tiny', '--images', str(images),
-                 '--out', str(out), '--device', 'cpu']) == 0
-    assert list(json.loads((out / 'analysis.json').read_text())['models']) == ['diffclip-tiny', 'clip-tiny-baseline']
+@pytest.mark.parametrize('flag', ['--clip', '--vlm-recipe', '--compare'])
+def test_cli_takes_models_by_model_only(tmp_path, capsys, flag):
+    """--model is the one spelling: the retired --clip / --vlm-recipe / --compare are unknown arguments."""
     with pytest.raises(SystemExit) as exit_info:
-        main(['--vlm-recipe', 'x.yaml', '--images', str(images)])
-    assert exit_info.value.code == 2 and '--model x.yaml is a VLM recipe: pass --prompts' in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(['--help'])
-    shown = capsys.readouterr().out
-    assert '--model' in shown and not any(flag in shown for flag in ('--clip', '--vlm-recipe', '--compare '))
+        main([flag, 'diffclip-tiny', '--images', str(_image_folder(tmp_path))])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and flag in err and ('unrecognized' in err or 'ambiguous' in err)
 
 
 def test_cli_top_k_default_is_the_metrics_one():

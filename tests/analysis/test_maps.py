@@ -220,7 +220,7 @@ def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
         img.save(paths[-1])
     out = tmp_path / 'figs' / 'attention.png'
     proc = subprocess.run(
-        [sys.executable, '-m', 'diffzoo.attention', *paths, '--model', 'diffclip-tiny', '--model',
+        [sys.executable, '-m', 'diffzoo.analysis.overlays', *paths, '--model', 'diffclip-tiny', '--model',
          'clip-tiny-baseline', '--entropy', '--out', str(out)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

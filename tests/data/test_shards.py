@@ -82,7 +82,7 @@ def test_check_finds_captions_and_json_that_training_cannot_decode(tmp_path, cap
 
 def test_check_skips_exactly_what_training_skips(tmp_path):
     from open_clip_train.data import get_wds_dataset
-    from diffzoo.train import data_events, seams
+    from diffzoo.train import data_events, data_report, seams
 
     write_shards(tmp_path, 2, 6, corrupt={(0, 2)}, no_caption={(1, 0)},
                  members={(0, 4): {'txt': LATIN1_CAPTION}, (1, 2): {'json': BROKEN_JSON}, (1, 5): {'txt': b'  '}})
@@ -94,7 +94,7 @@ def test_check_skips_exactly_what_training_skips(tmp_path):
     with seams.installed():
         loader = get_wds_dataset(args, lambda image: image.size, is_train=False, tokenizer=lambda t: [t]).dataloader
         trained = sum(len(images) for images, _ in loader)
-        skipped = data_events.collect(os.environ[data_events.ENV])['examples']
+        skipped = data_report.collect(os.environ[data_events.ENV])['examples']
     assert checked | {('no_caption', '000010000'), ('no_caption', '000010005')} == {(r, k) for r, _, k in skipped}
     assert sum(s.usable for s in report.shards) == trained == 7
     assert sum(s.skipped for s in report.shards) == 5

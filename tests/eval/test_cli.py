@@ -5,7 +5,7 @@ import shutil
 import open_clip
 import torch
 
-from diffzoo.eval.__main__ import main, parser
+from diffzoo.eval.__main__ import main
 from diffzoo.eval.results import read_json
 
 
@@ -45,7 +45,7 @@ def test_every_checkpoint_of_a_run_gives_a_table_json_and_plot(corpus, tmp_path,
 
 
 def test_model_names_the_model_of_a_run_that_does_not(corpus, tmp_path, capsys):
-    """--model NAME,RUN evaluates a run whose directory names no model; --run-model (the earlier spelling) too."""
+    """--model NAME,RUN evaluates a run whose directory names no model."""
     run_dir = tmp_path / 'runs' / 'tiny'
     _training_run(run_dir, epochs=(1,))
     (run_dir / 'diffzoo-run.json').unlink()
@@ -56,10 +56,6 @@ def test_model_names_the_model_of_a_run_that_does_not(corpus, tmp_path, capsys):
     rows = read_json(run_dir / 'eval' / 'results.json')  # one training run: its eval/ folder, as with --run-dir
     assert {(r.model, r.epoch, r.pretrained) for r in rows} == {
         ('diffclip-tiny', 1, str(run_dir / 'checkpoints' / 'epoch_1.pt'))}
-    old = tmp_path / 'old.json'
-    assert main(['--run-dir', str(run_dir), '--run-model', 'diffclip-tiny', *common, '--output', str(old)]) == 0
-    assert [(r.metric, r.value) for r in read_json(old)] == [(r.metric, r.value) for r in rows]
-    assert '--run-model' not in parser().format_help()
 
 
 def test_models_side_by_side_with_few_shot(corpus, tmp_path, capsys):

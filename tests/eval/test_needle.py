@@ -295,7 +295,7 @@ def test_hand_made_answers_give_known_accuracies(corpus, tmp_path):
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, '-m', 'diffzoo.vlm.needle', *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, '-m', 'diffzoo.eval.needle', *map(str, args)], capture_output=True,
                           text=True, cwd=Path(__file__).resolve().parents[2])
 
 

@@ -39,7 +39,7 @@ def test_two_step_protocol_asks_a_differential_vlm_and_scores_every_sample(hayst
 
 def test_run_subcommand_writes_answers_results_and_heatmap(haystacks, tmp_path):
     root, _ = haystacks
-    cmd = [sys.executable, '-m', 'diffzoo.vlm.needle', 'run', '--haystacks', str(root / 'set'),
+    cmd = [sys.executable, '-m', 'diffzoo.eval.needle', 'run', '--haystacks', str(root / 'set'),
            '--recipe', str(root / 'recipe.yaml'), '--protocol', 'mmneedle', '--max-new-tokens', '4',
            '--out', str(tmp_path / 'out')]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, 'OMP_NUM_THREADS': '1'})

@@ -153,7 +153,7 @@ def test_cli_prints_a_table_and_writes_json(annotations, tmp_path):
     (tmp_path / 'results.json').write_text(json.dumps(PREDICTIONS))
     (tmp_path / 'annotations.json').write_text(json.dumps(annotations))
     out = tmp_path / 'out' / 'accuracy.json'
-    run = subprocess.run([sys.executable, '-m', 'diffzoo.vlm.vqa', '--predictions', str(tmp_path / 'results.json'),
+    run = subprocess.run([sys.executable, '-m', 'diffzoo.eval.vqa', '--predictions', str(tmp_path / 'results.json'),
                           '--annotations', str(tmp_path / 'annotations.json'), '--output', str(out)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -5,7 +5,7 @@ import sys
 
 import webdataset as wds
 
-from diffzoo.train import data_events
+from diffzoo.train import data_events, data_report
 from tests.factory import run, write_shards
 
 
@@ -20,9 +20,9 @@ def _pipeline(urls, batches: int, batch_size: int):
 
 
 def _epoch(events, urls, epoch: int, batches: int, batch_size: int = 4) -> dict:
-    data_events.start_epoch(events, epoch)
+    data_report.start_epoch(events, epoch)
     trained = sum(len(images) for images, _ in _pipeline(urls, batches, batch_size))
-    rank = data_events.collect(events, epoch)
+    rank = data_report.collect(events, epoch)
     assert rank['trained'] == trained
     return rank
 
@@ -35,7 +35,7 @@ def test_a_wrapped_epoch_counts_distinct_samples_and_calls_the_rest_repeats(tmp_
     monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
     (tmp_path / 'events').mkdir()
     for epoch in range(2):  # the second epoch starts afresh: same counts, not twice them
-        record = data_events.epoch_record(epoch + 1, [_epoch(tmp_path / 'events', urls, epoch, batches=5)])
+        record = data_report.epoch_record(epoch + 1, [_epoch(tmp_path / 'events', urls, epoch, batches=5)])
         assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (20, 8, 12)
         assert record['samples_readable'] == 9 and record['all_shards_read']
         assert record['samples_read'] == 12 + 12 + 6
@@ -43,17 +43,17 @@ def test_a_wrapped_epoch_counts_distinct_samples_and_calls_the_rest_repeats(tmp_
         assert record['skip_events'] == {'no_caption': 5, 'undecodable_image': 3}
         assert [(r, k) for r, _, k in record['examples']] == [
             ('no_caption', '000000001'), ('undecodable_image', '000010000'), ('no_caption', '000020003')]
-    text = data_events.summary(record)
+    text = data_report.summary(record)
     assert text.startswith('epoch 2 data: 20 samples trained (8 distinct, 12 repeats: trained again in the same '
                            'epoch), from 3 shards read by 1 process(es)')
     assert '  skipped 2 without caption, met 5 times (3 repeats) (00000.tar/000000001, 00002.tar/000020003)' in text
     assert '  skipped 1 undecodable image, met 3 times (2 repeats) (00001.tar/000010000)' in text
     args = argparse.Namespace(train_num_samples=20, dataset_resampled=False)
-    assert data_events.size_warning(record, args) == (
+    assert data_report.size_warning(record, args) == (
         '--train-num-samples 20 asks for more samples than the shards hold (9 readable ones): each sample is trained '
         '~2.2× per epoch (12 repeats in epoch 2); pass --train-num-samples 9')
-    assert data_events.size_warning(record, argparse.Namespace(train_num_samples=9, dataset_resampled=False)) is None
-    assert data_events.size_warning(record, argparse.Namespace(train_num_samples=20, dataset_resampled=True)) is None
+    assert data_report.size_warning(record, argparse.Namespace(train_num_samples=9, dataset_resampled=False)) is None
+    assert data_report.size_warning(record, argparse.Namespace(train_num_samples=20, dataset_resampled=True)) is None
 
 
 def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_path, monkeypatch):
@@ -67,14 +67,14 @@ def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_pa
         monkeypatch.setenv(data_events.ENV, str(tmp_path / f'events{rank}'))
         (tmp_path / f'events{rank}').mkdir()
         ranks.append(_epoch(tmp_path / f'events{rank}', shards, 0, batches=1, batch_size=7))
-    record = data_events.epoch_record(1, ranks)
+    record = data_report.epoch_record(1, ranks)
     assert [r['samples_trained'] for r in record['ranks']] == [7, 7]
     assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (14, 11, 3)
     assert record['skipped'] == {'empty_shard': 1, 'no_caption': 1}
     assert record['skip_events'] == {'empty_shard': 2, 'no_caption': 2}
     assert not record['all_shards_read']  # each epoch ended with its batch, before its pass did: no exact total
-    assert data_events.size_warning(record, argparse.Namespace(train_num_samples=100, dataset_resampled=False)) is None
-    assert 'skipped 1 empty shard, met 2 times (1 repeat) (00003.tar)' in data_events.summary(record)
+    assert data_report.size_warning(record, argparse.Namespace(train_num_samples=100, dataset_resampled=False)) is None
+    assert 'skipped 1 empty shard, met 2 times (1 repeat) (00003.tar)' in data_report.summary(record)
 
 
 def test_the_last_batch_of_a_clean_epoch_is_counted(tmp_path, monkeypatch):
@@ -83,9 +83,9 @@ def test_the_last_batch_of_a_clean_epoch_is_counted(tmp_path, monkeypatch):
     urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(2)]
     monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
     (tmp_path / 'events').mkdir()
-    record = data_events.epoch_record(1, [_epoch(tmp_path / 'events', urls, 0, batches=2)])
+    record = data_report.epoch_record(1, [_epoch(tmp_path / 'events', urls, 0, batches=2)])
     assert (record['samples_read'], record['samples_trained'], record['samples_distinct']) == (8, 8, 8)
-    assert record['skipped'] == {} and 'nothing skipped' in data_events.summary(record)
+    assert record['skipped'] == {} and 'nothing skipped' in data_report.summary(record)
 
 
 TRAIN = [sys.executable, '-m', 'diffzoo.train']

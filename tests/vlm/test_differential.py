@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from diffzoo.vlm.differential import (DIFF_EAGER, DIFF_SDPA, differential_parameters, differentialize,
-                                      diffzoo_eager_attention, diffzoo_sdpa_attention, load_differential)
+from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA, diffzoo_eager_attention, diffzoo_sdpa_attention
+from diffzoo.vlm.differential import differential_parameters, differentialize, load_differential
 from tests.vlm.models import lm_config, paligemma_config, tiny_lm
 
 VOCAB = 64

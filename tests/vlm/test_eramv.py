@@ -262,8 +262,7 @@ def test_cost_report_shows_fewer_flops_than_the_full_token_model():
     ('diffzoo.bench.eramv',
      ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear'],
      ('final_norm', 'linear')),
-    ('diffzoo.vlm.eramv', ['--vision', 'diffclip-tiny', '--language-model', '{lm}'],  # earlier command and flags
-     (-2, 'mlp2x_gelu')),
+    ('diffzoo.bench.eramv', ['--model', 'diffclip-tiny', '{lm}'], (-2, 'mlp2x_gelu')),  # eRAM-V's defaults
 ])
 def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, module, model_flags, parts):
     import json
@@ -281,10 +280,10 @@ def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, module, model_
     assert (report['config']['select_layer'], report['config']['projector']) == parts
 
 
-def test_cost_report_cli_names_a_missing_or_doubled_model(capsys):
+def test_cost_report_cli_names_a_missing_model_and_an_unknown_flag(capsys):
     from diffzoo.bench.eramv import main
-    for argv, message in ((['--vision', 'diffclip-tiny'], 'required: --model VISION LM_DIR'),
-                          (['--model', 'a', 'b', '--vision', 'c'], 'leave out --vision and --language-model'),
+    for argv, message in ((['--anchors', '8'], 'required: --model'),
+                          (['--model', 'a', 'b', '--vision', 'c'], 'unrecognized arguments: --vision c'),
                           (['--model', 'a', 'b', '--select-layer', 'last'], '--select-layer last: expected a block')):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

@@ -1,5 +1,5 @@
 """Differential decoders saved with save_pretrained reload through transformers' Auto classes
-(diffzoo.hf_config, diffzoo.vlm.hf_auto), and never as plain models."""
+(diffzoo.vlm.hf_config, diffzoo.vlm.hf_auto), and never as plain models."""
 import json
 import logging
 import os
@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from diffzoo.hf_config import BASE_KEY, CODE_FILE, MODEL_TYPE, SETTINGS_KEY
-from diffzoo.vlm.differential import (CONFIG_KEY, DIFF_EAGER, DIFF_SDPA, differential_parameters, differentialize,
-                                      load_differential)
+from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA
+from diffzoo.vlm.differential import differential_parameters, differentialize, load_differential
+from diffzoo.vlm.hf_config import BASE_KEY, CODE_FILE, MODEL_TYPE, SETTINGS_KEY
 from tests.vlm.models import paligemma_config, tiny_lm
 
 VOCAB = 64
@@ -98,7 +98,7 @@ def test_auto_config_and_auto_model_give_the_differential_config_and_base_model(
     model.save_pretrained(tmp_path)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(config) is type(model.config) and config.model_type == model.config.model_type
-    assert getattr(config, CONFIG_KEY) == {'variant': 'duplicate', 'lambda_init': 0.5, 'layers': [0, 1, 2],
+    assert getattr(config, SETTINGS_KEY) == {'variant': 'duplicate', 'lambda_init': 0.5, 'layers': [0, 1, 2],
                                            'mlp': 'original', 'head_pairing': None}
     load_log.clear()
     base = transformers.AutoModel.from_pretrained(tmp_path).eval()

@@ -43,7 +43,7 @@ def recipe(tmp_path):
     (['--model.type', 'llava'], "model.type: 'llava'; choose one of paligemma, build_vlm"),
     (['--attention.type', 'differential', '--attention.mlp', 'gelu'],
      "recipe key attention.mlp: 'gelu' is not one of original, swiglu"),
-    (['--differential.variant', 'split', '--attention.type', 'vanilla'], 'both attention .* and differential'),
+    (['--differential.variant', 'split'], 'recipe key differential .* is retired: write attention'),
 ])
 def test_bad_overrides_are_refused_with_the_valid_keys(recipe, args, message, capsys):
     assert main(['--recipe', str(recipe), *args]) == 2
@@ -82,13 +82,12 @@ def test_the_attention_is_chosen_by_type_and_a_vanilla_recipe_drops_its_bases_se
         check_model({'model': model, 'attention': {'type': 'diff'}})
 
 
-def test_the_older_differential_key_is_read_as_attention():
+@pytest.mark.parametrize('old', [{'variant': 'split'}, None])
+def test_the_retired_differential_key_is_refused_naming_attention(old):
     model = {'type': 'paligemma', 'path': '/x'}
-    spec = check_model({'model': model, 'differential': {'variant': 'split'}})
-    assert spec['differential'] == {'variant': 'split', 'lambda_init': 'depth', 'layers': None, 'mlp': 'original'}
-    assert check_model({'model': model, 'differential': None})['differential'] is None
-    with pytest.raises(RecipeError, match=r'both attention .* and differential .*drop differential'):
-        check_model({'model': model, 'attention': {'type': 'vanilla'}, 'differential': None})
+    with pytest.raises(RecipeError, match=r'recipe key differential .* is retired: write attention: '
+                                          r'\{type: differential, variant: …\}.*attention: \{type: vanilla\}'):
+        check_model({'model': model, 'differential': old})
 
 
 def test_running_a_model_needs_only_its_model_part():
@@ -99,9 +98,8 @@ def test_running_a_model_needs_only_its_model_part():
         check_model({'model': {'type': 'paligemma', 'path': '/x'}, 'modle': {}})
 
 
-@pytest.mark.parametrize('argv', [['recipes'], ['--recipes']])  # as python -m diffzoo.train recipes; earlier flag
-def test_recipes_are_listed(capsys, argv):
-    assert main(argv) == 0
+def test_recipes_are_listed(capsys):
+    assert main(['recipes']) == 0  # as python -m diffzoo.train recipes
     out = capsys.readouterr().out
     assert all(name in out for name in recipe_names('vlm'))
 

@@ -82,9 +82,9 @@ def _train(recipe: Path, *args, torchrun: int = 0) -> subprocess.CompletedProces
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     if torchrun:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc-per-node={torchrun}',
-               '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), *args]
+               '-m', 'diffzoo.train.vlm', '--recipe', str(recipe), *args]
     else:
-        cmd = [sys.executable, '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), *args]
+        cmd = [sys.executable, '-m', 'diffzoo.train.vlm', '--recipe', str(recipe), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -186,7 +186,7 @@ def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, language_m
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
     assert log[-1]['step'] == 170
     assert (run / 'checkpoints' / 'checkpoint-170' / 'adapter_model.safetensors').is_file()
-    refused = subprocess.run([sys.executable, '-m', 'diffzoo.vlm.train', '--recipe', str(recipe), '--max_steps', '180',
+    refused = subprocess.run([sys.executable, '-m', 'diffzoo.train.vlm', '--recipe', str(recipe), '--max_steps', '180',
                               '--lr', '1e-4'], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "other settings for ['lr']" in refused.stderr
 

@@ -1,4 +1,4 @@
-"""`python -m diffzoo.eval.needle build | score | run` (also `python -m diffzoo.vlm.needle`): MMNeedle."""
+"""`python -m diffzoo.eval.needle build | score | run`: MMNeedle."""
 import argparse
 import sys
 from pathlib import Path

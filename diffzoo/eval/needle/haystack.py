@@ -209,7 +209,7 @@ class Sample:
             for path in self.stitches:
                 if not path.is_file():
                     raise NeedleError(f'sample {self.id}: {path} is missing; rebuild the set with '
-                                      f'python -m diffzoo.vlm.needle build')
+                                      f'python -m diffzoo.eval.needle build')
                 with Image.open(path) as image:
                     images.append(image.convert('RGB'))
             return images
@@ -337,7 +337,7 @@ def read_haystacks(directory) -> List[Sample]:
     manifest = directory / MANIFEST
     if not manifest.is_file():
         raise NeedleError(f'--haystacks {directory}: no {MANIFEST}; build the set first with '
-                          f'python -m diffzoo.vlm.needle build --source DIR --out {directory}')
+                          f'python -m diffzoo.eval.needle build --source DIR --out {directory}')
     data = json.loads(manifest.read_text())
     if data.get('format') != FORMAT:
         raise NeedleError(f'{manifest}: format {data.get("format")!r}, expected {FORMAT!r}; rebuild the set')

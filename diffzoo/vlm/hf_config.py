@@ -12,11 +12,12 @@ as the model type of ours:
 
 next to `diffzoo_config.py`, a module of one import (`CODE`). Reloading:
 
-- `import diffzoo` (before or after transformers) registers `diffzoo_differential` with AutoConfig.
-  `DifferentialConfig.from_dict` builds the base config's differential subclass and registers, with
-  every Auto model class that maps the base config (AutoModel, AutoModelForCausalLM,
-  AutoModelForImageTextToText, …), the base model class made differential in `__init__`
-  (`diffzoo.vlm.hf_auto`), so λ and the sub-norm load as ordinary weights: no missing or unexpected keys.
+- `import diffzoo` (before or after transformers) registers `diffzoo_differential` with AutoConfig
+  (`diffzoo.vlm.hf_auto.DifferentialConfig`, where the model classes live). Its `from_dict` builds the
+  base config's differential subclass (here) and registers, with every Auto model class that maps the
+  base config (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, …), the base model class
+  made differential in `__init__`, so λ and the sub-norm load as ordinary weights: no missing or
+  unexpected keys.
 - Without diffzoo imported, transformers does not know the model type, sees `auto_map` and refuses
   without `trust_remote_code=True`; with it, it runs `diffzoo_config.py`, whose import of diffzoo
   registers everything (where diffzoo is not installed, transformers names it as the missing package).
@@ -24,22 +25,21 @@ next to `diffzoo_config.py`, a module of one import (`CODE`). Reloading:
   concrete class (`LlamaForCausalLM.from_pretrained`) is transformers' own path: it warns that the
   model type differs and drops λ and the sub-norm; use the Auto classes or `diffzoo.vlm.load_differential`.
 
-This module imports transformers' configuration side only; the model classes (torch, timm, peft) are
-imported with the first differential config read.
+This module is the config side only (transformers' configuration classes): `differentialize` marks
+configs with it, and `diffzoo.vlm.hf_auto` builds on it.
 """
 import functools
 from pathlib import Path
 
-from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import PretrainedConfig
 
 MODEL_TYPE = 'diffzoo_differential'
 BASE_KEY = 'diffzoo_base_model_type'
-SETTINGS_KEY = 'diffzoo_differential'  # diffzoo.vlm.differential.CONFIG_KEY, on the decoder's (text) config
+SETTINGS_KEY = 'diffzoo_differential'  # differentialize's settings, on the decoder's (text) config
 CODE_FILE = 'diffzoo_config.py'
 CODE = ('"""Differential attention (diffzoo): `pip install diffzoo`, then `import diffzoo` before loading, or load\n'
         'with trust_remote_code=True, which runs this import."""\n'
-        'from diffzoo.hf_config import DifferentialConfig  # noqa: F401\n')
+        'from diffzoo.vlm.hf_auto import DifferentialConfig  # noqa: F401\n')
 AUTO_CONFIG_REF = f'{Path(CODE_FILE).stem}.DifferentialConfig'
 
 
@@ -96,34 +96,9 @@ def mark_differential(model) -> None:
         config.__class__ = differential_config_class(type(config))
 
 
-class DifferentialConfig(PretrainedConfig):
-    """AutoConfig's entry for `diffzoo_differential`: `from_dict` returns the base model type's
-    differential config (`Differential<Config>`) and registers its model classes."""
-
-    model_type = MODEL_TYPE
-
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        base = config_dict.get(BASE_KEY)
-        if base not in CONFIG_MAPPING:
-            raise ValueError(f'config model_type "{MODEL_TYPE}" with {BASE_KEY}={base!r}: expected a transformers '
-                             f'model type (e.g. "llama"); the config.json was edited or written by another tool')
-        config_class = differential_config_class(CONFIG_MAPPING[base])
-        register_models(config_class)
-        return config_class.from_dict(config_dict, **kwargs)
-
-
-def register_models(config_class: type) -> None:
-    """Register `config_class`'s differential model classes with the Auto model classes (idempotent)."""
-    # imported here: the model side imports torch, timm and peft, needed only once a differential config is read
-    from diffzoo.vlm import hf_auto
-    hf_auto.register_models(config_class)
-
-
-def register() -> None:
-    """Register `diffzoo_differential` with AutoConfig (idempotent; `import diffzoo` does it)."""
-    AutoConfig.register(MODEL_TYPE, DifferentialConfig, exist_ok=True)
-
-
-__all__ = ['MODEL_TYPE', 'DifferentialConfig', 'differential_config_class', 'mark_differential', 'register',
-           'register_models']
+def saved_settings(settings: dict) -> dict:
+    """`differentialize` keywords from saved settings: those saved before `head_pairing` existed
+    (variant "split", no pairing recorded) ran adjacent pairs, and reload that way."""
+    if settings.get('variant') == 'split' and 'head_pairing' not in settings:
+        return {**settings, 'head_pairing': 'adjacent'}
+    return settings
