@@ -12,6 +12,7 @@ if not torch.cuda.is_available():  # the Triton kernels run under Triton's inter
 
 import diffzoo  # noqa: E402,F401  registers the timm and open_clip models
 from tests.clip import official_reference  # noqa: E402
+from tests.factory import hub_cache  # noqa: E402
 from tests.vlm.models import write_language_model, write_paligemma  # noqa: E402
 
 
@@ -48,3 +49,14 @@ def official(tmp_path_factory) -> OfficialCheckpoint:
     path = tmp_path_factory.mktemp('official') / 'checkpoint_best.pt'
     official_reference.save_official_checkpoint(path, state_dict)
     return OfficialCheckpoint(path, state_dict)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An offline Hugging Face cache that huggingface_hub reads in this process (HF_HUB_OFFLINE is set above):
+    call it with (repo, files) to hold `files` (a folder or a file) as that repository's snapshot."""
+    import huggingface_hub
+    assert huggingface_hub.constants.HF_HUB_OFFLINE
+    cache = tmp_path / 'hub'
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
+    return lambda repo, files: hub_cache(cache, repo, files)

@@ -60,7 +60,7 @@ REGISTERED = ("timm.create_model('vit_diff_micro_patch8_64')\n"
               "print('registered')\n")
 
 
-@pytest.mark.parametrize('imports', [
+IMPORT_ORDERS = [
     'import diffzoo\nimport timm\nimport open_clip',
     'import diffzoo\nimport open_clip\nimport timm',
     'import timm\nimport diffzoo\nimport open_clip',
@@ -68,11 +68,23 @@ REGISTERED = ("timm.create_model('vit_diff_micro_patch8_64')\n"
     'import timm, open_clip, diffzoo',
     'import diffzoo.layers\nimport timm, open_clip',  # a diffzoo module importing timm itself
     'import diffzoo.eval.models\nimport timm, open_clip',  # … and open_clip
-])
-def test_import_diffzoo_registers_the_models_in_either_order(imports):
-    done = subprocess.run([sys.executable, '-c', f'import sys\n{imports}\nimport diffzoo\n{REGISTERED}'],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and 'registered' in done.stdout, done.stderr[-3000:]
+]
+
+
+@pytest.fixture(scope='module')
+def import_orders():
+    """A fresh interpreter for each import order, all started at once (each spends seconds importing
+    open_clip, mostly waiting on files); {imports: its process}."""
+    return {imports: subprocess.Popen([sys.executable, '-c', f'import sys\n{imports}\nimport diffzoo\n{REGISTERED}'],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for imports in IMPORT_ORDERS}
+
+
+@pytest.mark.parametrize('imports', IMPORT_ORDERS)
+def test_import_diffzoo_registers_the_models_in_either_order(import_orders, imports):
+    process = import_orders[imports]
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0 and 'registered' in stdout, stderr[-3000:]
 
 
 def test_public_names_are_imported_on_use():

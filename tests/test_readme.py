@@ -2,6 +2,7 @@
 that run offline in seconds run for real, and its Python blocks run (with the substitutions listed below, on
 CPU, nothing downloaded). An example that needs weights, a dataset or a GPU is in SKIPPED with the reason; a
 new example that is in neither list fails the test until it is placed."""
+import contextlib
 import os
 import re
 import subprocess
@@ -154,5 +155,5 @@ def test_python_block_runs(heading, tmp_path):
     for text, replacement in substitutions.items():
         assert text in code, f'README block under "{heading}" no longer has {text!r}'
         code = code.replace(text, replacement)
-    done = _run([sys.executable, '-c', prelude + code + "\nprint('ran')\n"], tmp_path, timeout=600)
-    assert done.returncode == 0 and done.stdout.endswith('ran\n'), done.stderr[-3000:]
+    with contextlib.chdir(tmp_path):  # in this process (diffzoo imported, HF_HUB_OFFLINE set by conftest)
+        exec(compile(prelude + code, f'README.md: {heading}', 'exec'), {'__name__': '__readme__'})

@@ -114,11 +114,12 @@ class DiffTransformer(Transformer):
         """The mask the blocks get: none for an exactly causal (L, L) mask given to a causal tower
         (the blocks then pass is_causal); any other mask unchanged. The values are checked in eager
         mode, once per mask tensor and version (open_clip hands the same buffer every call, so a GPU
-        run synchronises once, not every step); under torch.compile a causal tower's (L, L) mask is
-        taken to be the causal buffer open_clip hands it, so the graph has no data-dependent branch."""
+        run synchronises once, not every step); under torch.compile, and for a mask on the meta device
+        (which holds no values), a causal tower's (L, L) mask is taken to be the causal buffer open_clip
+        hands it, so the graph has no data-dependent branch."""
         if not (self.is_causal and attn_mask is not None and attn_mask.ndim == 2):
             return attn_mask
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or attn_mask.is_meta:
             return None
         seen, version = self._causal_seen
         if seen is not attn_mask or version != attn_mask._version:

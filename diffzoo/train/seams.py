@@ -22,7 +22,10 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   `load_resume_checkpoint` reads it with `diffzoo.checkpoint.read_checkpoint` (weights_only=True
   whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says) and, when it is unreadable (a save cut short),
   resumes from the newest intact `epoch_K.pt` beside it and says which.
-- torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back.
+- torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back; the
+  root logger's handlers that its set-up adds (console, RUN_DIR/out.log) are closed and removed after
+  the run, so a second run in the same process (`diffzoo.train.launch.main(argv)` from Python) logs
+  to its own out.log only.
 """
 import contextlib
 import io
@@ -151,6 +154,7 @@ def installed():
     warnings.filterwarnings('ignore', message='torch.distributed.nn.functional.all_gather is deprecated')
     previous_env = os.environ.get(data_events.ENV)
     os.environ[data_events.ENV] = events_dir  # data-loader workers inherit it
+    root_handlers, root_level = list(logging.root.handlers), logging.root.level
     try:
         data_mod.filter_no_caption_or_no_image = data_events.filter_no_caption_or_no_image
         data_mod.log_and_continue = data_events.log_and_continue
@@ -173,3 +177,7 @@ def installed():
             os.environ[data_events.ENV] = previous_env
         shutil.rmtree(events_dir, ignore_errors=True)
         _quiet_torch_loggers()
+        for handler in [h for h in logging.root.handlers if h not in root_handlers]:
+            logging.root.removeHandler(handler)
+            handler.close()
+        logging.root.setLevel(root_level)

@@ -3,15 +3,15 @@ unsafe or broken files. Checkpoints are generated in the official format; nothin
 import os
 import subprocess
 import sys
-import textwrap
 
 import open_clip
 import pytest
 import torch
 
 from diffzoo.checkpoint import CheckpointError, official_diffclip_to_open_clip, read_state_dict
+from diffzoo.convert import main as convert
 from tests.clip import official_reference as ref
-from tests.factory import hub_cache
+from tests.factory import call
 
 
 @pytest.fixture(scope='module')
@@ -70,22 +70,19 @@ def test_convert_cli_writes_safetensors_open_clip_loads(official, inputs, tmp_pa
     assert not [w for w in recwarn if 'no record of the preprocessing' in str(w.message)]
 
 
-def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, inputs, tmp_path):
+def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, inputs, tmp_path, offline_hub):
     path, state_dict = official
     out = tmp_path / 'diffclip-b16-cc12m'
-    subprocess.run([sys.executable, '-m', 'diffzoo.convert', 'official-diffclip', str(path), str(out)],
-                   capture_output=True, text=True, check=True)
+    assert call(convert, ['official-diffclip', path, out], cwd=tmp_path).returncode == 0
     assert {p.name for p in out.iterdir()} == {'open_clip_config.json', 'open_clip_model.safetensors'}
     model, _, preprocess = open_clip.create_model_and_transforms(f'local-dir:{out}')
     _assert_matches_official(model, state_dict, inputs)
     _assert_diffclip_preprocessing(preprocess)
     # the same folder served by the hub: a snapshot in an offline Hugging Face cache
-    cache = hub_cache(tmp_path / 'hub', 'me/diffclip-b16-cc12m', out)
-    torch.save(state_dict, tmp_path / 'reference.pt')
-    _run_offline(cache, tmp_path, f"""
-        model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:me/diffclip-b16-cc12m')
-        check(model, preprocess, {str(tmp_path / 'reference.pt')!r})
-    """)
+    offline_hub('me/diffclip-b16-cc12m', out)
+    model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:me/diffclip-b16-cc12m')
+    _assert_matches_official(model, state_dict, inputs)
+    _assert_diffclip_preprocessing(preprocess)
 
 
 def test_publish_refuses_a_folder_without_the_hub_layout(tmp_path, capsys):
@@ -145,50 +142,25 @@ def test_publish_needs_a_repo_or_a_local_dir(tmp_path, capsys):
         capsys.readouterr().err
 
 
-def _run_offline(cache, tmp_path, body):
-    """`body` in a fresh interpreter with HF_HUB_OFFLINE and `cache`; check(model, preprocess, reference)
-    compares with the official outputs and DiffCLIP's preprocessing."""
-    script = textwrap.dedent('''
-        import torch, open_clip, diffzoo
-        from tests.clip import official_reference as ref
-        def check(model, preprocess, reference):
-            sd = torch.load(reference)
-            images = torch.randn(1, 3, 224, 224)
-            with torch.no_grad():
-                a, b = model.encode_image(images), ref.encode_image(sd, images)
-            assert ((a - b).norm() / b.norm()).item() < 1e-5
-            norm, resize = preprocess.transforms[-1], preprocess.transforms[0]
-            assert tuple(norm.mean) == (0.485, 0.456, 0.406), norm
-            assert resize.interpolation.value == 'bilinear', resize
-    ''') + textwrap.dedent(body) + "\nprint('ok')\n"
-    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HUB_CACHE': str(cache), 'HF_HOME': str(tmp_path / 'home'),
-           'PYTHONPATH': os.getcwd()}
-    proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith('ok'), proc.stderr[-2000:]
-
-
 def test_convert_cli_refuses_other_files(tmp_path):
     bad = tmp_path / 'notes.pt'
     bad.write_text('# a text file, not a checkpoint\n')
-    proc = subprocess.run([sys.executable, '-m', 'diffzoo.convert', 'official-diffclip', str(bad),
-                           str(tmp_path / 'o.safetensors')], capture_output=True, text=True)
+    proc = call(convert, ['official-diffclip', bad, tmp_path / 'o.safetensors'], cwd=tmp_path)
     assert proc.returncode == 2 and 'not a PyTorch checkpoint' in proc.stderr
 
 
 @pytest.mark.parametrize('tag, repo', [('cc3m', 'hammh0a/DiffCLIP_ViTB16_CC3M'),
                                        ('cc12m', 'hammh0a/DiffCLIP_ViTB16_CC12M')])
-def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_offline(official, tmp_path, tag, repo):
+def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_offline(official, inputs, offline_hub,
+                                                                                      tag, repo):
     """`pretrained='cc3m'` and `hf-hub:hammh0a/DiffCLIP_ViTB16_CC3M` (whose repo holds only the
     official checkpoint_best.pt) give the same model, with DiffCLIP's preprocessing."""
     path, state_dict = official
-    cache = hub_cache(tmp_path / 'hub', repo, path)
-    torch.save(state_dict, tmp_path / 'reference.pt')
-    _run_offline(cache, tmp_path, f"""
-        model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained='{tag}')
-        check(model, preprocess, {str(tmp_path / 'reference.pt')!r})
-        model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:{repo}')
-        check(model, preprocess, {str(tmp_path / 'reference.pt')!r})
-    """)
+    offline_hub(repo, path)
+    for name, pretrained in (('diffclip-b16', tag), (f'hf-hub:{repo}', None)):
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
+        _assert_matches_official(model, state_dict, inputs)
+        _assert_diffclip_preprocessing(preprocess)
     assert tag in open_clip.list_pretrained_tags_by_model('diffclip-b16')
 
 

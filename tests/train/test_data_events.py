@@ -6,7 +6,8 @@ import sys
 import webdataset as wds
 
 from diffzoo.train import data_events, data_report
-from tests.factory import run, write_shards
+from diffzoo.train.launch import main as train_main
+from tests.factory import call, run, write_shards
 
 
 def _pipeline(urls, batches: int, batch_size: int):
@@ -88,9 +89,6 @@ def test_the_last_batch_of_a_clean_epoch_is_counted(tmp_path, monkeypatch):
     assert record['skipped'] == {} and 'nothing skipped' in data_report.summary(record)
 
 
-TRAIN = [sys.executable, '-m', 'diffzoo.train']
-
-
 def _records(run_dir) -> list:
     return [json.loads(line) for line in (run_dir / 'data.jsonl').read_text().splitlines()]
 
@@ -99,8 +97,8 @@ def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_say
     """2 clean shards of 8 whose sizes.json says 32 each: batches of 4, so an epoch is 4 whole passes."""
     write_shards(tmp_path / 'shards', 2, 8)
     (tmp_path / 'shards' / 'sizes.json').write_text(json.dumps({'00000.tar': 32, '00001.tar': 32}))
-    result = run(TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '2',
-                          '--global_batch_size', '4'], cwd=tmp_path)
+    result = call(train_main, ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '2',
+                               '--global_batch_size', '4'], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / 'runs' / 'clip-tiny-baseline'
     for epoch, record in enumerate(_records(run_dir), 1):

@@ -1,13 +1,20 @@
-"""`python -m diffzoo.train` in real processes, on shards with bad samples in them."""
+"""`python -m diffzoo.train` on shards with bad samples in them: in a real process (the damaged run, torchrun),
+the other command lines through its `main` in this process."""
 import json
 import os
 import sys
 
 import pytest
 
-from tests.factory import run, write_shards
+from diffzoo.train.launch import main
+from tests.factory import call, run, write_shards
 
 TRAIN = [sys.executable, '-m', 'diffzoo.train']
+
+
+def train(argv, cwd):
+    """`python -m diffzoo.train ARGV` in this process."""
+    return call(main, argv, cwd)
 
 
 @pytest.fixture(scope='module')
@@ -80,7 +87,7 @@ def test_lambda_log_and_plot(damaged_run):
     for name, value in records[-1]['lambda'].items():
         scalars = events.Scalars(f'lambda/{name}')
         assert [s.step for s in scalars] == list(range(7)) and scalars[-1].value == pytest.approx(value)
-    result = run(TRAIN + ['plot-lambda', str(run_dir)], cwd=root)
+    result = train(['plot-lambda', run_dir], cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     png = run_dir / 'lambda.png'
     assert result.stdout.strip() == str(png) and png.read_bytes()[:4] == b'\x89PNG'
@@ -88,7 +95,7 @@ def test_lambda_log_and_plot(damaged_run):
 
 def test_a_run_directory_with_other_settings_is_refused(damaged_run):
     root, cmd, _ = damaged_run
-    result = run(cmd + ['--lr', '0.01'], cwd=root)
+    result = train(cmd[len(TRAIN):] + ['--lr', '0.01'], cwd=root)
     assert result.returncode == 2
     assert 'holds a run started with other settings (lr: 0.001 -> 0.01)' in result.stderr
     assert '--name NEW' in result.stderr
@@ -98,7 +105,7 @@ def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(damaged_ru
     root, cmd, _ = damaged_run
     checkpoint = root / 'runs' / 'diffclip-tiny' / 'checkpoints' / 'epoch_1.pt'
     before = checkpoint.stat().st_mtime_ns
-    result = run(cmd, cwd=root)
+    result = train(cmd[len(TRAIN):], cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     log = (root / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
     assert "=> resuming checkpoint" in log and '(epoch 1)' in log
@@ -114,7 +121,7 @@ def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(damaged_ru
 ])
 def test_bad_data_fails_before_any_model_is_built(tmp_path, args, message):
     write_shards(tmp_path / 'no_sizes', 2, 2, sizes=False)
-    result = run(TRAIN + ['--recipe', 'diffclip-tiny'] + args, cwd=tmp_path)
+    result = train(['--recipe', 'diffclip-tiny'] + args, cwd=tmp_path)
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / 'runs').exists()
@@ -122,12 +129,12 @@ def test_bad_data_fails_before_any_model_is_built(tmp_path, args, message):
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_with_new_settings(tmp_path):
     write_shards(tmp_path / 'shards', 2, 4)
-    cmd = TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
-                   '--global_batch_size', '4']
-    failed = run(cmd + ['--', '--pretrained', 'missing.pt'], cwd=tmp_path)
+    cmd = ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '4']
+    with pytest.raises(RuntimeError, match='missing.pt'):  # open_clip's own error (a process exits 1 on it)
+        train(cmd + ['--', '--pretrained', 'missing.pt'], cwd=tmp_path)
     run_dir = tmp_path / 'runs' / 'clip-tiny-baseline'
-    assert failed.returncode != 0 and (run_dir / 'diffzoo-run.json').exists()
-    fixed = run(cmd, cwd=tmp_path)
+    assert (run_dir / 'diffzoo-run.json').exists()
+    fixed = train(cmd, cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
     assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
     assert json.loads((run_dir / 'diffzoo-run.json').read_text())['pretrained'] == ''  # the settings that trained
@@ -142,7 +149,7 @@ OPEN_CLIP_FLAGS = ['--model', 'clip-tiny-baseline', '--train-data', 'shards/{000
 def test_open_clip_train_flags_alone_describe_a_run(tmp_path, separator):
     """As `python -m open_clip_train.main` takes them; the lone -- of earlier versions still works."""
     write_shards(tmp_path / 'shards', 2, 8, sizes=False)
-    result = run(TRAIN + separator + OPEN_CLIP_FLAGS + ['--name', 'raw'], cwd=tmp_path)
+    result = train(separator + OPEN_CLIP_FLAGS + ['--name', 'raw'], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / 'runs' / 'raw' / 'checkpoints' / 'epoch_1.pt').exists()
     records = [json.loads(line) for line in (tmp_path / 'runs' / 'raw' / 'lambda.jsonl').read_text().splitlines()]
@@ -163,16 +170,16 @@ def test_torchrun_takes_open_clip_train_flags_without_a_separator(tmp_path):
 def test_flags_after_the_separator_reach_the_checks(tmp_path):
     """A recipe's data check reads --train-num-samples given after --: no sizes.json needed."""
     write_shards(tmp_path / 'shards', 2, 4, sizes=False)
-    result = run(TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
-                          '--global_batch_size', '4', '--', '--train-num-samples', '8'], cwd=tmp_path)
+    result = train(['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
+                    '--global_batch_size', '4', '--', '--train-num-samples', '8'], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_lambda_log_with_gradient_accumulation_that_leaves_micro_batches_over(tmp_path):
     """9 batches of 4 with accum_freq 2: 4 optimizer steps, and one micro-batch open_clip drops."""
     write_shards(tmp_path / 'shards', 3, 12)
-    result = run(TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1',
-                          '--global_batch_size', '8', '--max_batch_per_gpu', '4'], cwd=tmp_path)
+    result = train(['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1',
+                    '--global_batch_size', '8', '--max_batch_per_gpu', '4'], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert 'batch_per_gpu 4, accum_freq 2' in result.stdout
     records = [json.loads(line) for line in (tmp_path / 'runs' / 'diffclip-tiny' / 'lambda.jsonl').read_text()
@@ -186,9 +193,8 @@ def test_the_same_seed_trains_on_the_same_batches(tmp_path):
     write_shards(tmp_path / 'shards', 4, 16)
     losses = {}
     for name, seed in (('a', 0), ('b', 0), ('c', 1)):
-        cmd = TRAIN + ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
-                       '--global_batch_size', '8', '--seed', str(seed), '--name', name]
-        result = run(cmd, cwd=tmp_path)
+        result = train(['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
+                        '--global_batch_size', '8', '--seed', str(seed), '--name', name], cwd=tmp_path)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         log = (tmp_path / 'runs' / name / 'lambda.jsonl').read_text().splitlines()
         losses[name] = [json.loads(line)['loss'] for line in log[1:]]

@@ -1,8 +1,8 @@
 """Resuming a CLIP run: the same weights as the uninterrupted run, an unreadable latest checkpoint giving
-way to an intact one, and a checkpoint that would run code refused, in real processes on real files."""
+way to an intact one, and a checkpoint that would run code refused, on real files (`python -m diffzoo.train`
+through its `main` in this process; tests/train/test_end_to_end.py kills and resumes real processes)."""
 import os
 import shutil
-import sys
 
 import open_clip_train.file_utils
 import pytest
@@ -10,11 +10,11 @@ import torch
 
 from diffzoo.checkpoint import CheckpointError, UnsafeCheckpointError
 from diffzoo.train.seams import load_resume_checkpoint
-from tests.factory import run, write_shards
+from diffzoo.train.launch import main
+from tests.factory import call, write_shards
 
 RECIPE = 'clip-tiny-baseline'
-CMD = [sys.executable, '-m', 'diffzoo.train', '--recipe', RECIPE, '--train_data', 'shards', '--epochs', '2',
-       '--global_batch_size', '8']
+ARGV = ['--recipe', RECIPE, '--train_data', 'shards', '--epochs', '2', '--global_batch_size', '8']
 CUT_ZIP = 'RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory'
 
 
@@ -23,7 +23,7 @@ def whole_run(tmp_path_factory):
     """Two uninterrupted epochs of 2 steps on 16 samples (one data-loader worker, as the tiny recipes)."""
     root = tmp_path_factory.mktemp('whole')
     write_shards(root / 'shards', 2, 8)
-    result = run(CMD, cwd=root)
+    result = call(main, ARGV, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root
 
@@ -55,7 +55,7 @@ def _assert_same_weights(a, b):
 
 def test_a_run_resumed_at_an_epoch_boundary_trains_the_same_weights(whole_run, tmp_path):
     checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
-    result = run(CMD, cwd=checkpoints.parents[2])
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert '(epoch 1)' in result.stderr  # open_clip's "=> resuming checkpoint … (epoch 1)"
     _assert_same_weights(checkpoints / 'epoch_2.pt', whole_run / 'runs' / RECIPE / 'checkpoints' / 'epoch_2.pt')
@@ -64,7 +64,7 @@ def test_a_run_resumed_at_an_epoch_boundary_trains_the_same_weights(whole_run, t
 def test_a_cut_latest_checkpoint_gives_way_to_the_newest_intact_one(whole_run, tmp_path):
     checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
     _cut(checkpoints / 'epoch_latest.pt')
-    result = run(CMD, cwd=checkpoints.parents[2])
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f'epoch_latest.pt is unreadable ({CUT_ZIP}); resuming from epoch_1.pt' in result.stderr
     _assert_same_weights(checkpoints / 'epoch_2.pt', whole_run / 'runs' / RECIPE / 'checkpoints' / 'epoch_2.pt')
@@ -89,7 +89,7 @@ def test_no_intact_checkpoint_is_a_named_error_not_a_traceback(whole_run, tmp_pa
     checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
     _cut(checkpoints / 'epoch_latest.pt')
     _cut(checkpoints / 'epoch_1.pt')
-    result = run(CMD, cwd=checkpoints.parents[2])
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert (f'error: cannot resume from runs/{RECIPE}/checkpoints: epoch_latest.pt is unreadable ({CUT_ZIP}); '
             f'epoch_1.pt is unreadable ({CUT_ZIP}).') in result.stderr
@@ -112,7 +112,8 @@ def test_a_planted_checkpoint_is_refused_even_when_torch_is_told_to_unpickle_any
     checkpoint = torch.load(checkpoints / 'epoch_1.pt', weights_only=True)
     torch.save({**checkpoint, 'name': _Payload(marker)}, checkpoints / 'epoch_latest.pt')
 
-    result = run(CMD, cwd=checkpoints.parents[2], TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)
+    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert (f'error: runs/{RECIPE}/checkpoints/epoch_latest.pt: refused to unpickle global(s) posix.system'
             in result.stderr)
@@ -122,6 +123,5 @@ def test_a_planted_checkpoint_is_refused_even_when_torch_is_told_to_unpickle_any
     with pytest.raises(UnsafeCheckpointError, match='posix.system'):
         load_resume_checkpoint(str(checkpoints / 'epoch_latest.pt'), map_location='cpu')
     assert not marker.exists()
-    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
     open_clip_train.file_utils.pt_load(str(checkpoints / 'epoch_latest.pt'), map_location='cpu')
     assert marker.exists()  # what open_clip_train's own loader does with it

@@ -258,20 +258,26 @@ def test_cost_report_shows_fewer_flops_than_the_full_token_model():
     assert report['eramv']['latency_s'] > 0
 
 
-@pytest.mark.parametrize('module, model_flags, parts', [
-    ('diffzoo.bench.eramv',
-     ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear'],
+@pytest.mark.parametrize('process, model_flags, parts', [
+    ('real', ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear'],
      ('final_norm', 'linear')),
-    ('diffzoo.bench.eramv', ['--model', 'diffclip-tiny', '{lm}'], (-2, 'mlp2x_gelu')),  # eRAM-V's defaults
+    ('this', ['--model', 'diffclip-tiny', '{lm}'], (-2, 'mlp2x_gelu')),  # eRAM-V's defaults, through main()
 ])
-def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, module, model_flags, parts):
+def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, process, model_flags, parts):
     import json
     import subprocess
     import sys
+
+    from diffzoo.bench.eramv import main
+    from tests.factory import call
     _lm().save_pretrained(tmp_path / 'lm')
-    cmd = [sys.executable, '-m', module, *[f.format(lm=tmp_path / 'lm') for f in model_flags],
-           '--anchors', '16', '--prompt-tokens', '8', '--reps', '2', '--out', str(tmp_path / 'report.json')]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    argv = [*[f.format(lm=tmp_path / 'lm') for f in model_flags],
+            '--anchors', '16', '--prompt-tokens', '8', '--reps', '2', '--out', str(tmp_path / 'report.json')]
+    if process == 'real':
+        done = subprocess.run([sys.executable, '-m', 'diffzoo.bench.eramv', *argv], capture_output=True, text=True,
+                              timeout=300)
+    else:
+        done = call(main, argv, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'anchors 16 of 64 visual tokens, injected at layers [1, 3]' in done.stdout
     report = json.loads((tmp_path / 'report.json').read_text())

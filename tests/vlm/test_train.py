@@ -16,10 +16,12 @@ from PIL import Image, ImageDraw
 from transformers.trainer_utils import get_last_checkpoint
 
 from diffzoo.data.synthetic import SceneObject, draw_object
+from diffzoo.train.vlm import main as train_vlm
 from diffzoo.train.vlm_trainer import VLMTrainer, checkpoint_problem
 from diffzoo.vlm import build_vlm, differentialize, load_adapter, load_vlm
 from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
 from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters
+from tests.factory import call
 from tests.vlm.models import COLOURS, SHAPES
 
 def _write_split(root: Path, split: str, count: int, seed: int) -> None:
@@ -79,13 +81,15 @@ def _recipe(assets: Path, model: Union[Path, Dict], out: Path, **extra) -> Path:
 
 
 def _train(recipe: Path, *args, torchrun: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    if torchrun:
+    """`python -m diffzoo.train.vlm --recipe RECIPE ARGS` through its `main` in this process, or with
+    `torchrun` processes under torchrun (the command's real-process test)."""
+    if not torchrun:
+        result = call(train_vlm, ['--recipe', recipe, *args], cwd=recipe.parent)
+    else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc-per-node={torchrun}',
                '-m', 'diffzoo.train.vlm', '--recipe', str(recipe), *args]
-    else:
-        cmd = [sys.executable, '-m', 'diffzoo.train.vlm', '--recipe', str(recipe), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'},
+                                timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -186,8 +190,7 @@ def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, language_m
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
     assert log[-1]['step'] == 170
     assert (run / 'checkpoints' / 'checkpoint-170' / 'adapter_model.safetensors').is_file()
-    refused = subprocess.run([sys.executable, '-m', 'diffzoo.train.vlm', '--recipe', str(recipe), '--max_steps', '180',
-                              '--lr', '1e-4'], capture_output=True, text=True, timeout=600)
+    refused = call(train_vlm, ['--recipe', recipe, '--max_steps', '180', '--lr', '1e-4'], cwd=tmp_path)
     assert refused.returncode == 2 and "other settings for ['lr']" in refused.stderr
 
 

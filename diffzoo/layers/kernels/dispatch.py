@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function, resolve_self_attn_mask
 
-from ..numerics import stats_dtype
+from ..numerics import autocast_off, stats_dtype
 from . import triton_op
 from .sub_norm import sub_normed_difference
 
@@ -185,5 +185,5 @@ def explicit_output(attn: torch.Tensor, v: torch.Tensor, weight: Optional[torch.
     if torch.jit.is_scripting():
         return _values(attn, v, weight, eps)
     else:
-        with torch.autocast(attn.device.type, enabled=False):
+        with autocast_off(attn.device.type):
             return _values(attn, v, weight, eps)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
+from ..numerics import autocast_off
+
 # Opt-in until measured and tested on a GPU: the forward and backward chains through torch.compile
 # (one fused pass each instead of ~16 eager ones). Set DIFFZOO_COMPILED_SUB_NORM=1, or this flag.
 COMPILED = os.environ.get('DIFFZOO_COMPILED_SUB_NORM') == '1'
@@ -122,7 +124,7 @@ class _SubNormedDifference(torch.autograd.Function):
         ctx.layout, ctx.eps, ctx.bias_dtype = layout, eps, None if proj_bias is None else proj_bias.dtype
         ctx.save_for_backward(lam, weight, proj_weight, *parts)
         o1, o2 = ([parts[i] for i in indices] for indices in layout)
-        with torch.autocast(parts[0].device.type, enabled=False):
+        with autocast_off(parts[0].device.type):
             return _chain(_forward)(lam, weight, eps, proj_weight, proj_bias, o1, o2)
 
     @staticmethod
@@ -130,7 +132,7 @@ class _SubNormedDifference(torch.autograd.Function):
         lam, weight, proj_weight, *parts = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 3, 4))
         o1, o2 = ([parts[i] for i in indices] for indices in ctx.layout)
-        with torch.autocast(grad.device.type, enabled=False):
+        with autocast_off(grad.device.type):
             grad_lam, grad_weight, grad_pw, grad_pb, grad_o1, grad_o2 = _chain(_backward)(
                 grad, lam, weight, ctx.eps, proj_weight, o1, o2, needs, ctx.bias_dtype)
         grad_parts = [None] * len(parts)
