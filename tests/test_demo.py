@@ -8,16 +8,24 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
+from tests.factory import call
 
 SMALL = ['--train', '128', '--val', '32', '--epochs', '1']
 MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
 
 
 def demo(out, *extra):
+    """`python -m diffzoo.demo --out OUT …` in a real process."""
     return subprocess.run([sys.executable, '-m', 'diffzoo.demo', '--out', str(out), *SMALL, *extra],
                           capture_output=True, text=True, timeout=600)
+
+
+def demo_here(out, *extra):
+    """The same command line through `diffzoo.demo.main` in this process."""
+    return call(main, ['--out', out, *SMALL, *extra], cwd=out.parent)
 
 
 @pytest.fixture(scope='module')
@@ -78,7 +86,7 @@ def test_rerun_reuses_data_and_checkpoints(first_run):
     before = {p: p.stat().st_mtime_ns for p in (out / 'runs').rglob('*.pt')}
     shards = {p: p.stat().st_mtime_ns for p in (out / 'data').rglob('*.tar')}
     first = json.loads((out / 'results.json').read_text())
-    proc = demo(out)
+    proc = demo_here(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'reusing it' in proc.stdout  # the corpus
     for name in MODELS:
@@ -89,7 +97,7 @@ def test_rerun_reuses_data_and_checkpoints(first_run):
 
 
 def test_unknown_model_is_refused_before_any_work(tmp_path):
-    proc = demo(tmp_path / 'out', '--model', 'diffclip-tiny-typo')
+    proc = demo_here(tmp_path / 'out', '--model', 'diffclip-tiny-typo')
     assert proc.returncode == 2
     assert 'diffclip-tiny-typo' in proc.stderr and 'recipe' in proc.stderr
     assert not (tmp_path / 'out').exists()

@@ -1,6 +1,7 @@
 """The fine-tuning `python -m diffzoo.train.vlm` runs (`diffzoo.train.vlm` parses the command): `VLMTrainer`,
 transformers' `Trainer` with diffzoo's additions, its log callback, the choice of checkpoint to resume from, and
 `run`, which takes a checked recipe from data to results.json."""
+import contextlib
 import json
 import os
 import time
@@ -201,11 +202,28 @@ def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArgum
         log_level='warning', disable_tqdm=False)
 
 
+@contextlib.contextmanager
+def _tensorboard_dir(run_dir: Path):
+    """transformers' TensorBoard callback writes to $TENSORBOARD_LOGGING_DIR: RUN_DIR/tensorboard for this run
+    (unless the user set it), put back afterwards so the next run in the same process writes to its own."""
+    given = os.environ.get('TENSORBOARD_LOGGING_DIR')
+    os.environ['TENSORBOARD_LOGGING_DIR'] = given or str(run_dir / 'tensorboard')
+    try:
+        yield
+    finally:
+        if given is None:
+            os.environ.pop('TENSORBOARD_LOGGING_DIR', None)
+
+
 def run(recipe: Dict, name: str) -> Dict:
     """Fine-tune as the (validated) recipe says; returns what results.json holds."""
+    with _tensorboard_dir(Path(recipe['output']) / name):
+        return _run(recipe, name)
+
+
+def _run(recipe: Dict, name: str) -> Dict:
     run_dir = Path(recipe['output']) / name
     cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
-    os.environ.setdefault('TENSORBOARD_LOGGING_DIR', str(run_dir / 'tensorboard'))
     args = training_arguments(recipe, run_dir, cuda)
     rank, world = args.process_index, args.world_size
     data = recipe['data']

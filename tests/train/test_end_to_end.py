@@ -10,7 +10,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,8 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
+from diffzoo.data.__main__ import main as data_main
 from diffzoo.data.shards import iter_samples
-from tests.factory import http_server, kill_tree, python_env, run, serve_dataset
+from tests.factory import call, http_server, kill_tree, python_env, run, serve_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES, MISSING, CORRUPT = 160, 6, 1
@@ -31,7 +31,6 @@ STEPS_PER_EPOCH = IMAGES // GLOBAL_BATCH
 RECIPE = 'diffclip-tiny'
 
 
-DATA = [sys.executable, '-m', 'diffzoo.data']
 IMAGENET = dict(image_mean=(0.485, 0.456, 0.406), image_std=(0.229, 0.224, 0.225))  # as the recipe trains
 
 
@@ -72,12 +71,12 @@ def test_download_writes_shards_and_sizes_of_the_urls_that_still_work(downloaded
 def test_sizes_check_and_retry_on_the_downloaded_shards(downloaded):
     root, _ = downloaded
     (root / 'shards' / 'sizes.json').unlink()
-    sizes = run(DATA + ['sizes', 'shards'], cwd=root)
+    sizes = call(data_main, ['sizes', 'shards'], cwd=root)  # (tests/data/test_download.py runs it in a process)
     assert sizes.returncode == 0 and f'{SHARDS} shards, {IMAGES} samples' in sizes.stdout
-    check = run(DATA + ['check', 'shards', '--workers', '2'], cwd=root)
+    check = call(data_main, ['check', 'shards', '--workers', '2'], cwd=root)
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.rstrip().endswith('shards: OK')
-    retry = run(DATA + ['retry', 'shards', 'failed.tsv'], cwd=root)
+    retry = call(data_main, ['retry', 'shards', 'failed.tsv'], cwd=root)
     assert retry.returncode == 0, retry.stderr
     failed = (root / 'failed.tsv').read_text().splitlines()
     assert failed[0] == 'url\tcaption' and len(failed) == 1 + MISSING + CORRUPT
