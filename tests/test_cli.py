@@ -34,6 +34,7 @@ def _module(entry_point: str) -> str:
     return module[:-len('.__main__')] if module.endswith('.__main__') else module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('script', [
     pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=HEAVY_AT_IMPORT[name]))
     if name in HEAVY_AT_IMPORT else name for name in SCRIPTS])
@@ -47,6 +48,7 @@ def test_help_imports_no_heavy_library(script):
     assert heavy == '[]', f'python -m {module} --help imported {heavy}'
 
 
+@pytest.mark.slow
 def test_import_diffzoo_imports_no_heavy_library():
     code = f'import sys, diffzoo; print(sorted(m for m in sys.modules if m.split(".")[0] in {set(HEAVY)!r}))'
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, check=True)
@@ -80,6 +82,7 @@ def import_orders():
             for imports in IMPORT_ORDERS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('imports', IMPORT_ORDERS)
 def test_import_diffzoo_registers_the_models_in_either_order(import_orders, imports):
     process = import_orders[imports]
@@ -100,7 +103,7 @@ def test_public_names_are_imported_on_use():
 @pytest.mark.parametrize('module, argv, message', [
     ('diffzoo.analysis', ['--images', 'x'], 'pass --model once'),
     ('diffzoo.bench', ['--reps', 'many'], "--reps: invalid int value: 'many'"),
-    ('diffzoo.bench.eramv', [], 'required: --model'),
+    ('diffzoo.bench.eramv', ['--anchors', '8'], '--anchors apply to a model pair'),
     ('diffzoo.eval', ['--no-such-flag'], 'unrecognized arguments: --no-such-flag'),
     ('diffzoo.eval.vqa', [], 'required: --predictions, --annotations'),
     ('diffzoo.eval.needle', ['run'], 'required: --haystacks'),

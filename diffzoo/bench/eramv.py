@@ -1,12 +1,17 @@
 """python -m diffzoo.bench.eramv: eRAM-V's FLOPs and latency against the full-token model of the same parts.
 
-`cost_report(models, pixel_values, input_ids)` counts forward FLOPs (torch.utils.flop_counter), in
+`cost_report(models, pixel_values, input_ids)` counts forward FLOPs (`eramv_paper.flop_counter`), in
 total and per part (vision tower, projector, post-MLP, language model: eRAM-V saves in the last), and
 times forward passes with the bench's timer (`measure.time_call`, which synchronises CUDA), with
 ratios against the first model (the full-token one).
 
+    python -m diffzoo.bench.eramv [--sizes 7b 13b] [--out report.json]
     python -m diffzoo.bench.eramv --model VISION LM_DIR [--anchors 64] [--select-layer -2]
         [--projector mlp2x_gelu] [--out report.json]
+
+Without --model: the paper's efficiency tables (Table 1, Table 10) recounted at its shapes on the meta device,
+FLOPs only, beside its figures, with the prompt lengths and the convention that reconcile them
+(`diffzoo.bench.eramv_paper`). With --model: FLOPs and latency of a real model pair.
 
 Both models take the same visual features and projector (eRAM-V's by default: the penultimate block's
 output, LLaVA-1.5's two-layer MLP), so the difference is eRAM-V's integration alone.
@@ -25,14 +30,14 @@ def cost_report(models: Dict[str, 'torch.nn.Module'], pixel_values: 'torch.Tenso
     median latency of each model on the same inputs; ratios against the first model."""
     # heavy (torch): imported on use so that the command's --help answers at once
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
+    from .eramv_paper import flop_counter
     from .measure import summarize, time_call
     rows = {}
     for name, model in models.items():
         model.eval()
         with torch.no_grad():
-            counter = FlopCounterMode(display=False)
+            counter = flop_counter()
             with counter:
                 out = model(pixel_values, input_ids)
             counts = counter.get_flop_counts()
@@ -53,7 +58,9 @@ def cost_report(models: Dict[str, 'torch.nn.Module'], pixel_values: 'torch.Tenso
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.bench.eramv', description=__doc__.split('\n')[0])
-    p.add_argument('--model', nargs=2, metavar=('VISION', 'LM_DIR'), required=True,
+    p.add_argument('--sizes', nargs='+', choices=('7b', '13b'), default=['7b', '13b'],
+                   help="without --model: the paper's LLM sizes to recount (default both)")
+    p.add_argument('--model', nargs=2, metavar=('VISION', 'LM_DIR'), default=None,
                    help='the VLM: its vision tower (open_clip name[,pretrained] or timm:<name> with a CLS token) '
                         'and a local transformers causal LM directory')
     p.add_argument('--anchors', type=int, default=64)
@@ -73,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     p = parser()
     a = p.parse_args(argv)
+    if a.model is None:
+        model_only = [f'--{k.replace("_", "-")}' for k, v in vars(a).items()
+                      if k not in ('model', 'sizes', 'out') and v != p.get_default(k)]
+        if model_only:
+            p.error(f'{" ".join(model_only)} apply to a model pair: add --model VISION LM_DIR, or leave them out to '
+                    f'recount the paper\'s tables')
+        return _paper(a.sizes, a.out)
     a.vision, a.language_model = a.model
     del a.model
     if a.select_layer != 'final_norm':
@@ -112,6 +126,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(a.out, 'w') as f:
             json.dump(report, f, indent=1)
         print(f'report: {a.out}')
+    sys.stdout.flush()
+    return 0
+
+
+def _paper(sizes: List[str], out: Optional[str]) -> int:
+    from . import eramv_paper
+    print(f'counting forward FLOPs at the paper\'s shapes on the meta device ({", ".join(sizes)})', flush=True)
+    report = eramv_paper.reconcile(sizes)
+    print(eramv_paper.render(report))
+    if out:
+        with open(out, 'w') as f:
+            json.dump(report, f, indent=1)
+        print(f'report: {out}')
     sys.stdout.flush()
     return 0
 

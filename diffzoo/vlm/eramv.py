@@ -10,24 +10,29 @@ Instead of all P visual tokens in the LLM's sequence (LLaVA/PaliGemma-style, `in
   attention in the block the features come from (the penultimate one by default; score of patch j =
   mean over heads of A[CLS, j]; for a differential tower, its A1 − λ·A2), in their original order
   (CLS first), projected by the same projector as the features, then fed with the text. eRAM-V's
-  default is k = 64 plus [CLS]: 65 anchors (`anchors=64`); `include_cls=False` keeps the k patches alone.
+  default is k = 64 plus [CLS]: 65 anchors (`anchors=64`; Appendix I); `include_cls=False` keeps the k
+  patches alone. A tower without a class token is refused by name; asking for as many anchors as there
+  are patches, or more, is said once, when the model is built.
 - Fine-grained features: all P patch tokens, projected the same way, become extra keys and values
   at the chosen decoder layers, made by each layer's own input norm and K/V projections (no new
   attention parameters). As in eRAM-V's Eq. 8, the whole multimodal sequence (anchors and text)
   attends to them (`injected_queries='all'`); `injected_queries='text'` lets only text positions read
   them (the anchors' path then stays as without injection).
-- Injection layers count from 1, as the paper does: its "8, 10, …, 22" of a 32-layer LLM (Appendix I)
-  are `inject_layers=[8, 10, …, 22]`, the decoder modules 7, 9, …, 21 (`layer_base=0` takes 0-based
+- Injection layers count from 1, as the paper does: its "8, 10, …, 22" of a 32-layer LLM (section 3.3,
+  and Table 3's ablation of the layers) are `inject_layers=[8, 10, …, 22]`, the decoder modules 7, 9, …, 21 (`layer_base=0` takes 0-based
   module indices instead). Other depths L get every second layer over the same relative span:
   from round(8/32·L) to round(22/32·L), stepping by 2 (`default_inject_layers`).
 - Post-projection MLP on the visual tokens: v + W2·GELU(W1·v), W2 zero-initialised so the model
   starts as the plain projection.
 
+- The sequence attends causally, as published ("Attn refers to the causal attention mechanism", Eq. 4 in
+  section 3.3, as in LLaVA-1.5 which eRAM-V builds on): `sequence_mask='causal'`, in forward, training
+  and `generate()`. `sequence_mask='prefix_lm'` gives PaliGemma's prefix-LM mask instead (anchors and
+  prompt attend to each other in both directions, answers causally), the default of `integration="full"`.
+
 Choices the paper leaves open, and ours: the injected keys carry no rotary position (they are a
-set; keys at position 0 for no rotation); the post-projection MLP's form (the residual
-v + W2·GELU(W1·v) with W2 = 0 at init above); and the mask over the sequence itself (PaliGemma's
-prefix-LM mask of `diffzoo.vlm.model`: anchors and prompt attend to each other in both directions,
-answers causally).
+set; keys at position 0 for no rotation); and the post-projection MLP's form (the residual
+v + W2·GELU(W1·v) with W2 = 0 at init above).
 
 The injected keys and values are an input of the language model's forward: `InjectedFeatures`
 travels as the keyword `diffzoo_injected` (`attention.INJECTED`) through transformers' layers to
@@ -35,6 +40,7 @@ diffzoo's attention functions, which append them where the layer is one of the c
 compose with `differentialize` (both maps then span the injected keys as well), SDPA, eager and the
 KV cache. `python -m diffzoo.bench.eramv` reports eRAM-V's FLOPs and latency.
 """
+import warnings
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -45,7 +51,8 @@ from diffzoo.layers.maps import capture_attention_maps
 REFERENCE_DEPTH = 32
 REFERENCE_LAYERS = tuple(range(8, 23, 2))  # eRAM-V's injection layers in a 32-layer LLM, counted from 1
 # build_vlm(..., integration="eramv")'s settings when not given: the paper's (module docstring)
-ERAMV_DEFAULTS = {'select_layer': -2, 'projector': 'mlp2x_gelu', 'anchors': 64, 'include_cls': True,
+ERAMV_DEFAULTS = {'select_layer': -2, 'projector': 'mlp2x_gelu', 'sequence_mask': 'causal', 'anchors': 64,
+                  'include_cls': True,
                   'injected_queries': 'all', 'layer_base': 1, 'post_mlp': True}
 
 
@@ -80,6 +87,24 @@ class PostProjectionMLP(nn.Module):
 
     def forward(self, x):
         return x + self.fc2(self.act(self.fc1(x)))
+
+
+def check_tower(vision, anchors: int) -> None:
+    """eRAM-V ranks patches by the [CLS] token's attention (Appendix I): a tower without a class token is refused
+    by name (its first prefix token would be a register token); asking for at least as many anchors as the tower
+    has patches is said once, here (every patch is then an anchor)."""
+    tower = vision.tower
+    has_cls = getattr(tower, 'has_class_token', vision.prefix_tokens > 0)
+    if vision.kind != 'timm' or not has_cls:
+        registers = getattr(tower, 'num_reg_tokens', 0)
+        what = f'{registers} register token(s)' if registers else f'{vision.prefix_tokens or "no"} prefix token(s)'
+        raise ValueError(f'eRAM-V anchors rank patches by the [CLS] token\'s attention, and this {vision.kind} tower '
+                         f'({type(tower).__name__}) has no class token ({what}); use a ViT with a class token '
+                         f'(class_token=True in timm, a diffzoo or open_clip timm trunk), or integration="full"')
+    patches = getattr(getattr(tower, 'patch_embed', None), 'num_patches', None)
+    if patches is not None and anchors >= patches:
+        warnings.warn(f'anchors={anchors} ≥ the {patches} patches of the tower: every patch is an anchor, so the '
+                      f'sequence holds the whole image (as integration="full") and the anchors save nothing', stacklevel=3)
 
 
 def anchor_scores(vision, pixel_values: torch.Tensor, with_cls: bool = False):

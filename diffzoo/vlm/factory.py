@@ -4,7 +4,7 @@ A spec is a recipe's `model` mapping (`diffzoo.recipes`, kind "vlm"), chosen by 
 
     {type: paligemma, path: DIR}                a local PaliGemma checkpoint with its processor
     {type: build_vlm, vision: NAME, language_model: DIR, integration: full | eramv, select_layer,
-     projector, anchors, include_cls, inject_layers, layer_base, injected_queries, post_mlp}
+     projector, sequence_mask, anchors, include_cls, inject_layers, layer_base, injected_queries, post_mlp}
                                                 `build_vlm`: a timm / open_clip tower (open_clip
                                                 name[,pretrained] or timm:<name>) + a local causal LM;
                                                 the other keys are build_vlm's keywords (null: the

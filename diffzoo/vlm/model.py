@@ -12,6 +12,10 @@ padding is never attended:
 
     allowed(q, k) = valid_k ∧ (k ≤ q ∨ (prefix_q ∧ prefix_k))
 
+`sequence_mask='causal'` (eRAM-V's, the default of `integration="eramv"`) has no prefix: every position
+attends to the valid positions up to itself. `sequence_mask='prefix_lm'` is the default of
+`integration="full"`.
+
 The mask is handed to the LM as a 4D additive mask (transformers uses a 4D mask as given), with
 explicit position ids, so any padding layout works and the differential kernels of
 `diffzoo.vlm.differentialize` see the same mask as the LM's own.
@@ -35,6 +39,7 @@ Projector (`projector`, LLaVA-1.5's `mm_projector_type`): 'linear' (PaliGemma's 
 default of `integration="full"`) or 'mlp2x_gelu' (LLaVA-1.5's Linear → GELU → Linear, the default of
 `integration="eramv"`, which projects the anchors and the injected features with it alike).
 """
+import inspect
 from typing import Optional, Sequence, Union
 
 import open_clip
@@ -47,9 +52,9 @@ from transformers import DynamicCache
 
 from .attention import DIFF_EAGER, DIFF_SDPA, INJECTED, register_attention
 from .differential import find_decoder
-from .eramv import (ERAMV_DEFAULTS, InjectedFeatures, PostProjectionMLP, anchor_scores, default_inject_layers,
-                    module_indices, select_anchors)
-from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, check_select_layer
+from .eramv import (ERAMV_DEFAULTS, InjectedFeatures, PostProjectionMLP, anchor_scores, check_tower,
+                    default_inject_layers, module_indices, select_anchors)
+from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, SEQUENCE_MASKS, check_select_layer
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
 PROJECTORS = {  # name → (D_v, D) → module
@@ -57,7 +62,7 @@ PROJECTORS = {  # name → (D_v, D) → module
     'mlp2x_gelu': lambda d_in, d_out: nn.Sequential(  # LLaVA-1.5 (its state-dict keys: 0.weight, 2.weight, …)
         nn.Linear(d_in, d_out), nn.GELU(), nn.Linear(d_out, d_out)),
 }
-FULL_DEFAULTS = {'select_layer': FINAL_NORM, 'projector': 'linear'}  # integration="full": PaliGemma's
+FULL_DEFAULTS = {'select_layer': FINAL_NORM, 'projector': 'linear', 'sequence_mask': 'prefix_lm'}  # PaliGemma's
 
 
 def build_projector(projector: str, vision_dim: int, hidden_size: int) -> nn.Module:
@@ -186,7 +191,8 @@ class VisionLanguageModel(nn.Module):
     """vision → projector → causal LM with a prefix-LM mask (module docstring)."""
 
     def __init__(self, vision: VisionTokens, language_model: nn.Module, integration: str = 'full',
-                 select_layer=None, projector: Optional[str] = None, anchors: Optional[int] = None,
+                 select_layer=None, projector: Optional[str] = None, sequence_mask: Optional[str] = None,
+                 anchors: Optional[int] = None,
                  include_cls: Optional[bool] = None, inject_layers: Optional[Sequence[int]] = None,
                  injected_queries: Optional[str] = None, layer_base: Optional[int] = None,
                  post_mlp: Optional[bool] = None):
@@ -202,6 +208,10 @@ class VisionLanguageModel(nn.Module):
         defaults = ERAMV_DEFAULTS if integration == 'eramv' else FULL_DEFAULTS  # None: the integration's default
         self.select_layer = defaults['select_layer'] if select_layer is None else select_layer
         self.projector_type = defaults['projector'] if projector is None else projector
+        self.sequence_mask = defaults['sequence_mask'] if sequence_mask is None else sequence_mask
+        if self.sequence_mask not in SEQUENCE_MASKS:
+            raise ValueError(f'sequence_mask={sequence_mask!r}: expected causal (eRAM-V, LLaVA-1.5) or prefix_lm '
+                             f'(PaliGemma)')
         self.vision = vision.select(self.select_layer)
         config = language_model.config.get_text_config()
         self.hidden_size = config.hidden_size
@@ -211,6 +221,10 @@ class VisionLanguageModel(nn.Module):
                          and not hasattr(language_model.get_input_embeddings(), 'embed_scale'))
         self.embed_scale = self.hidden_size ** -0.5 if scales_inputs else 1.0  # module docstring
         self.integration = integration
+        # the KV cache's keyword: `cache` where the LM's forward has it (transformers 5.x; `past_key_values` is
+        # deprecated there and goes in 5.40), `past_key_values` before
+        forward_parameters = inspect.signature(type(language_model).forward).parameters
+        self.cache_keyword = 'cache' if 'cache' in forward_parameters else 'past_key_values'
         if integration == 'eramv':  # diffzoo.vlm.eramv
             depth = len(find_decoder(language_model).layers)
             eramv = {k: ERAMV_DEFAULTS[k] if v is None and k in ERAMV_DEFAULTS else v for k, v in eramv.items()}
@@ -218,6 +232,7 @@ class VisionLanguageModel(nn.Module):
                 raise ValueError(f'injected_queries={injected_queries!r}: expected all (eRAM-V\'s Eq. 8: anchors '
                                  f'and text read the injected features) or text (text positions only)')
             self.anchors, self.include_cls = int(eramv['anchors']), bool(eramv['include_cls'])
+            check_tower(self.vision, self.anchors)
             self.injected_queries = eramv['injected_queries']
             inject_layers, layer_base = eramv['inject_layers'], eramv['layer_base']
             if inject_layers is None:
@@ -274,12 +289,17 @@ class VisionLanguageModel(nn.Module):
         prefix = torch.cat([ones, prefix_mask.to(attention_mask.dtype)], 1)
         positions = (valid.cumsum(1) - 1).clamp_(min=0)  # (B, P + T)
         embeds = torch.cat([image.to(text.dtype), text], 1)
-        return embeds, prefix_lm_mask(valid, prefix, embeds.dtype), positions, valid, features
+        return embeds, prefix_lm_mask(valid, self._prefix(prefix), embeds.dtype), positions, valid, features
+
+    def _prefix(self, prefix: torch.Tensor) -> torch.Tensor:
+        """The positions that attend both ways: `prefix` under prefix_lm, none under causal."""
+        return prefix if self.sequence_mask == 'prefix_lm' else torch.zeros_like(prefix)
 
     def forward(self, pixel_values, input_ids, attention_mask=None, prefix_mask=None, labels=None, **kwargs):
         """Logits over [image | text]; with `labels` (B, T; -100 ignored), the next-token loss on the text.
 
-        prefix_mask (B, T): 1 for prompt tokens (bidirectional), 0 for answer tokens; default all prefix.
+        prefix_mask (B, T): 1 for prompt tokens (bidirectional under sequence_mask='prefix_lm'), 0 for answer
+        tokens; default all prefix. Under sequence_mask='causal' every token attends causally.
         """
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         prefix_mask = attention_mask if prefix_mask is None else prefix_mask
@@ -310,7 +330,7 @@ class VisionLanguageModel(nn.Module):
         last = valid.sum(1) - 1  # (B,) index of each prompt's last valid token
         cache = DynamicCache(config=self.language_model.config) if use_cache else None
         out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                  past_key_values=cache, use_cache=use_cache, **injected)
+                                  use_cache=use_cache, **{self.cache_keyword: cache}, **injected)
         rows = torch.arange(B, device=input_ids.device)
         token = out.logits[rows, last].argmax(-1)  # (B,)
         answers, done = [token], torch.zeros(B, dtype=torch.bool, device=token.device)
@@ -327,14 +347,15 @@ class VisionLanguageModel(nn.Module):
                 step = torch.zeros(B, 1, 1, valid.shape[1], dtype=embeds.dtype, device=valid.device)
                 step.masked_fill_(~valid.bool()[:, None, None], torch.finfo(embeds.dtype).min)
                 out = self.language_model(inputs_embeds=embed(token)[:, None], attention_mask=step,
-                                          position_ids=position[:, None], past_key_values=cache, use_cache=True,
+                                          position_ids=position[:, None], use_cache=True, **{self.cache_keyword: cache},
                                           **injected)
                 token = out.logits[:, -1].argmax(-1)
             else:  # the whole sequence again: [image | prompt (padded) | answers so far]
                 embeds = torch.cat([embeds, embed(token)[:, None]], 1)
                 positions = torch.cat([positions, position[:, None]], 1)
                 prefix = torch.cat([prompt, valid.new_zeros(B, valid.shape[1] - prompt.shape[1])], 1)
-                out = self.language_model(inputs_embeds=embeds, attention_mask=prefix_lm_mask(valid, prefix, embeds.dtype),
+                out = self.language_model(inputs_embeds=embeds,
+                                          attention_mask=prefix_lm_mask(valid, self._prefix(prefix), embeds.dtype),
                                           position_ids=positions, **injected)
                 token = out.logits[:, -1].argmax(-1)
             answers.append(token)
@@ -350,8 +371,9 @@ def build_vlm(vision: Union[str, nn.Module], language_model: nn.Module, integrat
     """A PaliGemma-style model: `vision` (timm / open_clip tower or name) + projector + `language_model`
     (a transformers causal LM, differential or not).
 
-    Both integrations take select_layer (module docstring; 'final_norm' for full, -2 for eramv) and
-    projector ('linear' for full, 'mlp2x_gelu' for eramv). integration="eramv" feeds visual anchors and
+    Both integrations take select_layer (module docstring; 'final_norm' for full, -2 for eramv),
+    projector ('linear' for full, 'mlp2x_gelu' for eramv) and sequence_mask ('prefix_lm' for full, PaliGemma's;
+    'causal' for eramv, the paper's Eq. 4). integration="eramv" feeds visual anchors and
     injects the fine-grained features instead (`diffzoo.vlm.eramv`), with keywords anchors=64 patches,
     include_cls=True ([CLS] too: 65 anchors), inject_layers=None (eRAM-V's, scaled; counted from 1, or
     from 0 with layer_base=0), injected_queries='all' (Eq. 8; 'text': text positions only),

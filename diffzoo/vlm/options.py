@@ -7,6 +7,9 @@ HEAD_PAIRINGS = ('halves', 'adjacent')  # split: query heads (i, i + H/2) as Dif
 MLPS = ('original', 'swiglu')
 INTEGRATIONS = ('full', 'eramv')
 INJECTED_QUERIES = ('all', 'text')
+# attention over [image or anchors | text]: PaliGemma's prefix-LM (integration="full"'s default) or causal
+# (eRAM-V's Eq. 4, as LLaVA-1.5: integration="eramv"'s default)
+SEQUENCE_MASKS = ('prefix_lm', 'causal')
 PROJECTOR_NAMES = ('linear', 'mlp2x_gelu')  # PaliGemma's one Linear; LLaVA-1.5's Linear → GELU → Linear
 FINAL_NORM = 'final_norm'  # select_layer: the last block's output through the tower's final norm
 

@@ -19,7 +19,8 @@ from typing import Dict, Mapping
 
 from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
 
-from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, VARIANTS, check_select_layer
+from .options import (FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS,
+                      check_select_layer)
 
 
 class SelectLayerKey(Key):
@@ -53,6 +54,8 @@ MODEL = Typed({
                                        f'through the final norm, full default)'),
         'projector': Key((str,), None, 'linear (PaliGemma, full default) or mlp2x_gelu (LLaVA-1.5, eramv default)',
                          PROJECTOR_NAMES),
+        'sequence_mask': Key((str,), None, 'attention over [image | text]: prefix_lm (PaliGemma, full default) or '
+                             "causal (eRAM-V's Eq. 4, eramv default)", SEQUENCE_MASKS),
         'anchors': Key((int,), None, "eRAM-V's visual anchors: top-k patches by CLS attention (default 64)"),
         'include_cls': Key((bool,), None, "eRAM-V: [CLS] first among the anchors (default true: 65 anchors)"),
         'inject_layers': Key((list,), None, "eRAM-V's injection layers (default: the paper's 8, 10, …, 22 of 32, "

@@ -222,10 +222,83 @@ def test_injected_features_are_read_exactly_at_the_chosen_layers(queries):
 
 def test_all_anchors_and_no_injection_is_the_full_token_model_at_init():
     pixels, ids = _inputs()
-    full = _vlm('full', select_layer=-2, projector='mlp2x_gelu')  # LLaVA-1.5: eRAM-V's features and projector
+    full = _vlm('full', select_layer=-2, projector='mlp2x_gelu', sequence_mask='causal')  # LLaVA-1.5's choices
     eramv = _vlm(anchors=PATCHES, inject_layers=[], include_cls=False)
     eramv.load_state_dict(full.state_dict(), strict=False)  # same tower, projector and LM; post-MLP is identity at init
     torch.testing.assert_close(eramv(pixels, ids).logits, full(pixels, ids).logits)
+
+
+def _causal_reference(model, pixels, ids, mask):
+    """eRAM-V's Eq. 4 by hand: [anchors | text] through the LM with a lower-triangular mask over the valid
+    positions (the injected features appended by the model's layers as in its own forward); (logits, valid):
+    logits at padded positions are not defined by it."""
+    anchors, features, _ = model.visual_inputs(pixels)
+    text = model.language_model.get_input_embeddings()(ids)
+    embeds = torch.cat([anchors, text], 1)
+    B, L = embeds.shape[:2]
+    valid = torch.cat([torch.ones(B, anchors.shape[1], dtype=torch.bool), mask.bool()], 1)
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (B, L, L): k ≤ q, k valid
+    additive = torch.zeros(B, 1, L, L).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return model.language_model(inputs_embeds=embeds, attention_mask=additive, position_ids=positions,
+                                 **model._injected(features, embeds, ids)).logits, valid
+
+
+def test_eramv_attends_causally_as_published_and_prefix_lm_by_name():
+    """Eq. 4 (section 3.3): causal attention over [anchors | text], as LLaVA-1.5; PaliGemma's prefix-LM form
+    differs in the anchors' block, where it lets anchors and prompt attend both ways."""
+    pixels, ids = _inputs()
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    model = _vlm(anchors=8, inject_layers=[2, 4])
+    assert model.sequence_mask == 'causal' and _vlm('full').sequence_mask == 'prefix_lm'
+    with torch.no_grad():
+        causal = model(pixels, ids, mask).logits
+        reference, valid = _causal_reference(model, pixels, ids, mask)
+        torch.testing.assert_close(causal[valid], reference[valid])
+        model.sequence_mask = 'prefix_lm'
+        prefix_lm = model(pixels, ids, mask).logits
+    assert (prefix_lm[:, :9] - causal[:, :9]).abs().max() > 1e-3  # the anchors see what follows them
+    named = _vlm(anchors=8, inject_layers=[2, 4], sequence_mask='prefix_lm')
+    with torch.no_grad():
+        torch.testing.assert_close(named(pixels, ids, mask).logits, prefix_lm)
+    with pytest.raises(ValueError, match="sequence_mask='bidirectional': expected causal"):
+        _vlm(sequence_mask='bidirectional')
+
+
+def test_generate_and_training_use_the_causal_mask():
+    pixels, ids = _inputs()
+    model = _vlm(anchors=8, inject_layers=[2, 4])
+    mask = torch.ones_like(ids)
+    answer = model.generate(pixels, ids, mask, max_new_tokens=3, use_cache=False)
+    with torch.no_grad():
+        first = _causal_reference(model, pixels, ids, mask)[0][:, -1].argmax(-1)
+        assert torch.equal(answer[:, 0], first)
+        full = torch.cat([ids, answer[:, :2]], 1)
+        later = _causal_reference(model, pixels, full, torch.ones_like(full))[0][:, -1].argmax(-1)
+    assert torch.equal(answer[:, 2], later)
+    assert torch.equal(model.generate(pixels, ids, mask, max_new_tokens=3), answer)  # the KV cache agrees
+    labels = ids.clone()
+    loss = model(pixels, ids, mask, prefix_mask=torch.zeros_like(ids), labels=labels).loss
+    with torch.no_grad():
+        logits = _causal_reference(model, pixels, ids, mask)[0][:, 9:-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_a_tower_without_a_class_token_is_refused_and_too_many_anchors_said_once():
+    import timm
+    lm = _lm()
+    for kw, what in [(dict(class_token=False, global_pool='avg', reg_tokens=4), '4 register token'),
+                     (dict(class_token=False, global_pool='avg'), 'no prefix token')]:
+        tower = timm.create_model('vit_tiny_patch16_224', img_size=64, pretrained=False, **kw)
+        with pytest.raises(ValueError, match=f'no class token .*{what}'):
+            build_vlm(tower, lm, integration='eramv')
+    with pytest.warns(UserWarning, match=r'anchors=64 ≥ the 16 patches') as warned:
+        model = build_vlm(timm.create_model('vit_tiny_patch16_224', img_size=64, pretrained=False), _lm(),
+                          integration='eramv')
+        model.eval()(*_inputs())
+        model(*_inputs())
+    assert len([w for w in warned if 'anchors=' in str(w.message)]) == 1
 
 
 @pytest.mark.parametrize('variant', [None, 'split'])
@@ -258,6 +331,7 @@ def test_cost_report_shows_fewer_flops_than_the_full_token_model():
     assert report['eramv']['latency_s'] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('process, model_flags, parts', [
     ('real', ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear'],
      ('final_norm', 'linear')),
@@ -286,9 +360,52 @@ def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, process, model
     assert (report['config']['select_layer'], report['config']['projector']) == parts
 
 
+def test_the_flop_counter_matches_a_hand_count_of_a_tiny_eramv_model():
+    """2 FLOPs per multiply-accumulate of every matmul, convolution and attention (query-key pairs, causal or
+    not), summed by hand for a 3-block ViT (features from block 2, LLaVA's -2) and a 4-layer GQA Llama."""
+    from timm.models.vision_transformer import VisionTransformer
+    from diffzoo.bench.eramv_paper import count
+    Dv, P, N = 16, 4, 5  # 32 px, 16 px patches: 4 patches and [CLS]
+    tower = VisionTransformer(img_size=32, patch_size=16, embed_dim=Dv, depth=3, num_heads=2, mlp_ratio=2,
+                              num_classes=0)
+    H, I, layers, heads, kv_heads, d, V = 32, 48, 4, 4, 2, 8, 50
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+                                      max_position_embeddings=64)
+    config._attn_implementation = 'sdpa'
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    k, T = 2, 5
+    model = build_vlm(tower, lm, 'eramv', anchors=k, inject_layers=[2, 4]).eval()
+    block = 2 * N * Dv * 3 * Dv + 2 * N * Dv * Dv + 2 * 2 * N * N * Dv + 2 * 2 * N * Dv * 2 * Dv  # qkv, proj, attn, MLP
+    vision = 2 * P * (3 * 16 * 16) * Dv + 2 * block  # patch embedding, then blocks 1 and 2 (block 3 never runs)
+    projector = 2 * (P + 1) * (Dv * H + H * H)  # the patches and [CLS], Linear → GELU → Linear
+    post_mlp = 2 * (P + 1) * 2 * H * H
+    L = 1 + k + T  # [CLS], the anchors, the prompt
+    def decoder_layer(keys):
+        return (2 * L * H * heads * d * 2 + 2 * L * H * kv_heads * d * 2  # q, o; k, v
+                + 2 * 2 * heads * L * keys * d + 2 * L * H * I * 3)  # attention; gate, up, down
+    language_model = sum(decoder_layer(L + P if i in (1, 3) else L) for i in range(layers)) + 2 * L * H * V
+    injected_kv = 2 * 2 * P * H * kv_heads * d * 2  # k, v of the P patches at layers 2 and 4 (made by the VLM)
+    counted = count(model, T)
+    assert counted['sequence_length'] == L
+    assert counted['flops_by_part'] == {'vision': vision, 'projector': projector, 'language_model': language_model,
+                                        'post_mlp': post_mlp}
+    assert counted['flops'] == vision + projector + post_mlp + language_model + injected_kv
+
+
+def test_the_papers_shapes_build_on_the_meta_device():
+    from diffzoo.bench.eramv_paper import count, meta_models
+    models = meta_models('7b', ['llava', 'eramv'])
+    eramv = models['eramv']
+    assert next(eramv.parameters()).is_meta and eramv.vision.image_size == (336, 336)
+    assert sum(p.numel() for p in eramv.language_model.parameters()) == 6_738_415_616  # Vicuna-7B's (Llama 2 7B)
+    assert eramv.inject_layers == [8, 10, 12, 14, 16, 18, 20, 22] and eramv.anchors == 64
+    assert count(eramv, 8)['sequence_length'] == 65 + 8 and count(models['llava'], 8)['sequence_length'] == 576 + 8
+
+
 def test_cost_report_cli_names_a_missing_model_and_an_unknown_flag(capsys):
     from diffzoo.bench.eramv import main
-    for argv, message in ((['--anchors', '8'], 'required: --model'),
+    for argv, message in ((['--anchors', '8'], '--anchors apply to a model pair: add --model VISION LM_DIR'),
                           (['--model', 'a', 'b', '--vision', 'c'], 'unrecognized arguments: --vision c'),
                           (['--model', 'a', 'b', '--select-layer', 'last'], '--select-layer last: expected a block')):
         with pytest.raises(SystemExit) as exit_info:
