@@ -8,7 +8,9 @@ Sections (each module's docstring says how it measures):
            fwd+bwd and fwd time, peak memory against the N×N bytes, SDPA backend (diffzoo.bench.attention)
   profile  one training step per model under torch.profiler: attention, GEMM and other kernel time,
            against the baseline's, with each model's profiler table beside the JSON (diffzoo.bench.profile)
-  data     webdataset decode + preprocess images/s for 1 and --workers workers (diffzoo.bench.data)
+  data     webdataset decode + preprocess images/s for 1 and --workers workers (diffzoo.bench.data), and
+           open_clip_train's training loader with and without diffzoo's data accounting at CC12M-like
+           bookkeeping: samples/s ratio and journal bytes per epoch (diffzoo.bench.accounting)
   train    scripts/train.sh for one epoch of a differential recipe and its baseline on a synthetic
            corpus: images/s per GPU, their ratio, and the share of each step spent waiting for data
            (diffzoo.bench.end_to_end; by default on CUDA and in --smoke, not on CPU)
@@ -33,18 +35,18 @@ DEFAULTS = {
     'cuda': dict(models=FULL_MODELS, baseline='clip-b16-baseline', target_model='diffclip-b16', batch=256,
                  precision='bf16', reps=10, warmup=3, tokens=[77, 197, 577, 4096], causal_tokens=[77], tokens_per_batch=256 * 197,
                  data_samples=4096, data_batch=32, workers=min(8, os.cpu_count() or 1), image_size=256,
-                 layer_target_s=0.05, layer_dim=768, sections=list(SECTIONS),
+                 layer_target_s=0.05, layer_dim=768, sections=list(SECTIONS), accounting=[2176, 5000, 100, 7],
                  train_recipes=['diffclip-b16-cc3m', 'clip-b16-baseline-cc3m'], train_samples=16384, nproc=1),
     # 3 models: five B/16 models with AdamW state would hold ~12 GB of RAM at once
     'cpu': dict(models=FULL_MODELS[:3], baseline='clip-b16-baseline', target_model='diffclip-b16', batch=16,
                 precision='fp32', reps=3, warmup=1, tokens=[77, 197, 577, 4096], causal_tokens=[77], tokens_per_batch=16 * 197,
                 data_samples=1024, data_batch=32, workers=min(4, os.cpu_count() or 1), image_size=256,
                 layer_target_s=0.2, layer_dim=768, sections=[s for s in SECTIONS if s != 'train'],
-                train_recipes=['diffclip-b16-cc3m', 'clip-b16-baseline-cc3m'], train_samples=256, nproc=1),
+                accounting=[2176, 5000, 100, 7], train_recipes=['diffclip-b16-cc3m', 'clip-b16-baseline-cc3m'], train_samples=256, nproc=1),
     'smoke': dict(models=['diffclip-tiny', 'clip-tiny-baseline'], baseline='clip-tiny-baseline',
                   target_model='diffclip-tiny', batch=4, precision=None, reps=2, warmup=1, tokens=[32, 1024], causal_tokens=[32],
                   tokens_per_batch=1024, data_samples=64, data_batch=4, workers=2, image_size=64,
-                  layer_target_s=0.002, layer_dim=128, sections=None,
+                  layer_target_s=0.002, layer_dim=128, sections=None, accounting=[16, 20, 4, 1],
                   train_recipes=['diffclip-tiny', 'clip-tiny-baseline'], train_samples=48),
 }
 
@@ -77,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--data-samples', type=int, default=None, help='synthetic corpus size (default cuda 4096, cpu 1024)')
     p.add_argument('--data-batch', type=int, default=None, help='data loader batch (default 32)')
     p.add_argument('--workers', type=int, default=None, help='data loader workers besides 1 (default min(8|4, CPUs))')
+    p.add_argument('--accounting', type=int, nargs=4, default=None, metavar=('SHARDS', 'PER_SHARD', 'BATCHES', 'REPS'),
+                   help='data section, accounting cost: shards and samples per shard in sizes.json, batches of '
+                        '--data-batch timed per read, repetitions of each read (default 2176 5000 100 7; smoke 16 20 4 1)')
     p.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (default: torch default)')
     p.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
                    help='allow TF32 matmul/cuDNN on CUDA, as open_clip_train does (default on)')
@@ -113,6 +118,8 @@ def resolve(args: argparse.Namespace) -> Dict:
     for name in ('batch', 'reps', 'data_samples', 'data_batch', 'workers', 'tokens_per_batch', 'train_samples', 'nproc'):
         if cfg[name] < 1:
             raise BenchError(f'--{name.replace("_", "-")} {cfg[name]}: must be at least 1')
+    if min(cfg['accounting']) < 1:
+        raise BenchError(f'--accounting {" ".join(map(str, cfg["accounting"]))}: each must be at least 1')
     if cfg['warmup'] < 0:
         raise BenchError(f'--warmup {cfg["warmup"]}: must be 0 or more')
     for name in ('tokens', 'causal_tokens'):
@@ -156,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # heavy (torch, open_clip): imported after parsing so that --help answers at once
     import torch
 
-    from . import attention, data, end_to_end, profile, report, whole_model
+    from . import accounting, attention, data, end_to_end, profile, report, whole_model
     from .measure import BenchError, device_slug, environment
     try:
         cfg = resolve(args)
@@ -196,6 +203,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             else:
                 results['data'] = data.run(cfg['data'], cfg['models'][0], cfg['data_batch'], cfg['workers'],
                                            cfg['data_samples'], cfg['image_size'])
+                results['data']['accounting'] = accounting.run(cfg['models'][0], cfg['data_batch'], cfg['workers'],
+                                                               *cfg['accounting'])
             results['targets'] = report.evaluate_targets(results, cfg['target_model'])
             write(results, out)
     except BenchError as exc:

@@ -55,10 +55,9 @@ def pipeline(urls: Sequence[str], model: str, batch: int):
     )
 
 
-def measure(urls: Sequence[str], model: str, batch: int, workers: int) -> Dict:
-    import webdataset as wds
-    workers = min(workers, len(urls))
-    loader = wds.WebLoader(pipeline(urls, model, batch), batch_size=None, shuffle=False, num_workers=workers)
+def time_batches(loader, workers: int, limit: Optional[int] = None):
+    """(batches read, images timed, seconds): the clock starts once every worker has delivered its first batch
+    and counts the images after it, up to `limit` timed batches (None: the whole loader)."""
     started, counted, batches = None, 0, 0
     for images, _ in loader:  # images: (b, 3, S, S)
         batches += 1
@@ -67,7 +66,16 @@ def measure(urls: Sequence[str], model: str, batch: int, workers: int) -> Dict:
                 started = time.perf_counter()
             continue
         counted += images.shape[0]
-    elapsed = time.perf_counter() - started if started is not None else 0.0
+        if limit is not None and batches >= workers + limit:
+            break
+    return batches, counted, time.perf_counter() - started if started is not None else 0.0
+
+
+def measure(urls: Sequence[str], model: str, batch: int, workers: int) -> Dict:
+    import webdataset as wds
+    workers = min(workers, len(urls))
+    loader = wds.WebLoader(pipeline(urls, model, batch), batch_size=None, shuffle=False, num_workers=workers)
+    batches, counted, elapsed = time_batches(loader, workers)
     if counted == 0 or elapsed <= 0:
         raise BenchError(f'data: {workers} workers read only {batches} batches of {batch}; the corpus is too small '
                          f'to time, pass --data-samples larger or --data-batch smaller')

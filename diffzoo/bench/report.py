@@ -26,8 +26,10 @@ TARGETS = (
     ('no N×N matrix on the default path at 4096 tokens', 'layer', 'no_nn_4096', None, {}),
     ('GPU profile: attention kernel time vs the baseline\'s', 'profile', 'attention_time', 1.3, GPU),
     ('GPU profile: other non-GEMM time over the baseline\'s (ms per step)', 'profile', 'other_ms_more', 1.0, GPU),
+    ('training loader samples/s, plain / with data accounting', 'data', 'accounting', 1.01, {}),
+    ('data accounting\'s own CPU per sample, as a slowdown of a worker core', 'data', 'accounting_stages', 1.01, {}),
 )
-SECTION_KEY = {'model': 'models', 'compile': 'models', 'layer': 'layers', 'profile': 'profile'}
+SECTION_KEY = {'model': 'models', 'compile': 'models', 'layer': 'layers', 'profile': 'profile', 'data': 'data'}
 
 
 def _ratios(rows: List[Dict], baseline: str) -> None:
@@ -57,6 +59,16 @@ def _measure(results: Dict, section: str, quantity: str, target_model: str):
         data = None if data is None else data.get('compile')
     if data is None:
         return None, f'needs the {section} section' + (' (--compile)' if section == 'compile' else '')
+    if section == 'data' and quantity == 'accounting_stages':
+        st = data['accounting']['stages']
+        return data['accounting']['stage_slowdown'], (
+            f'{st["accounting_cpu_s_per_sample"] * 1e6:.1f} µs of counting stages per sample (plain stages '
+            f'{st["plain_cpu_s_per_sample"] * 1e6:.1f} µs) against a core\'s share of plain samples/s')
+    if section == 'data':
+        a = data['accounting']
+        cpu = f'worker CPU per batch {a["cpu_ratio"]:.3f}x, ' if a.get('cpu_ratio') else ''
+        return a['slowdown'], (f'medians of {a["reps"]} reads, {a["workers"]} workers, {a["shards"]:,} shards of '
+                               f'{a["per_shard"]:,}; {cpu}journal {a["journal_bytes_per_epoch"] / 1e6:,.1f} MB per epoch')
     if section in ('model', 'compile', 'profile'):
         rows = {r['model']: r for r in data['rows']}
         if target_model not in rows:
@@ -163,6 +175,16 @@ def render(results: Dict) -> str:
         rows = [[str(r['workers']), f'{r["images_per_s"]:,.1f}', f'{r["images_per_s_per_worker"]:,.1f}',
                  str(r['images_timed'])] for r in data['rows']]
         out.append(_table(['workers', 'images/s', 'images/s per worker', 'images timed'], rows))
+        a = data.get('accounting')
+        if a:
+            out.append(f'\nTraining loader with and without data accounting ({a["shards"]:,} shards of {a["per_shard"]:,} '
+                       f'in sizes.json, {a["workers"]} workers, batch {a["batch"]}, {a["batches_timed"]} batches per read, '
+                       f'{a["reps"]} reads each; samples/s median [min-max])')
+            rows = [['plain open_clip_train', _spread(a['plain_samples_per_s']), '-'],
+                    ['diffzoo accounting', _spread(a['accounted_samples_per_s']),
+                     f'{a["journal_bytes_per_sample"]:.1f} B/sample, {a["journal_bytes_per_epoch"] / 1e6:,.1f} MB per '
+                     f'epoch of {a["epoch_samples"]:,}']]
+            out.append(_table(['loader', 'samples/s', 'journal'], rows))
     train = results.get('train')
     if train:
         out.append(f'\nscripts/train.sh end to end ({train["processes"]} process(es), batch {train["batch_per_gpu"]} per GPU, '

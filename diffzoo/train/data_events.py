@@ -2,9 +2,11 @@
 
 open_clip_train's pipeline already skips a bad sample (no caption, no image, a member that does
 not decode) or shard (missing, truncated, empty) and goes on; it only logs a warning. The functions
-here replace its pipeline functions (see `diffzoo.train.seams`) and count as well, per process,
-into `$DIFFZOO_DATA_EVENTS/<pid>.json` (rewritten atomically before every batch leaves the process,
-so the file is complete once the epoch's last batch has been trained).
+here replace its pipeline functions (see `diffzoo.train.seams`) and count as well, per process and
+epoch, into the journal `$DIFFZOO_DATA_EVENTS/<pid>-<epoch>.jsonl`: before a batch leaves the process,
+one line is appended with what changed since the last line (the batch's samples by shard and position,
+shards opened, samples skipped), so the journal is complete once the epoch's last batch has been
+trained and costs a few bytes per sample (`python -m diffzoo.bench --sections data` measures it).
 
 A sample is named by its shard url and its position in the shard (0-based, as the tar holds it);
 its key names it in examples. Every count is of distinct samples or shards within one epoch, the
@@ -33,7 +35,6 @@ passed the caption filter, which is the one being decoded (select and decode are
 import json
 import os
 import tarfile
-from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional
 
@@ -64,7 +65,7 @@ REASONS = {**SAMPLE_REASONS, **SHARD_REASONS}
 MAX_EXAMPLES = 20
 
 
-def _mark(bits: Dict[str, int], url: str, position: int) -> None:
+def mark(bits: Dict[str, int], url: str, position: int) -> None:
     """Set bit `position` of shard `url`'s set of positions (a Python int used as a bit set)."""
     bits[url] = bits.get(url, 0) | (1 << position)
 
@@ -79,56 +80,54 @@ def size(bits: Dict[str, int]) -> int:
 
 
 class _ProcessLog:
-    """One epoch's counts for one process (a data-loader worker, or the trainer with workers=0)."""
+    """One process's journal (a data-loader worker, or the trainer with workers=0): what happened since the
+    last line, appended as one JSON line per batch; `data_report.collect` adds the lines up."""
 
     def __init__(self, directory: str):
-        self.directory = Path(directory)
-        self.path = self.directory / f'{os.getpid()}.json'
+        self.where, self.directory, self.pid = directory, Path(directory), os.getpid()
         self.epoch: Optional[int] = None
+        self.file = None
         self.reset()
 
     def reset(self) -> None:
-        self.shards: Counter = Counter()  # shard url -> times opened
+        self.opened: List[str] = []  # shard urls opened (each time)
         self.read = 0  # samples read (each time), as the caption filter met them
-        self.trained = 0  # samples trained (each time)
-        self.trained_bits: Dict[str, int] = {}  # shard url -> positions trained
-        self.readable_bits: Dict[str, int] = {}  # shard url -> positions that reached a batch
-        self.bad_bits: Dict[str, Dict[str, int]] = {}  # sample reason -> shard url -> positions
-        self.bad_shards: Dict[str, set] = {}  # shard reason -> urls
-        self.events: Counter = Counter()  # reason -> times met
-        self.examples: Dict[tuple, None] = {}  # (reason, url, key), first met first
+        self.trained: Dict[str, List[int]] = {}  # shard url -> positions trained
+        self.readable: Dict[str, List[int]] = {}  # shard url -> positions that reached to_tuple, not yet trained
+        self.skips: List[list] = []  # [reason, url, position, key], as met
         self.passes = 0  # passes over this process's shards completed
         self.last_sample = (None, None, None)  # (url, position, key) of the sample being decoded
 
     def start_pass(self) -> None:
-        """A pass over this process's shards begins: a new epoch (as `start_epoch` wrote it) starts afresh."""
+        """A pass over this process's shards begins: a new epoch (as `start_epoch` wrote it) starts a new journal."""
         try:
             epoch = int((self.directory / EPOCH_FILE).read_text())
         except (OSError, ValueError):
             epoch = None
         if epoch != self.epoch:
-            self.epoch = epoch
+            self.flush()
+            if self.file is not None:
+                self.file.close()
+            self.epoch, self.file = epoch, None
             self.reset()
 
     def skip(self, reason: str, url: Optional[str], position: Optional[int], key: Optional[str]) -> None:
-        self.events[reason] += 1
-        if reason in SHARD_REASONS:
-            self.bad_shards.setdefault(reason, set()).add(url)
-        elif position is not None:
-            _mark(self.bad_bits.setdefault(reason, {}), url, position)
-        if len(self.examples) < MAX_EXAMPLES:
-            self.examples.setdefault((reason, url, key), None)
+        self.skips.append([reason, url, position, key])
 
     def flush(self) -> None:
-        tmp = self.path.with_suffix('.tmp')
-        tmp.write_text(json.dumps({
-            'epoch': self.epoch, 'shards': self.shards, 'read': self.read, 'trained': self.trained,
-            'trained_bits': {u: format(b, 'x') for u, b in self.trained_bits.items()},
-            'readable_bits': {u: format(b, 'x') for u, b in self.readable_bits.items()},
-            'bad_bits': {r: {u: format(b, 'x') for u, b in bits.items()} for r, bits in self.bad_bits.items()},
-            'bad_shards': {r: sorted(urls, key=str) for r, urls in self.bad_shards.items()},
-            'events': self.events, 'examples': list(self.examples), 'passes': self.passes}))
-        os.replace(tmp, self.path)
+        """Append what changed since the last line, if anything did."""
+        line = {name: value for name, value in (('open', self.opened), ('read', self.read), ('trained', self.trained),
+                                                ('readable', self.readable), ('skip', self.skips),
+                                                ('passes', self.passes)) if value}
+        if not line:
+            return
+        if self.file is None:  # this epoch's journal (epoch None: what is read outside the training epochs)
+            self.file = open(self.directory / f'{self.pid}-{self.epoch}.jsonl', 'a')
+        self.file.write(json.dumps(line, separators=(',', ':')) + '\n')
+        self.file.flush()  # the trainer reads the journal once it holds the batch
+        last_sample = self.last_sample
+        self.reset()
+        self.last_sample = last_sample
 
 
 _LOG: Optional[_ProcessLog] = None
@@ -139,7 +138,7 @@ def _log() -> Optional[_ProcessLog]:
     directory = os.environ.get(ENV)
     if not directory:
         return None
-    if _LOG is None or _LOG.path.parent != Path(directory) or _LOG.path.stem != str(os.getpid()):
+    if _LOG is None or _LOG.where != directory or _LOG.pid != os.getpid():  # (per sample: no Path built)
         _LOG = _ProcessLog(directory)  # new process (a forked worker starts with its parent's object)
     return _LOG
 
@@ -197,7 +196,7 @@ def _numbered_samples(streams: Iterable[Dict], handler, log: Optional[_ProcessLo
     for source in streams:
         url = source.get('url')
         if log is not None:
-            log.shards[url] += 1
+            log.opened.append(url)
         state = {'failed': False, 'go_on': True}
         files = _webdataset_tar_file_expander([source], handler=_counting_shard_errors(handler, url, log, state))
         position = -1
@@ -243,7 +242,7 @@ class NumberedTuples(webdataset.PipelineStage):
             position = sample.get(INDEX)
             for result in _to_tuple([sample], *self.args, **self.kw):
                 if log is not None and position is not None:
-                    _mark(log.readable_bits, sample.get('__url__'), position)
+                    log.readable.setdefault(sample.get('__url__'), []).append(position)
                     result = _Numbered(result)
                     result.sample_id = (sample.get('__url__'), position)
                 yield result
@@ -279,9 +278,9 @@ class Batched(webdataset.PipelineStage):
         ids = [s.sample_id for s in batch if getattr(s, 'sample_id', None) is not None]
         if log is None or not ids:
             return False
+        log.readable.clear()  # the batch's samples: readable as trained, not written twice
         for url, position in ids:
-            log.trained += 1
-            _mark(log.trained_bits, url, position)
+            log.trained.setdefault(url, []).append(position)
         log.flush()
         return True
 

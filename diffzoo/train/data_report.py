@@ -1,6 +1,6 @@
 """The trainer's side of the data accounting (`diffzoo.train.data_events` counts in the loader processes):
 `start_epoch` tells the loader processes which epoch their next pass belongs to, `report_epoch` gathers
-every process's and rank's counts at the epoch's end, logs a summary (and the size warning once a run)
+every process's and rank's counts at the epoch's end, logs a summary (and the repeat warning once a run)
 and appends the epoch's record to RUN_DIR/data.jsonl. The counts and their definitions are
 `diffzoo.train.data_events`'s docstring.
 """
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 from open_clip_train.data import expand_urls, get_dataset_size
 
-from .data_events import EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS, size, union
+from .data_events import EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS, mark, size, union
 
 
 def start_epoch(directory, epoch: int) -> None:
@@ -26,29 +26,39 @@ def start_epoch(directory, epoch: int) -> None:
 
 def collect(directory, epoch: Optional[int] = None) -> Dict:
     """One rank's counts for `epoch` (None: what was read outside `start_epoch`'s epochs, e.g. validation
-    shards): every process file of `directory` that belongs to it, merged."""
+    shards): every process's journal of `directory` for it, added up."""
     total = {'shards': Counter(), 'read': 0, 'trained': 0, 'trained_bits': {}, 'readable_bits': {}, 'bad_bits': {},
              'bad_shards': {}, 'events': Counter(), 'examples': [], 'processes': 0, 'all_read': True}
-    for path in sorted(Path(directory).glob('*.json')):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if data.get('epoch') != epoch:
-            continue
+    examples = {}
+    for path in sorted(Path(directory).glob(f'*-{epoch}.jsonl')):
+        passes = 0
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:  # a line being appended as the epoch ended (a pass's end, never a trained batch)
+                continue
+            total['shards'].update(entry.get('open', ()))
+            total['read'] += entry.get('read', 0)
+            passes += entry.get('passes', 0)
+            for url, positions in entry.get('trained', {}).items():
+                total['trained'] += len(positions)
+                for position in positions:
+                    mark(total['trained_bits'], url, position)
+                    mark(total['readable_bits'], url, position)
+            for url, positions in entry.get('readable', {}).items():
+                for position in positions:
+                    mark(total['readable_bits'], url, position)
+            for reason, url, position, key in entry.get('skip', ()):
+                total['events'][reason] += 1
+                if reason in SHARD_REASONS:
+                    total['bad_shards'].setdefault(reason, set()).add(url)
+                elif position is not None:
+                    mark(total['bad_bits'].setdefault(reason, {}), url, position)
+                if len(examples) < MAX_EXAMPLES:
+                    examples.setdefault((reason, url, key), None)
         total['processes'] += 1
-        total['all_read'] &= data['passes'] > 0
-        total['shards'].update(data['shards'])
-        total['events'].update(data['events'])
-        total['read'] += data['read']
-        total['trained'] += data['trained']
-        for name in ('trained_bits', 'readable_bits'):
-            union(total[name], {u: int(b, 16) for u, b in data[name].items()})
-        for reason, bits in data['bad_bits'].items():
-            union(total['bad_bits'].setdefault(reason, {}), {u: int(b, 16) for u, b in bits.items()})
-        for reason, urls in data['bad_shards'].items():
-            total['bad_shards'].setdefault(reason, set()).update(urls)
-        total['examples'] += [e for e in map(tuple, data['examples']) if e not in total['examples']]
+        total['all_read'] &= passes > 0
+    total['examples'] = list(examples)
     return total
 
 
@@ -105,34 +115,48 @@ def summary(record: Dict) -> str:
     return '\n'.join(lines)
 
 
-def size_warning(record: Dict, args) -> Optional[str]:
-    """A warning when sizes.json or --train-num-samples declares more samples than the shards hold readable, so
-    that each sample is trained more than once per epoch; None when not, or when not every shard was read this
-    epoch (no exact count), or under --dataset-resampled (drawn with replacement anyway)."""
-    readable = record['samples_readable']
-    if getattr(args, 'dataset_resampled', False) or not record['all_shards_read'] or not readable:
+def repeat_warning(record: Dict, args) -> Optional[str]:
+    """A warning when a sample was trained more than once in the epoch (None when none was, or under
+    --dataset-resampled, which draws shards with replacement), with its cause: sizes.json or
+    --train-num-samples declaring more samples than the shards hold (known exactly once every worker has read
+    all of its shards), or a worker asked for more full batches than its own shards fill (shards that do not
+    split evenly over the data-loader workers of every rank; an epoch rounded up to whole batches), which
+    starts its shards again while others may still be on their first pass."""
+    repeats = record['samples_repeated']
+    if getattr(args, 'dataset_resampled', False) or not repeats:
         return None
+    readable = record['samples_readable']
+    exact = record['all_shards_read'] and readable
+    times = record['samples_trained'] / (readable if exact else record['samples_distinct'])
+    times = f'{times:.1f}'.rstrip('0').rstrip('.')
     if args.train_num_samples is not None:
         declared, folder = args.train_num_samples, None
-        source = f'--train-num-samples {declared} asks for more samples than the shards hold ({readable} readable ones)'
+        source = f'--train-num-samples {declared} asks for'
     else:
         declared, _ = get_dataset_size(args.train_data)
         folder = os.path.dirname(expand_urls(args.train_data)[0][0])
-        source = f'{os.path.join(folder, "sizes.json")} says {declared} samples, the shards hold {readable} readable ones'
-    if not declared or declared <= readable:
-        return None
-    times = f'{record["samples_trained"] / readable:.1f}'.rstrip('0').rstrip('.')
-    fix = f'fix sizes.json with `python -m diffzoo.data sizes {folder} --recount` or pass ' if folder else 'pass '
-    return (f'{source}: each sample is trained ~{times}× per epoch ({record["samples_repeated"]} repeats in epoch '
-            f'{record["epoch"]}); {fix}--train-num-samples {readable}')
+        source = f'{os.path.join(folder, "sizes.json")} says {declared} samples,'
+    trained = f'each sample is trained ~{times}× per epoch ({repeats} repeats in epoch {record["epoch"]})'
+    if exact and declared and declared > readable:
+        fix = f'fix sizes.json with `python -m diffzoo.data sizes {folder} --recount` or pass ' if folder else 'pass '
+        if folder:
+            return f'{source} the shards hold {readable} readable ones: {trained}; {fix}--train-num-samples {readable}'
+        return (f'{source} more samples than the shards hold ({readable} readable ones): {trained}; '
+                f'{fix}--train-num-samples {readable}')
+    workers = max(1, getattr(args, 'workers', 1) or 1) * len(record['ranks'])
+    declared = f'{declared} samples declared by ' + ('--train-num-samples' if folder is None else 'sizes.json')
+    return (f'{trained}: a data-loader worker ({workers} in all, {len(record["ranks"])} process(es)) was asked for '
+            f'more full batches than its shards hold and started them again (open_clip rounds the epoch up to whole '
+            f'batches per worker and drops the partial batch at the end of each pass). With {declared}, use shards '
+            f'of equal size, a multiple of {workers} of them, or a smaller --train-num-samples')
 
 
-_WARNED = set()  # event directories (one per run) whose size warning was given
+_WARNED = set()  # event directories (one per run) whose repeat warning was given
 
 
 def report_epoch(directory, epoch: int, args, run_dir: Optional[str]) -> Dict:
     """At the end of open_clip's epoch `epoch` (0-based): gather every rank's counts; rank 0 logs the summary
-    (and, once a run, the size warning) and appends the record to RUN_DIR/data.jsonl."""
+    (and, once a run, the repeat warning) and appends the record to RUN_DIR/data.jsonl."""
     report = collect(directory, epoch)
     per_rank = [report]
     if dist.is_available() and dist.is_initialized():
@@ -141,7 +165,7 @@ def report_epoch(directory, epoch: int, args, run_dir: Optional[str]) -> Dict:
     record = epoch_record(epoch + 1, per_rank)
     if args.rank == 0:
         logging.info(summary(record))
-        warning = size_warning(record, args)
+        warning = repeat_warning(record, args)
         if warning and directory not in _WARNED:
             _WARNED.add(directory)
             logging.warning(warning)

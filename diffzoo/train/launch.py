@@ -70,6 +70,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except runner.ERRORS as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
+    except runner.LostContact as exc:
+        print(f'error: {exc}', file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == '__main__':

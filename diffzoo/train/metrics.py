@@ -47,6 +47,18 @@ def lambda_scalars(lam: Dict[str, float]) -> Dict[str, float]:
     return {f'lambda/{name}': value for name, value in lam.items()}
 
 
+def _drop_after(path: str, step: int) -> None:
+    """Remove the records after `step` from a resumed run's lambda.jsonl (the stopped run's steps of the epoch it
+    resumes at, which it trains and logs again), so that every step is in the file once."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    kept = [line for line in lines if json.loads(line)['step'] <= step]
+    if len(kept) < len(lines):
+        with open(path + '.tmp', 'w') as f:
+            f.write(''.join(line + '\n' for line in kept))
+        os.replace(path + '.tmp', path)
+
+
 class LambdaLog:
     """Follows one epoch of open_clip_train's loop through its scheduler calls and loss outputs."""
 
@@ -62,6 +74,8 @@ class LambdaLog:
         self.loss_sum: Optional[torch.Tensor] = None
         self.loss_count = 0
         self.wandb = None
+        if self.path is not None and os.path.exists(self.path):
+            _drop_after(self.path, epoch * steps_per_epoch)
         if wandb and self.path is not None:
             import wandb as wandb_module  # heavy optional dependency, imported only when --report-to names it
             self.wandb = wandb_module

@@ -10,12 +10,14 @@ from typing import Dict, List, Optional
 
 import open_clip
 import open_clip_train.main
+import torch.distributed
 from open_clip_train.params import parse_args
 
 from diffzoo.checkpoint import RUN_CONFIG, CheckpointError
 from diffzoo.data.shards import DataError
 
 from . import seams
+from .resume import epoch_checkpoints, restore_latest
 from .recipe import (
     DERIVED, Plan, RecipeError, check_shard_count, dataset_size, expand_shards, find_recipe, load_recipe,
     open_clip_defaults, parse_overrides, resolve,
@@ -141,7 +143,39 @@ def run(argv: List[str], doc: str = '') -> int:
     run_dir = check_run_dir(args, rank)
     if rank == 0:
         print_plan(plan, source, argv, run_dir)
+        if run_dir and args.resume == 'latest' and args.save_most_recent and args.remote_sync is None:
+            restored = restore_latest(os.path.join(run_dir, 'checkpoints'))  # else open_clip_train starts over
+            if restored:
+                print(f'warning: {restored}', file=sys.stderr, flush=True)
 
     with seams.installed():
-        result = open_clip_train.main.main(argv)
+        try:
+            result = open_clip_train.main.main(argv)
+        except (torch.distributed.DistError, RuntimeError) as exc:
+            if world_size > 1 and _lost_contact(exc):
+                raise LostContact(_lost_contact_message(exc, rank, run_dir)) from exc
+            raise
     return 1 if result == -1 else 0
+
+
+# What gloo and NCCL say when the process at the other end of a collective is gone
+LOST = ('connection closed by peer', 'connection reset by peer', 'broken pipe', 'socket timeout', 'timed out',
+        'nccl communicator was aborted', 'connection refused')
+
+
+class LostContact(RuntimeError):
+    """A collective failed because another process of the job stopped (a node lost, a process killed)."""
+
+
+def _lost_contact(exc: BaseException) -> bool:
+    return isinstance(exc, torch.distributed.DistError) or any(s in str(exc).lower() for s in LOST)
+
+
+def _lost_contact_message(exc: BaseException, rank: int, run_dir: Optional[str]) -> str:
+    checkpoints = os.path.join(run_dir, 'checkpoints') if run_dir else None
+    epochs = epoch_checkpoints(checkpoints) if checkpoints else []
+    where = (f'the newest checkpoint is {os.path.join(checkpoints, epochs[0])}' if epochs
+             else 'no epoch has been checkpointed yet, so it starts over')
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f'rank {rank} lost contact with another process of this job ({first}): a node or process stopped. '
+            f'Nothing after the last checkpoint is kept; {where}: run the same command on every node to resume')

@@ -18,34 +18,31 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   `open_clip_train.data.get_wds_dataset` hands that shuffle the run's seed and rank and the dataset's
   epoch, so a resumed run replays the uninterrupted run's sample order and augmentations; its
   `to_tuple` and `batched` count the samples trained (`diffzoo.train.data_events.CountingWebdataset`).
-- `open_clip_train.main.pt_load`, which main uses only to read the checkpoint it resumes from:
-  `load_resume_checkpoint` reads it with `diffzoo.checkpoint.read_checkpoint` (weights_only=True
-  whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says) and, when it is unreadable (a save cut short),
-  resumes from the newest intact `epoch_K.pt` beside it and says which.
+- `open_clip_train.main.pt_load`, which main uses only to read the checkpoint it resumes from, and
+  `.get_latest_checkpoint`, its choice of that checkpoint: `diffzoo.train.resume` reads it with
+  weights_only=True whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, locally or through fsspec, falls back to
+  the newest intact `epoch_K.pt` beside an unreadable one and says which, and never picks a `tmp.pt`.
 - torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back; the
   root logger's handlers that its set-up adds (console, RUN_DIR/out.log) are closed and removed after
   the run, so a second run in the same process (`diffzoo.train.launch.main(argv)` from Python) logs
   to its own out.log only.
 """
 import contextlib
-import io
 import logging
 import os
-import re
 import shutil
 import tempfile
 import warnings
 
-import fsspec
 import open_clip_train.data
 import open_clip_train.main
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from diffzoo.checkpoint import SAFE_GLOBALS, CheckpointError, UnsafeCheckpointError, read_checkpoint
 from diffzoo.clip.seams import expect_function
 from . import data_events, data_report
 from .metrics import LambdaLog
+from .resume import latest_checkpoint, load_resume_checkpoint
 from .shuffle import WebdatasetSeededShuffle, reseed
 
 DATA_REPORT_FILE = data_events.REPORT_FILE
@@ -88,42 +85,6 @@ def _epoch_wrapper(original, events_dir: str):
     return train_one_epoch
 
 
-def load_resume_checkpoint(file_path: str, map_location=None):
-    """open_clip_train.main's `pt_load(args.resume)`, read safely; an unreadable local checkpoint gives way
-    to the newest intact `epoch_K.pt` in its folder. Raises CheckpointError when none is intact, and
-    UnsafeCheckpointError (no fall-back: a file that would run code was put there) for a refused global.
-    Local files are read onto the CPU, as open_clip_train asks."""
-    if '://' in file_path:  # open_clip_train's remote resume (--remote-sync s3://…)
-        with fsspec.open(file_path, 'rb') as f, torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(io.BytesIO(f.read()), map_location=map_location, weights_only=True)
-    try:
-        return read_checkpoint(file_path)
-    except UnsafeCheckpointError:
-        raise
-    except CheckpointError as e:
-        unreadable = [(os.path.basename(file_path), e.reason)]
-    folder = os.path.dirname(file_path)
-    epochs = sorted(((int(m.group(1)), name) for name in os.listdir(folder or '.')
-                     for m in [re.fullmatch(r'epoch_(\d+)\.pt', name)] if m), reverse=True)
-    for _, name in epochs:
-        if name == unreadable[0][0]:
-            continue
-        try:
-            checkpoint = read_checkpoint(os.path.join(folder, name))
-        except UnsafeCheckpointError:
-            raise
-        except CheckpointError as e:
-            unreadable.append((name, e.reason))
-            continue
-        logging.warning('; '.join(f'{n} is unreadable ({reason})' for n, reason in unreadable)
-                        + f'; resuming from {name}')
-        return checkpoint
-    raise CheckpointError(
-        f'cannot resume from {folder}: ' + '; '.join(f'{n} is unreadable ({reason})' for n, reason in unreadable)
-        + ('' if len(unreadable) > 1 else '; no epoch_K.pt beside it')
-        + '. Delete the checkpoints folder to start the run over, or pass --name NEW for a new run')
-
-
 @contextlib.contextmanager
 def installed():
     """Patch open_clip_train for one run and restore it afterwards."""
@@ -137,6 +98,7 @@ def installed():
         (data_mod, 'get_wds_dataset'): expect_function(data_mod, 'get_wds_dataset',
                                                        ('args', 'preprocess_img', 'is_train', 'epoch')),
         (main_mod, 'pt_load'): expect_function(main_mod, 'pt_load', ('file_path', 'map_location')),
+        (main_mod, 'get_latest_checkpoint'): expect_function(main_mod, 'get_latest_checkpoint', ('path', 'remote')),
         (main_mod, 'train_one_epoch'): expect_function(
             main_mod, 'train_one_epoch',
             ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
@@ -163,6 +125,7 @@ def installed():
         data_mod.wds = data_events.CountingWebdataset(seeded)
         data_mod.get_wds_dataset = seeded.bind(originals[(data_mod, 'get_wds_dataset')])
         main_mod.pt_load = load_resume_checkpoint
+        main_mod.get_latest_checkpoint = latest_checkpoint
         main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
         parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
         yield

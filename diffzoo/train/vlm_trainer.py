@@ -138,7 +138,9 @@ class VLMTrainer(Trainer):
 
 
 class RunLog(TrainerCallback):
-    """log.jsonl and a progress line per logged step (rank 0); a log and a checkpoint at the last step."""
+    """log.jsonl and a progress line per logged step (rank 0); a log and a checkpoint at the last step. A run
+    resumed from step S drops the records after S that the stopped run wrote (it logs those steps again), so
+    the file holds each optimizer step once."""
 
     def __init__(self, path: Path, samples_per_step: int):
         self.path, self.samples_per_step = path, samples_per_step
@@ -146,6 +148,16 @@ class RunLog(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_step, self.last_time = state.global_step, time.time()
+        if state.is_world_process_zero and self.path.exists():  # state.global_step: the checkpoint's, on resume
+            lines = self.path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)['step'] <= state.global_step]
+            if len(kept) < len(lines):
+                tmp = self.path.with_suffix('.tmp')
+                tmp.write_text(''.join(line + '\n' for line in kept))
+                os.replace(tmp, self.path)
+                print(f'{self.path}: {len(lines) - len(kept)} record(s) after step {state.global_step} removed '
+                      f'(the stopped run trained past its last complete checkpoint); they are trained and logged '
+                      f'again', flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:

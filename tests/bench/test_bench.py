@@ -10,6 +10,8 @@ from diffzoo.bench import attention, end_to_end
 from diffzoo.bench.__main__ import main, parser
 from diffzoo.bench.report import evaluate_targets
 
+pytestmark = pytest.mark.slow  # the bench runs models, layers and trainings
+
 SMOKE_MODELS = ('diffclip-tiny', 'clip-tiny-baseline')
 
 
@@ -112,6 +114,22 @@ def test_data_rows_report_per_worker_throughput(smoke):
     for w, r in rows.items():
         assert r['images_timed'] > 0 and r['images_per_s'] > 0
         assert r['images_per_s_per_worker'] == pytest.approx(r['images_per_s'] / w)
+
+
+def test_data_accounting_cost_is_measured_on_the_real_training_loader(smoke):
+    results, stdout = smoke
+    a = results['data']['accounting']
+    assert (a['shards'], a['per_shard'], a['epoch_samples']) == (16, 20, 16 * 20)  # sizes.json, as open_clip reads it
+    assert a['slowdown'] == pytest.approx(a['plain_samples_per_s']['median'] / a['accounted_samples_per_s']['median'])
+    for row in a['reads']['accounted']:
+        assert row['journal_samples'] >= a['batches_timed'] * a['batch']  # every batch trained is in the journal
+        assert row['journal_bytes'] > 0
+    assert a['journal_bytes_per_epoch'] == pytest.approx(a['journal_bytes_per_sample'] * 320)
+    assert a['stages']['accounted_cpu_s_per_sample'] > a['stages']['plain_cpu_s_per_sample'] > 0
+    targets = {t['target']: t for t in results['targets']}
+    assert targets['training loader samples/s, plain / with data accounting']['ratio'] == a['slowdown']
+    assert targets["data accounting's own CPU per sample, as a slowdown of a worker core"]['ratio'] == a['stage_slowdown']
+    assert 'Training loader with and without data accounting' in stdout
 
 
 def test_targets_follow_the_run_settings(smoke):

@@ -3,6 +3,8 @@ import argparse
 import json
 import sys
 
+import pytest
+import torch
 import webdataset as wds
 
 from diffzoo.train import data_events, data_report
@@ -50,11 +52,15 @@ def test_a_wrapped_epoch_counts_distinct_samples_and_calls_the_rest_repeats(tmp_
     assert '  skipped 2 without caption, met 5 times (3 repeats) (00000.tar/000000001, 00002.tar/000020003)' in text
     assert '  skipped 1 undecodable image, met 3 times (2 repeats) (00001.tar/000010000)' in text
     args = argparse.Namespace(train_num_samples=20, dataset_resampled=False)
-    assert data_report.size_warning(record, args) == (
+    assert data_report.repeat_warning(record, args) == (
         '--train-num-samples 20 asks for more samples than the shards hold (9 readable ones): each sample is trained '
         '~2.2× per epoch (12 repeats in epoch 2); pass --train-num-samples 9')
-    assert data_report.size_warning(record, argparse.Namespace(train_num_samples=9, dataset_resampled=False)) is None
-    assert data_report.size_warning(record, argparse.Namespace(train_num_samples=20, dataset_resampled=True)) is None
+    assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=9, dataset_resampled=False)) == (
+        'each sample is trained ~2.2× per epoch (12 repeats in epoch 2): a data-loader worker (1 in all, 1 process(es)) '
+        'was asked for more full batches than its shards hold and started them again (open_clip rounds the epoch up '
+        'to whole batches per worker and drops the partial batch at the end of each pass). With 9 samples declared '
+        'by --train-num-samples, use shards of equal size, a multiple of 1 of them, or a smaller --train-num-samples')
+    assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=20, dataset_resampled=True)) is None
 
 
 def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_path, monkeypatch):
@@ -74,8 +80,53 @@ def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_pa
     assert record['skipped'] == {'empty_shard': 1, 'no_caption': 1}
     assert record['skip_events'] == {'empty_shard': 2, 'no_caption': 2}
     assert not record['all_shards_read']  # each epoch ended with its batch, before its pass did: no exact total
-    assert data_report.size_warning(record, argparse.Namespace(train_num_samples=100, dataset_resampled=False)) is None
+    assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=100, dataset_resampled=True)) is None
     assert 'skipped 1 empty shard, met 2 times (1 repeat) (00003.tar)' in data_report.summary(record)
+
+
+def test_an_epoch_ending_partway_through_a_workers_pass_still_warns_of_repeats(tmp_path, monkeypatch):
+    """Two data-loader workers (processes of their own), 3 clean shards of 4, 2 batches of 4 per worker: worker 0
+    reads shards 0 and 2 and the epoch ends before its pass does; worker 1 trains shard 1 twice. No worker's count
+    is exact, yet 4 samples were trained twice, and the warning says so and why."""
+    write_shards(tmp_path / 'shards', 3, 4)
+    urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(3)]
+    events = tmp_path / 'events'
+    events.mkdir()
+    monkeypatch.setenv(data_events.ENV, str(events))
+    data_report.start_epoch(events, 0)
+    counting = data_events.CountingWebdataset(wds)
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(urls), wds.split_by_worker, data_events.tarfile_to_samples_nothrow,
+        wds.select(data_events.filter_no_caption_or_no_image), wds.decode('pilrgb', handler=data_events.log_and_continue),
+        wds.rename(image='jpg', text='txt'), wds.map_dict(image=lambda image: image.size),
+        counting.to_tuple('image', 'text'), counting.batched(4, partial=False)).with_epoch(2)
+    loader = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=2, multiprocessing_context='fork')
+    assert sum(len(images) for images, _ in loader) == 16
+    rank = data_report.collect(events, 0)
+    assert rank['processes'] == 2 and rank['trained'] == 16
+    record = data_report.epoch_record(1, [rank])
+    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (16, 12, 4)
+    assert not record['all_shards_read']
+    args = argparse.Namespace(train_num_samples=16, dataset_resampled=False, workers=2)
+    assert data_report.repeat_warning(record, args) == (
+        'each sample is trained ~1.3× per epoch (4 repeats in epoch 1): a data-loader worker (2 in all, 1 process(es)) '
+        'was asked for more full batches than its shards hold and started them again (open_clip rounds the epoch up '
+        'to whole batches per worker and drops the partial batch at the end of each pass). With 16 samples declared '
+        'by --train-num-samples, use shards of equal size, a multiple of 2 of them, or a smaller --train-num-samples')
+
+
+def test_the_journal_is_a_few_bytes_per_sample(tmp_path, monkeypatch):
+    """Append-only: each batch adds a line of its own samples, whatever was trained before it."""
+    write_shards(tmp_path / 'shards', 2, 8)
+    urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(2)]
+    monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
+    (tmp_path / 'events').mkdir()
+    _epoch(tmp_path / 'events', urls, 0, batches=4)
+    lines = next((tmp_path / 'events').glob('*-0.jsonl')).read_text().splitlines()
+    assert len(lines) == 4  # a line per batch (the epoch ends with the 4th, before the pass's end is seen)
+    batch_lines = [json.loads(line) for line in lines]
+    assert [sum(map(len, b['trained'].values())) for b in batch_lines] == [4, 4, 4, 4]
+    assert max(len(line) - sum(line.count(url) * len(url) for url in urls) for line in lines) < 80  # besides urls
 
 
 def test_the_last_batch_of_a_clean_epoch_is_counted(tmp_path, monkeypatch):
@@ -93,6 +144,7 @@ def _records(run_dir) -> list:
     return [json.loads(line) for line in (run_dir / 'data.jsonl').read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_says_so_once(tmp_path):
     """2 clean shards of 8 whose sizes.json says 32 each: batches of 4, so an epoch is 4 whole passes."""
     write_shards(tmp_path / 'shards', 2, 8)
@@ -114,6 +166,7 @@ def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_say
     assert log.count('the shards hold') == 1 and warning in log
 
 
+@pytest.mark.slow
 def test_two_processes_count_each_bad_shard_once(tmp_path):
     """torchrun, 2 ranks of 3 shards: 4 clean shards of 4, an empty one and one that is not a tar. sizes.json says
     20, so 3 batches of 4 per rank: every readable sample is trained (16 distinct), 8 of them twice, whichever

@@ -3,7 +3,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.factory import run
+
+pytestmark = pytest.mark.slow  # real torchrun processes
 
 HERE = Path(__file__).resolve().parent
 

@@ -9,6 +9,8 @@ import pytest
 from diffzoo.train.launch import main
 from tests.factory import call, run, write_shards
 
+pytestmark = pytest.mark.slow  # trainings, one in a real process and one under torchrun
+
 TRAIN = [sys.executable, '-m', 'diffzoo.train']
 
 

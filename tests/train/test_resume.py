@@ -1,15 +1,19 @@
-"""Resuming a CLIP run: the same weights as the uninterrupted run, an unreadable latest checkpoint giving
-way to an intact one, and a checkpoint that would run code refused, on real files (`python -m diffzoo.train`
+"""Resuming a CLIP run: the same weights as the uninterrupted run, a missing or unreadable latest checkpoint
+giving way to an intact one (local, and on fsspec's file:// and memory:// filesystems standing in for object
+stores), and a checkpoint that would run code refused, on real files (`python -m diffzoo.train`
 through its `main` in this process; tests/train/test_end_to_end.py kills and resumes real processes)."""
+import logging
 import os
 import shutil
 
+import fsspec
 import open_clip_train.file_utils
+import open_clip_train.main
 import pytest
 import torch
 
 from diffzoo.checkpoint import CheckpointError, UnsafeCheckpointError
-from diffzoo.train.seams import load_resume_checkpoint
+from diffzoo.train.resume import latest_checkpoint, load_resume_checkpoint
 from diffzoo.train.launch import main
 from tests.factory import call, write_shards
 
@@ -69,6 +73,71 @@ def test_a_cut_latest_checkpoint_gives_way_to_the_newest_intact_one(whole_run, t
     assert f'epoch_latest.pt is unreadable ({CUT_ZIP}); resuming from epoch_1.pt' in result.stderr
     _assert_same_weights(checkpoints / 'epoch_2.pt', whole_run / 'runs' / RECIPE / 'checkpoints' / 'epoch_2.pt')
     assert torch.load(checkpoints / 'epoch_latest.pt', weights_only=True)['epoch'] == 2  # written anew
+
+
+def test_a_missing_latest_checkpoint_resumes_from_the_newest_epoch_instead_of_starting_over(whole_run, tmp_path):
+    checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
+    (checkpoints / 'epoch_latest.pt').unlink()  # open_clip_train alone would train epoch 1 again from scratch
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (f'runs/{RECIPE}/checkpoints/epoch_latest.pt is missing; resuming from epoch_1.pt, the newest epoch '
+            'checkpoint beside it') in result.stderr
+    assert '(epoch 1)' in result.stderr
+    _assert_same_weights(checkpoints / 'epoch_2.pt', whole_run / 'runs' / RECIPE / 'checkpoints' / 'epoch_2.pt')
+    assert torch.load(checkpoints / 'epoch_1.pt', weights_only=True)['epoch'] == 1  # the link was not written through
+    assert torch.load(checkpoints / 'epoch_latest.pt', weights_only=True)['epoch'] == 2
+
+
+def test_a_missing_latest_checkpoint_with_no_intact_epoch_is_a_named_error(whole_run, tmp_path):
+    checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
+    (checkpoints / 'epoch_latest.pt').unlink()
+    _cut(checkpoints / 'epoch_1.pt')
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f'error: cannot resume from runs/{RECIPE}/checkpoints: epoch_latest.pt is unreadable' in result.stderr
+    assert 'Delete the checkpoints folder to start the run over' in result.stderr
+    assert not (checkpoints / 'epoch_2.pt').exists()
+
+
+def test_latest_is_never_a_save_cut_short(tmp_path):
+    """open_clip_train's own choice without --save-most-recent is the last *.pt by name: tmp.pt."""
+    for name in ('epoch_2.pt', 'epoch_10.pt', 'tmp.pt'):
+        (tmp_path / name).write_bytes(b'')
+    assert open_clip_train.main.get_latest_checkpoint(str(tmp_path), remote=False).endswith('tmp.pt')
+    assert latest_checkpoint(str(tmp_path), remote=False) == str(tmp_path / 'epoch_10.pt')
+    (tmp_path / 'epoch_latest.pt').write_bytes(b'')
+    assert latest_checkpoint(str(tmp_path), remote=False) == str(tmp_path / 'epoch_latest.pt')
+    assert latest_checkpoint(str(tmp_path / 'none'), remote=False) is None
+
+
+@pytest.mark.parametrize('protocol', ['memory', 'file'])
+def test_a_remote_resume_falls_back_to_the_newest_intact_epoch(whole_run, tmp_path, protocol, caplog):
+    """The checkpoints on an fsspec filesystem, as `--remote-sync` leaves them in an object store."""
+    fs = fsspec.filesystem(protocol)
+    root = f'memory://{tmp_path.name}/run/checkpoints' if protocol == 'memory' else f'file://{tmp_path}/checkpoints'
+    folder = root.split('://', 1)[1]
+    fs.makedirs(folder, exist_ok=True)
+    local = whole_run / 'runs' / RECIPE / 'checkpoints'
+    for name in ('epoch_1.pt', 'epoch_2.pt', 'epoch_latest.pt'):
+        fs.pipe_file(f'{folder}/{name}', (local / name).read_bytes())
+    fs.pipe_file(f'{folder}/tmp.pt', b'cut')
+    try:
+        assert latest_checkpoint(root, remote=True) == f'{root}/epoch_latest.pt'
+        assert load_resume_checkpoint(f'{root}/epoch_latest.pt', map_location='cpu')['epoch'] == 2
+        fs.rm(f'{folder}/epoch_latest.pt')
+        assert latest_checkpoint(root, remote=True) == f'{root}/epoch_2.pt'
+        data = (local / 'epoch_2.pt').read_bytes()
+        fs.pipe_file(f'{folder}/epoch_2.pt', data[:len(data) // 2])
+        with caplog.at_level(logging.WARNING):  # (whatever level an earlier test left the root logger at)
+            assert load_resume_checkpoint(f'{root}/epoch_2.pt', map_location='cpu')['epoch'] == 1
+        assert f'epoch_2.pt is unreadable ({CUT_ZIP}); resuming from epoch_1.pt' in caplog.text
+        fs.pipe_file(f'{folder}/epoch_1.pt', b'not a checkpoint')
+        with pytest.raises(CheckpointError, match=rf'cannot resume from {root}: epoch_2\.pt is unreadable .*; '
+                                                  r'epoch_1\.pt is unreadable .*--name NEW'):
+            load_resume_checkpoint(f'{root}/epoch_2.pt', map_location='cpu')
+    finally:
+        if protocol == 'memory':
+            fs.rm(folder, recursive=True)
 
 
 def test_the_newest_intact_epoch_checkpoint_is_chosen(whole_run, tmp_path):

@@ -1,46 +1,90 @@
-"""scripts/train.sh: torchrun across two 'nodes' on this machine (one process each, gloo)."""
+"""scripts/train.sh: torchrun across two 'nodes' on this machine (gloo): a 2 × 2 job whose node is lost mid-run,
+then restarted on both, resuming with nothing lost or repeated (c10d rendezvous, then a static master)."""
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.factory import free_port, python_env, run, write_shards
+from tests.factory import free_port, kill_tree, python_env, run, write_shards
+
+pytestmark = pytest.mark.slow  # real torchrun launchers
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SH = str(ROOT / 'scripts' / 'train.sh')
 
 
-@pytest.mark.parametrize('rendezvous', ['static', 'c10d'])
-def test_two_nodes_train_one_run(tmp_path, rendezvous):
-    write_shards(tmp_path / 'shards', 4, 8)
+def _launch(tmp_path, node_rank: int, port: int, argv, rendezvous: str):
+    """One node's launcher as a SLURM or plain multi-node user starts it: the same command on every node,
+    NNODES, its node rank and a c10d rendezvous or a static master; --logs on storage both nodes share."""
+    if rendezvous == 'c10d':
+        if node_rank:
+            time.sleep(2)  # node 0 first, so that its launcher hosts the rendezvous store (the node that lives on)
+        env = python_env(NNODES=2, NPROC_PER_NODE=2, NODE_RANK=node_rank, RDZV_ENDPOINT=f'127.0.0.1:{port}',
+                         RDZV_ID=f'job{port}')
+    else:
+        env = python_env(NNODES=2, NPROC_PER_NODE=2, NODE_RANK=node_rank, MASTER_ADDR='127.0.0.1', MASTER_PORT=port)
+    return subprocess.Popen(['bash', TRAIN_SH, 'diffclip-tiny', *argv], cwd=tmp_path, env=env, text=True,
+                            stdout=open(tmp_path / f'node{node_rank}-{port}.log', 'w'), stderr=subprocess.STDOUT)
+
+
+def _steps(run_dir) -> list:
+    path = run_dir / 'lambda.jsonl'
+    return [json.loads(line)['step'] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_lost_node_ends_the_job_clearly_and_a_restart_of_both_resumes(tmp_path):
+    """2 nodes × 2 processes, 4 shards of 12, batch 8: 6 steps an epoch, 2 epochs, started with a c10d rendezvous.
+    Node 1's launcher and its workers are killed (SIGKILL, as a node losing power) three steps into epoch 2; node 0
+    must stop with a message naming what happened and what to do. The same command on both nodes, started this
+    time with a static master (NODE_RANK, MASTER_ADDR, MASTER_PORT), resumes from epoch 1's checkpoint; the data
+    accounting shows every sample of every epoch trained once, and global rank 0 alone prints the plan."""
+    write_shards(tmp_path / 'shards', 4, 12)
+    argv = ['--train_data', 'shards', '--epochs', '2', '--global_batch_size', '8', '--logs', 'runs']
+    run_dir = tmp_path / 'runs' / 'diffclip-tiny'
     port = free_port()
-    nodes = []
-    for node_rank in range(2):
-        env = dict(NNODES=2, NPROC_PER_NODE=1)
-        if rendezvous == 'static':
-            env.update(NODE_RANK=node_rank, MASTER_ADDR='127.0.0.1', MASTER_PORT=port)
-        else:
-            env.update(RDZV_ENDPOINT=f'127.0.0.1:{port}', RDZV_ID='test')
-        cmd = ['bash', TRAIN_SH, 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8',
-               '--logs', f'node{node_rank}']  # the same run; a directory per node, as on machines of their own
-        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=python_env(**env), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for node in nodes:
-        try:
-            outputs.append(node.communicate(timeout=240)[0])
-        finally:
-            node.kill()
-    assert [n.returncode for n in nodes] == [0, 0], '\n'.join(o[-3000:] for o in outputs)
-    writers = [d for d in ('node0', 'node1') if (tmp_path / d / 'diffclip-tiny' / 'data.jsonl').exists()]
-    assert len(writers) == 1  # global rank 0 alone writes logs and checkpoints
-    run_dir = tmp_path / writers[0] / 'diffclip-tiny'
-    record = json.loads((run_dir / 'data.jsonl').read_text())
-    ranks = [{os.path.basename(u) for u in r['shards']} for r in record['ranks']]
-    assert len(ranks) == 2 and not ranks[0] & ranks[1] and len(ranks[0] | ranks[1]) == 4
-    assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
+    nodes = [_launch(tmp_path, rank, port, argv, 'c10d') for rank in range(2)]
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 240 and max(_steps(run_dir), default=0) < 6 + 3:
+            assert all(n.poll() is None for n in nodes), (tmp_path / f'node0-{port}.log').read_text()[-3000:]
+            time.sleep(0.05)
+        kill_tree(nodes[1].pid)
+        nodes[1].wait()
+        nodes[0].wait(timeout=180)
+    finally:
+        for node in nodes:
+            kill_tree(node.pid)
+    survivor = (tmp_path / f'node0-{port}.log').read_text()
+    assert nodes[0].returncode != 0
+    assert 'lost contact with another process of this job' in survivor, survivor[-4000:]
+    assert 'run the same command on every node to resume' in survivor
+    assert sorted(p.name for p in (run_dir / 'checkpoints').glob('*.pt')) == ['epoch_1.pt', 'epoch_latest.pt']
+
+    port = free_port()
+    nodes = [_launch(tmp_path, rank, port, argv, 'static') for rank in range(2)]
+    try:
+        for node in nodes:
+            node.wait(timeout=240)
+    finally:
+        for node in nodes:
+            kill_tree(node.pid)
+    logs = [(tmp_path / f'node{rank}-{port}.log').read_text() for rank in range(2)]
+    assert [n.returncode for n in nodes] == [0, 0], '\n'.join(log[-3000:] for log in logs)
+    assert ['run directory: runs/diffclip-tiny' in log for log in logs] == [True, False]  # node 0 holds rank 0
+    assert 'checkpoints/epoch_latest.pt\' (epoch 1)' in (run_dir / 'out.log').read_text()
+    records = [json.loads(line) for line in (run_dir / 'data.jsonl').read_text().splitlines()]
+    assert [r['epoch'] for r in records] == [1, 2]  # epoch 2 once: the lost run never finished it
+    for record in records:
+        assert len(record['ranks']) == 4
+        assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (48, 48, 0)
+        shards = [{os.path.basename(u) for u in r['shards']} for r in record['ranks']]
+        assert all(shards) and len(set().union(*shards)) == sum(map(len, shards)) == 4  # a shard per rank
+    assert torch.load(run_dir / 'checkpoints' / 'epoch_2.pt', weights_only=True)['epoch'] == 2
+    assert _steps(run_dir) == list(range(13))  # every optimizer step logged once (step 0: before training)
 
 
 def test_usage_without_a_recipe(tmp_path):
