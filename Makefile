@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.diffzoo-installed
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test install clean
+.PHONY: demo test test-quick install clean
 
 install: $(STAMP)
 
@@ -19,7 +19,10 @@ demo: $(STAMP)
 	$(PY) -m diffzoo.demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,9 +2,17 @@ import os
 from pathlib import Path
 from typing import Dict, NamedTuple
 
-import pytest
-import torch
+# pytest-xdist (make test runs -n auto): the cores shared out between the workers, each torch and OpenMP
+# pool sized to its share (pools of every core in every worker spin against each other: no faster than serial)
+if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT']))
+    os.environ.setdefault('OMP_NUM_THREADS', str(_THREADS))
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
+    torch.set_num_threads(_THREADS)
 os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')  # img2dataset's albumentations checks PyPI on import
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 if not torch.cuda.is_available():  # the Triton kernels run under Triton's interpreter (read at import)
@@ -60,3 +68,26 @@ def offline_hub(tmp_path, monkeypatch):
     cache = tmp_path / 'hub'
     monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
     return lambda repo, files: hub_cache(cache, repo, files)
+
+
+
+# The longest files on the 2-core machine, started first: pytest-xdist's loadfile (with --no-loadscope-reorder, as
+# `make test` runs it; by default it orders files by their number of tests) hands out whole files in this order,
+# the next to the first worker that is nearly done, and one long file started last would run alone at the end
+LONGEST_FIRST = ('tests.layers.test_kernels', 'tests.train.test_end_to_end', 'tests.train.test_train_sh',
+                 'tests.test_demo', 'tests.test_cli', 'tests.bench.test_bench', 'tests.clip.test_official_checkpoint',
+                 'tests.vlm.test_train', 'tests.clip.test_tracing', 'tests.train.test_launch',
+                 'tests.train.test_data_events')
+
+
+def pytest_collection_modifyitems(items):
+    """The longest files first, then the other files with slow tests, then the rest; each file's tests kept
+    together and in order (module fixtures are built once)."""
+    has_slow = {item.module.__name__ for item in items if item.get_closest_marker('slow')}
+    order = {item.nodeid: i for i, item in enumerate(items)}
+
+    def rank(item):
+        name = item.module.__name__
+        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, name not in has_slow, order[item.nodeid]
+    items.sort(key=rank)

@@ -13,6 +13,8 @@ from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
 from tests.factory import call
 
+pytestmark = pytest.mark.slow  # the demo trains two models
+
 SMALL = ['--train', '128', '--val', '32', '--epochs', '1']
 MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
 

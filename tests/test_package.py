@@ -3,9 +3,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_wheel_carries_configs_recipes_and_dataset_cards(tmp_path):
     subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--quiet', '--no-deps', '-w', str(tmp_path), str(ROOT)],
                    check=True, capture_output=True)

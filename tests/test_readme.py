@@ -134,12 +134,14 @@ def test_every_python_block_is_run_or_skipped_with_a_reason():
 NAMED = sorted(set(re.findall(r'(?:python|torchrun[^`\n]*?) -m (diffzoo(?:\.\w+)+)', README)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('module', NAMED)
 def test_every_command_named_answers_help(module, tmp_path):
     done = _run([sys.executable, '-m', module, '--help'], tmp_path)
     assert done.returncode == 0 and done.stdout.startswith('usage: '), (done.stdout[:300], done.stderr[-2000:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('command', list(RUN))
 def test_shell_command_runs(command, tmp_path):
     argv = command.split()
@@ -148,6 +150,7 @@ def test_shell_command_runs(command, tmp_path):
     assert RUN[command] in done.stdout, done.stdout[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('heading', [h for h, v in PYTHON.items() if isinstance(v, tuple)])
 def test_python_block_runs(heading, tmp_path):
     prelude, substitutions = PYTHON[heading]

@@ -234,6 +234,7 @@ def _png(path):
     return path.is_file() and path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.slow
 def test_cli_compares_a_differential_vlm_with_its_adapter_to_a_vanilla_one(language_model_dir, tmp_path):
     images = _image_folder(tmp_path, 2)
     model = {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(language_model_dir)}

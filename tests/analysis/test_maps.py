@@ -213,6 +213,7 @@ def test_a_vision_tower_that_is_not_a_timm_vit_is_refused():
         attention.attention_maps(clip, torch.zeros(1, 3, 32, 32))
 
 
+@pytest.mark.slow
 def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
     paths = []
     for i, img in enumerate(_scenes(2)):

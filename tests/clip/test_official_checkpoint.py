@@ -35,6 +35,7 @@ def _assert_matches_official(model, state_dict, inputs):
         torch.testing.assert_close(model.logit_scale, state_dict['logit_scale'])
 
 
+@pytest.mark.slow
 def test_official_file_loads_strictly_and_matches_official_outputs(official, inputs):
     path, state_dict = official
     model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained=str(path))
@@ -58,6 +59,7 @@ def _assert_diffclip_preprocessing(preprocess):
     assert resize.interpolation.value == 'bilinear', resize
 
 
+@pytest.mark.slow
 def test_convert_cli_writes_safetensors_open_clip_loads(official, inputs, tmp_path, recwarn):
     path, state_dict = official
     out = tmp_path / 'diffclip_b16_cc12m.safetensors'
@@ -70,6 +72,7 @@ def test_convert_cli_writes_safetensors_open_clip_loads(official, inputs, tmp_pa
     assert not [w for w in recwarn if 'no record of the preprocessing' in str(w.message)]
 
 
+@pytest.mark.slow
 def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, inputs, tmp_path, offline_hub):
     path, state_dict = official
     out = tmp_path / 'diffclip-b16-cc12m'
@@ -91,6 +94,7 @@ def test_publish_refuses_a_folder_without_the_hub_layout(tmp_path, capsys):
     assert 'no open_clip_config.json, open_clip_model.safetensors' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_publish_to_a_local_dir_writes_what_the_upload_sends_and_open_clip_loads_it(official, inputs, tmp_path,
                                                                                      capsys):
     """A converted folder published offline with --local-dir: only open_clip's two files (not a stray
@@ -149,6 +153,7 @@ def test_convert_cli_refuses_other_files(tmp_path):
     assert proc.returncode == 2 and 'not a PyTorch checkpoint' in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tag, repo', [('cc3m', 'hammh0a/DiffCLIP_ViTB16_CC3M'),
                                        ('cc12m', 'hammh0a/DiffCLIP_ViTB16_CC12M')])
 def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_offline(official, inputs, offline_hub,

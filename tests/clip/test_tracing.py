@@ -8,6 +8,8 @@ import open_clip
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # full-size towers through dynamo, export and ONNX
+
 
 class TextTower(torch.nn.Module):
     """`encode_text` as a module, the form the tracers take."""

@@ -58,6 +58,7 @@ def test_the_wrong_dataset_file_is_refused_with_the_reason(tmp_path):
         prepare_url_list(load_card('cc3m'), tmp_path / 'missing.tsv', tmp_path / 'out')
 
 
+@pytest.mark.slow
 def test_a_card_without_columns_downloads_a_parquet_list_as_it_is(tmp_path):
     """LAION-400M and DataComp publish parquet metadata with named columns; a card for them has no `columns`."""
     rows = serve_dataset(tmp_path / 'www', 6, missing=1, corrupt=0)

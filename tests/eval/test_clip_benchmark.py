@@ -4,6 +4,7 @@ import io
 import json
 import sys
 
+import pytest
 import webdataset as wds
 
 from diffzoo.data.synthetic import SHAPES, CorpusConfig, make_scene
@@ -27,6 +28,7 @@ def _wds_classification(root, n=12):
     return root
 
 
+@pytest.mark.slow
 def test_clip_benchmark_cli_evaluates_a_diffzoo_model_from_an_http_dataset_root(tmp_path):
     _wds_classification(tmp_path / 'served' / 'wds_shapes')
     out = tmp_path / 'result.json'

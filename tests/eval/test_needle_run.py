@@ -37,6 +37,7 @@ def test_two_step_protocol_asks_a_differential_vlm_and_scores_every_sample(hayst
         answer([samples[0].images()[0]] * 2, 'which?')
 
 
+@pytest.mark.slow
 def test_run_subcommand_writes_answers_results_and_heatmap(haystacks, tmp_path):
     root, _ = haystacks
     cmd = [sys.executable, '-m', 'diffzoo.eval.needle', 'run', '--haystacks', str(root / 'set'),

@@ -327,6 +327,7 @@ def test_capture_reads_timm_attention_too_and_can_keep_the_graph():
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kernel', SPLIT_KERNELS)
 def test_torch_compile_traces_the_fused_path_without_graph_breaks(kernel):
     import torch._dynamo

@@ -20,9 +20,10 @@ from diffzoo.layers import DifferentialAttention, kernels
 from tests.layers.helpers import saved_bytes
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not kernels.HAS_TRITON or (DEVICE == 'cpu' and not kernels.INTERPRETED),
-    reason='needs Triton, and a GPU or TRITON_INTERPRET=1 set before diffzoo is imported')
+    reason='needs Triton, and a GPU or TRITON_INTERPRET=1 set before diffzoo is imported'),
+    pytest.mark.slow]  # the Triton interpreter: seconds per kernel call on CPU
 
 DIM, HEADS, B = 64, 2, 2  # q/k heads of 16, value heads of 32: tl.dot's least tile
 PARAMS = ('qkv.weight', 'qkv.bias', 'lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight',

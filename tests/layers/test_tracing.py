@@ -81,6 +81,7 @@ def test_fx_trace_runs_the_eager_kernels_exactly_with_and_without_masks(variant,
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('variant', VARIANTS)
 def test_compile_fullgraph_and_export_with_masks(variant):
     """No graph break (fullgraph=True; AOTAutograd traces the backward too) and an exported program

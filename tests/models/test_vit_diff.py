@@ -191,6 +191,7 @@ def test_timm_model_cases_hold_for_every_registered_name(name):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offline(official, offline_hub):
     """timm's pretrained route (as its test_model_load_pretrained calls it) on an offline copy of the
     official repo: the tower with its projection as the head equals open_clip's DiffCLIP image encoder."""
@@ -207,6 +208,7 @@ def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offl
     timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True, in_chans=1, num_classes=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('route', ['pretrained_cfg_overlay', 'checkpoint_path'])
 @pytest.mark.parametrize('layout', ['official', 'open_clip'])
 def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout, route):

@@ -161,6 +161,7 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('family,variant,head_pairing', [
     ('gemma', 'duplicate', None),  # MQA as PaliGemma's Gemma: Differential PaliGemma's variant
     ('gemma', 'split', 'adjacent'),  # both maps of a pair on the one KV head

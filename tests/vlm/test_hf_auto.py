@@ -210,12 +210,14 @@ def saved(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_without_import_diffzoo_it_asks_for_trust_remote_code_which_imports_diffzoo(saved):
     refused, loaded = _run(LOAD, saved / 'model', saved / 'expected.pt', cwd=saved / 'run')
     assert refused.startswith("REFUSED {} ValueError") and 'trust_remote_code=True' in refused
     assert loaded == "LOADED {'trust_remote_code': True} DifferentialLlamaForCausalLM True same"
 
 
+@pytest.mark.slow
 def test_without_diffzoo_installed_loading_fails_naming_diffzoo(saved):
     refused, refused_remote = _run(NOT_INSTALLED + LOAD, saved / 'model', saved / 'expected.pt', cwd=saved / 'run')
     assert refused.startswith("REFUSED {} ValueError") and 'trust_remote_code=True' in refused
@@ -223,6 +225,7 @@ def test_without_diffzoo_installed_loading_fails_naming_diffzoo(saved):
     assert 'pip install diffzoo' in refused_remote
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('imports', ['import diffzoo\nimport transformers', 'import transformers\nimport diffzoo'])
 def test_import_diffzoo_registers_the_model_type_in_either_order(tmp_path, imports):
     code = (f'{imports}\nfrom transformers.models.auto.configuration_auto import CONFIG_MAPPING\n'
