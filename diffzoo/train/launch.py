@@ -10,8 +10,8 @@
 Before open_clip builds anything, the data is checked (shards exist, sizes known, enough shards
 for the workers) and the run directory is checked: a directory that holds a run started with
 other settings is refused, one with the same settings is resumed from its latest checkpoint
-(recipes set `--resume latest --save-most-recent`), read with weights_only=True; an unreadable one
-gives way to the newest intact epoch_K.pt (train.seams.load_resume_checkpoint). Flags after `--`
+(recipes set `--resume latest --save-most-recent`), read with weights_only=True; a missing or unreadable
+latest checkpoint gives way to the newest intact epoch_K.pt (diffzoo.train.resume). Flags after `--`
 are appended last, so they win over the recipe. Under torchrun every process runs this; only rank 0
 prints and writes.
 """
