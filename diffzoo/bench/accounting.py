@@ -86,10 +86,6 @@ def _read(url: str, model: str, batch: int, workers: int, batches: int, accounte
             'worker_cpu_s': worker_cpu, 'batches_seen': seen, 'epoch_samples': epoch_samples}
 
 
-def speed_of(rows: List[Dict]) -> float:
-    return statistics.median(r['samples_per_s'] for r in rows)
-
-
 def stage_cost(samples: int = 20000, batch: int = 32, reps: int = 5) -> Dict:
     """CPU seconds per sample of the accounting alone: open_clip's caption filter, `to_tuple` and `batched`
     against diffzoo's counting ones (journal written) on the same decoded-free samples, medians of `reps`."""
@@ -141,12 +137,12 @@ def run(model: str, batch: int, workers: int, shards: int, per_shard: int, batch
             for accounted in ([False, True] if rep % 2 == 0 else [True, False]):
                 row = _read(url, model, batch, workers, batches, accounted)
                 reads['accounted' if accounted else 'plain'].append(row)
-    stages = stage_cost(batch=batch)
-    # the accounting's own CPU time per sample against a worker core's time per sample: the slowdown it implies
-    per_core = speed_of(reads['plain']) / min(workers, os.cpu_count() or 1)
     speed = {name: {'median': statistics.median(r['samples_per_s'] for r in rows),
                     'min': min(r['samples_per_s'] for r in rows), 'max': max(r['samples_per_s'] for r in rows)}
              for name, rows in reads.items()}
+    stages = stage_cost(batch=batch)
+    # the accounting's own CPU time per sample against a worker core's time per sample: the slowdown it implies
+    per_core = speed['plain']['median'] / min(workers, os.cpu_count() or 1)
     per_sample = statistics.median(r['journal_bytes'] / r['journal_samples'] for r in reads['accounted'])
     # the workers' CPU seconds per batch delivered (start-up and shuffle-buffer fill included, alike in both):
     # steadier than wall time where the workers outnumber the cores

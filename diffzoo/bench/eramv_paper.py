@@ -107,8 +107,10 @@ def reconcile(sizes=('7b', '13b'), prompts=(64, 128, 256)) -> Dict:
               'sizes': {}}
     for size in sizes:
         models = meta_models(size, [r for r in ROWS if r in PAPER[size]])
-        rows = {name: {str(t): count(m, t) for t in prompts} for name, m in models.items()}
-        flops = {name: functools.lru_cache(maxsize=None)(lambda t, m=m: count(m, t)['flops']) for name, m in models.items()}
+        # each (model, prompt length) counted once: the searches and the rows read the same counts
+        counted = {name: functools.lru_cache(maxsize=None)(lambda t, m=m: count(m, t)) for name, m in models.items()}
+        rows = {name: {str(t): counted[name](t) for t in prompts} for name in models}
+        flops = {name: (lambda t, name=name: counted[name](t)['flops']) for name in models}
         paper_ratio = PAPER[size]['eramv'] / PAPER[size]['llava']
         fits = {}
         for convention, per_tflop in (('flops', 1e12), ('macs', 2e12), ('ratio', 1e12)):
@@ -119,14 +121,12 @@ def reconcile(sizes=('7b', '13b'), prompts=(64, 128, 256)) -> Dict:
             fits[convention] = {'prompt_tokens': t}
             if t is None:
                 continue
-            for name, m in models.items():
-                c = count(m, t)
+            for name in models:
+                c = counted[name](t)
                 fits[convention][name] = {
                     **c, 'tflops_in_convention': c['flops'] / per_tflop, 'paper_tflops': PAPER[size][name],
-                    'ratio_to_llava': None, 'paper_ratio_to_llava': PAPER[size][name] / PAPER[size]['llava']}
-            for name in models:
-                fits[convention][name]['ratio_to_llava'] = (fits[convention][name]['flops']
-                                                            / fits[convention]['llava']['flops'])
+                    'ratio_to_llava': c['flops'] / flops['llava'](t),
+                    'paper_ratio_to_llava': PAPER[size][name] / PAPER[size]['llava']}
         costs = {}
         fit = fits['flops']
         if fit['prompt_tokens'] is not None and 'eramv_no_ca' in fit:
@@ -134,8 +134,7 @@ def reconcile(sizes=('7b', '13b'), prompts=(64, 128, 256)) -> Dict:
                      'injection_tflops': (fit['eramv']['flops'] - fit['eramv_no_ca']['flops']) / 1e12,
                      'paper_anchors_tflops': PAPER[size]['eramv'] - PAPER[size]['eramv_no_ar'],
                      'paper_injection_tflops': PAPER[size]['eramv'] - PAPER[size]['eramv_no_ca'],
-                     'one_token_tflops': (count(models['llava'], fit['prompt_tokens'] + 1)['flops']
-                                          - fit['llava']['flops']) / 1e12}
+                     'one_token_tflops': (flops['llava'](fit['prompt_tokens'] + 1) - fit['llava']['flops']) / 1e12}
         report['sizes'][size] = {'llm': LLMS[size], 'rows': rows, 'fits': fits, 'costs': costs}
     return report
 

@@ -47,9 +47,11 @@ def lambda_scalars(lam: Dict[str, float]) -> Dict[str, float]:
     return {f'lambda/{name}': value for name, value in lam.items()}
 
 
-def _drop_after(path: str, step: int) -> None:
-    """Remove the records after `step` from a resumed run's lambda.jsonl (the stopped run's steps of the epoch it
-    resumes at, which it trains and logs again), so that every step is in the file once."""
+def drop_records_after(path, step: int) -> int:
+    """Remove the records whose 'step' is after `step` from a resumed run's JSON-lines log (lambda.jsonl, the VLM's
+    log.jsonl: the stopped run's steps past the checkpoint resumed from, which the run trains and logs again), so
+    that every step is in the file once; rewritten atomically. Returns how many were removed."""
+    path = str(path)
     with open(path) as f:
         lines = f.read().splitlines()
     kept = [line for line in lines if json.loads(line)['step'] <= step]
@@ -57,6 +59,7 @@ def _drop_after(path: str, step: int) -> None:
         with open(path + '.tmp', 'w') as f:
             f.write(''.join(line + '\n' for line in kept))
         os.replace(path + '.tmp', path)
+    return len(lines) - len(kept)
 
 
 class LambdaLog:
@@ -75,7 +78,7 @@ class LambdaLog:
         self.loss_count = 0
         self.wandb = None
         if self.path is not None and os.path.exists(self.path):
-            _drop_after(self.path, epoch * steps_per_epoch)
+            drop_records_after(self.path, epoch * steps_per_epoch)
         if wandb and self.path is not None:
             import wandb as wandb_module  # heavy optional dependency, imported only when --report-to names it
             self.wandb = wandb_module

@@ -26,6 +26,8 @@ from diffzoo.vlm.lora import (ADAPTER_WEIGHTS, EXTRA_CONFIG, EXTRA_WEIGHTS, load
                               trainable_parameters)
 from diffzoo.vlm.recipe import RESUMABLE_CHANGES
 
+from .metrics import drop_records_after
+
 RUN_RECIPE = 'recipe.json'
 SKIPPED_IMAGES = 'skipped_images.json'
 INCOMPLETE = 'incomplete-'  # set-aside checkpoints: not `checkpoint-*`, so Trainer neither resumes nor rotates them
@@ -149,15 +151,10 @@ class RunLog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_step, self.last_time = state.global_step, time.time()
         if state.is_world_process_zero and self.path.exists():  # state.global_step: the checkpoint's, on resume
-            lines = self.path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)['step'] <= state.global_step]
-            if len(kept) < len(lines):
-                tmp = self.path.with_suffix('.tmp')
-                tmp.write_text(''.join(line + '\n' for line in kept))
-                os.replace(tmp, self.path)
-                print(f'{self.path}: {len(lines) - len(kept)} record(s) after step {state.global_step} removed '
-                      f'(the stopped run trained past its last complete checkpoint); they are trained and logged '
-                      f'again', flush=True)
+            removed = drop_records_after(self.path, state.global_step)
+            if removed:
+                print(f'{self.path}: {removed} record(s) after step {state.global_step} removed (the stopped run '
+                      f'trained past its last complete checkpoint); they are trained and logged again', flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:
