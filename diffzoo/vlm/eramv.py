@@ -89,10 +89,9 @@ class PostProjectionMLP(nn.Module):
         return x + self.fc2(self.act(self.fc1(x)))
 
 
-def check_tower(vision, anchors: int) -> None:
+def require_class_token(vision) -> None:
     """eRAM-V ranks patches by the [CLS] token's attention (Appendix I): a tower without a class token is refused
-    by name (its first prefix token would be a register token); asking for at least as many anchors as the tower
-    has patches is said once, here (every patch is then an anchor)."""
+    by name (its first prefix token would be a register token)."""
     tower = vision.tower
     has_cls = getattr(tower, 'has_class_token', vision.prefix_tokens > 0)
     if vision.kind != 'timm' or not has_cls:
@@ -101,7 +100,13 @@ def check_tower(vision, anchors: int) -> None:
         raise ValueError(f'eRAM-V anchors rank patches by the [CLS] token\'s attention, and this {vision.kind} tower '
                          f'({type(tower).__name__}) has no class token ({what}); use a ViT with a class token '
                          f'(class_token=True in timm, a diffzoo or open_clip timm trunk), or integration="full"')
-    patches = getattr(getattr(tower, 'patch_embed', None), 'num_patches', None)
+
+
+def check_tower(vision, anchors: int) -> None:
+    """At build: `require_class_token`, and asking for at least as many anchors as the tower has patches is said
+    once, here (every patch is then an anchor)."""
+    require_class_token(vision)
+    patches = getattr(getattr(vision.tower, 'patch_embed', None), 'num_patches', None)
     if patches is not None and anchors >= patches:
         warnings.warn(f'anchors={anchors} ≥ the {patches} patches of the tower: every patch is an anchor, so the '
                       f'sequence holds the whole image (as integration="full") and the anchors save nothing', stacklevel=3)
@@ -110,9 +115,7 @@ def check_tower(vision, anchors: int) -> None:
 def anchor_scores(vision, pixel_values: torch.Tensor, with_cls: bool = False):
     """(patch tokens (B, P, D_v), scores (B, P)): the tower's tokens at its `select_layer` and the CLS
     attention of the block they come out of; with_cls: also the [CLS] token (B, D_v), third."""
-    if vision.kind != 'timm' or vision.prefix_tokens < 1:
-        raise ValueError('eRAM-V anchors need a vision tower with a CLS token (a timm / diffzoo ViT trunk); '
-                         f'this one is {vision.kind} with {vision.prefix_tokens} prefix tokens')
+    require_class_token(vision)
     with capture_attention_maps(vision.feature_block()) as maps:
         every = vision(pixel_values, prefix=True)  # (B, prefix + P, D_v); only the map-read block runs explicitly
     attn = maps[list(maps)[-1]]  # (B, heads, N, N)
