@@ -1,4 +1,8 @@
 """Helpers of the layer tests."""
+import contextlib
+import inspect
+
+import pytest
 import torch
 
 
@@ -13,3 +17,41 @@ def saved_bytes(layer, x) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
     return sum(storages.values())
+
+
+@contextlib.contextmanager
+def interpreter_patches_language_once_per_launch():
+    """Triton's interpreter patches triton.language for the interpreter at each kernel launch, and again at
+    every call of a @triton.jit helper inside the kernel; within a launch the second is a repeat on the same,
+    already patched modules (undone by nothing), and a third of an interpreted kernel test. While this is
+    active a helper called inside a launch skips the repeat; launches, and a Triton without these internals,
+    run as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    patch_lang, executor = getattr(interpreter, '_patch_lang', None), getattr(interpreter, 'GridExecutor', None)
+    if patch_lang is None or executor is None:
+        yield
+        return
+    launch = executor.__call__
+    patched = []  # the language modules the running launch patched; empty between launches
+
+    def patch_once(fn):
+        langs = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        if patched and langs <= patched[0]:
+            return interpreter._LangPatchScope()  # nothing to undo
+        scope = patch_lang(fn)
+        if patched:
+            patched[0].update(langs)
+        return scope
+
+    def run_launch(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, '_patch_lang', patch_once)
+        mp.setattr(executor, '__call__', run_launch)
+        yield

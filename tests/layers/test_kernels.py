@@ -10,6 +10,7 @@ gradients, a sum of cancelling terms). CPU's SDPA computes in fp32 inside withou
 maps and their gradients to 16 bits as GPU kernels (and this one) do, so on CPU the bound gets a
 floor of one unit of the dtype's precision at the tensor's scale.
 """
+import contextlib
 import copy
 
 import open_clip
@@ -17,13 +18,20 @@ import pytest
 import torch
 
 from diffzoo.layers import DifferentialAttention, kernels
-from tests.layers.helpers import saved_bytes
+from tests.layers.helpers import interpreter_patches_language_once_per_launch, saved_bytes
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 pytestmark = [pytest.mark.skipif(
     not kernels.HAS_TRITON or (DEVICE == 'cpu' and not kernels.INTERPRETED),
     reason='needs Triton, and a GPU or TRITON_INTERPRET=1 set before diffzoo is imported'),
     pytest.mark.slow]  # the Triton interpreter: seconds per kernel call on CPU
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _interpreter_speed():
+    with interpreter_patches_language_once_per_launch() if kernels.INTERPRETED else contextlib.nullcontext():
+        yield
+
 
 DIM, HEADS, B = 64, 2, 2  # q/k heads of 16, value heads of 32: tl.dot's least tile
 PARAMS = ('qkv.weight', 'qkv.bias', 'lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight',
