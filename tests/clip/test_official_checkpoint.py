@@ -3,6 +3,7 @@ unsafe or broken files. Checkpoints are generated in the official format; nothin
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import open_clip
 import pytest
@@ -14,32 +15,43 @@ from tests.clip import official_reference as ref
 from tests.factory import call
 
 
+class Expected(NamedTuple):
+    images: torch.Tensor
+    text: torch.Tensor
+    image_features: torch.Tensor  # the official implementation's outputs (tests/clip/official_reference.py)
+    text_features: torch.Tensor
+    logit_scale: torch.Tensor
+
+
 @pytest.fixture(scope='module')
-def inputs():
+def expected(official) -> Expected:
+    """Two images and two captions, with what the official model computes for them from `official`'s weights."""
     g = torch.Generator().manual_seed(3)
     images = torch.randn(2, 3, 224, 224, generator=g)
     text = open_clip.get_tokenizer('diffclip-b16')(['a photo of a mug on a desk', 'a dog chasing a ball'])
-    return images, text
+    state_dict = official.state_dict
+    with torch.no_grad():
+        return Expected(images, text, ref.encode_image(state_dict, images), ref.encode_text(state_dict, text),
+                        state_dict['logit_scale'])
 
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _assert_matches_official(model, state_dict, inputs):
-    images, text = inputs
+def _assert_matches_official(model, expected: Expected):
     model.eval()
     with torch.no_grad():
-        assert _rel(model.encode_image(images, normalize=False), ref.encode_image(state_dict, images)) < 1e-5
-        assert _rel(model.encode_text(text, normalize=False), ref.encode_text(state_dict, text)) < 1e-5
-        torch.testing.assert_close(model.logit_scale, state_dict['logit_scale'])
+        assert _rel(model.encode_image(expected.images, normalize=False), expected.image_features) < 1e-5
+        assert _rel(model.encode_text(expected.text, normalize=False), expected.text_features) < 1e-5
+        torch.testing.assert_close(model.logit_scale, expected.logit_scale)
 
 
 @pytest.mark.slow
-def test_official_file_loads_strictly_and_matches_official_outputs(official, inputs):
-    path, state_dict = official
+def test_official_file_loads_strictly_and_matches_official_outputs(official, expected):
+    path = official.path
     model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained=str(path))
-    _assert_matches_official(model, state_dict, inputs)
+    _assert_matches_official(model, expected)
 
 
 def test_converter_is_a_complete_key_map(official):
@@ -60,31 +72,31 @@ def _assert_diffclip_preprocessing(preprocess):
 
 
 @pytest.mark.slow
-def test_convert_cli_writes_safetensors_open_clip_loads(official, inputs, tmp_path, recwarn):
-    path, state_dict = official
+def test_convert_cli_writes_safetensors_open_clip_loads(official, expected, tmp_path, recwarn):
+    path = official.path
     out = tmp_path / 'diffclip_b16_cc12m.safetensors'
     proc = subprocess.run([sys.executable, '-m', 'diffzoo.convert', 'official-diffclip', str(path), str(out)],
                           capture_output=True, text=True, check=True)
     assert '149,629,185 parameters' in proc.stdout and 'mean (0.485, 0.456, 0.406)' in proc.stdout
     model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained=str(out))
-    _assert_matches_official(model, state_dict, inputs)
+    _assert_matches_official(model, expected)
     _assert_diffclip_preprocessing(preprocess)  # from the file's own metadata
     assert not [w for w in recwarn if 'no record of the preprocessing' in str(w.message)]
 
 
 @pytest.mark.slow
-def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, inputs, tmp_path, offline_hub):
-    path, state_dict = official
+def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, expected, tmp_path, offline_hub):
+    path = official.path
     out = tmp_path / 'diffclip-b16-cc12m'
     assert call(convert, ['official-diffclip', path, out], cwd=tmp_path).returncode == 0
     assert {p.name for p in out.iterdir()} == {'open_clip_config.json', 'open_clip_model.safetensors'}
     model, _, preprocess = open_clip.create_model_and_transforms(f'local-dir:{out}')
-    _assert_matches_official(model, state_dict, inputs)
+    _assert_matches_official(model, expected)
     _assert_diffclip_preprocessing(preprocess)
     # the same folder served by the hub: a snapshot in an offline Hugging Face cache
     offline_hub('me/diffclip-b16-cc12m', out)
     model, _, preprocess = open_clip.create_model_and_transforms('hf-hub:me/diffclip-b16-cc12m')
-    _assert_matches_official(model, state_dict, inputs)
+    _assert_matches_official(model, expected)
     _assert_diffclip_preprocessing(preprocess)
 
 
@@ -95,12 +107,12 @@ def test_publish_refuses_a_folder_without_the_hub_layout(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_publish_to_a_local_dir_writes_what_the_upload_sends_and_open_clip_loads_it(official, inputs, tmp_path,
+def test_publish_to_a_local_dir_writes_what_the_upload_sends_and_open_clip_loads_it(official, expected, tmp_path,
                                                                                      capsys):
     """A converted folder published offline with --local-dir: only open_clip's two files (not a stray
     file beside them), loading with the official outputs and DiffCLIP's preprocessing."""
     from diffzoo.convert import main
-    path, state_dict = official
+    path = official.path
     folder, out = tmp_path / 'converted', tmp_path / 'published'
     assert main(['official-diffclip', str(path), str(folder)]) == 0
     (folder / 'notes.txt').write_text('training notes, not for the hub\n')
@@ -113,7 +125,7 @@ def test_publish_to_a_local_dir_writes_what_the_upload_sends_and_open_clip_loads
     for name in ('open_clip_config.json', 'open_clip_model.safetensors'):
         assert (out / name).read_bytes() == (folder / name).read_bytes()
     model, _, preprocess = open_clip.create_model_and_transforms(f'local-dir:{out}')
-    _assert_matches_official(model, state_dict, inputs)
+    _assert_matches_official(model, expected)
     _assert_diffclip_preprocessing(preprocess)
 
 
@@ -156,15 +168,15 @@ def test_convert_cli_refuses_other_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize('tag, repo', [('cc3m', 'hammh0a/DiffCLIP_ViTB16_CC3M'),
                                        ('cc12m', 'hammh0a/DiffCLIP_ViTB16_CC12M')])
-def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_offline(official, inputs, offline_hub,
+def test_pretrained_tags_and_the_official_hub_ids_resolve_through_the_hub_cache_offline(official, expected, offline_hub,
                                                                                       tag, repo):
     """`pretrained='cc3m'` and `hf-hub:hammh0a/DiffCLIP_ViTB16_CC3M` (whose repo holds only the
     official checkpoint_best.pt) give the same model, with DiffCLIP's preprocessing."""
-    path, state_dict = official
+    path = official.path
     offline_hub(repo, path)
     for name, pretrained in (('diffclip-b16', tag), (f'hf-hub:{repo}', None)):
         model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
-        _assert_matches_official(model, state_dict, inputs)
+        _assert_matches_official(model, expected)
         _assert_diffclip_preprocessing(preprocess)
     assert tag in open_clip.list_pretrained_tags_by_model('diffclip-b16')
 

@@ -191,17 +191,23 @@ def test_timm_model_cases_hold_for_every_registered_name(name):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.fixture(scope='module')
+def official_clip(official):
+    """open_clip's DiffCLIP ViT-B/16 with `official`'s weights, in eval mode: the reference of the tests below."""
+    import open_clip
+    return open_clip.create_model('diffclip-b16', pretrained=str(official.path)).eval()
+
+
 @pytest.mark.slow
-def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offline(official, offline_hub):
+def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offline(official, official_clip,
+                                                                                    offline_hub):
     """timm's pretrained route (as its test_model_load_pretrained calls it) on an offline copy of the
     official repo: the tower with its projection as the head equals open_clip's DiffCLIP image encoder."""
-    import open_clip
     offline_hub('hammh0a/DiffCLIP_ViTB16_CC3M', official.path)
     tower = timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True).eval()
-    clip = open_clip.create_model('diffclip-b16', pretrained='cc3m').eval()
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
-        a, b = tower(x), clip.encode_image(x)
+        a, b = tower(x), official_clip.encode_image(x)
     assert a.shape == (2, 512) and ((a - b).norm() / b.norm()).item() < 1e-5
     assert tower.pretrained_cfg['mean'] == (0.485, 0.456, 0.406) and tower.pretrained_cfg['interpolation'] == 'bilinear'
     timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True, in_chans=1, num_classes=5)
@@ -211,10 +217,9 @@ def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offl
 @pytest.mark.slow
 @pytest.mark.parametrize('route', ['pretrained_cfg_overlay', 'checkpoint_path'])
 @pytest.mark.parametrize('layout', ['official', 'open_clip'])
-def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout, route):
+def test_a_local_file_fine_tunes_with_a_new_head(official, official_clip, tmp_path, layout, route):
     """pretrained_cfg_overlay=dict(file=…) or checkpoint_path=: the official checkpoint or diffzoo.convert's
     safetensors; the trunk loads, the head is new (10 classes)."""
-    import open_clip
     from diffzoo.clip.hub import official_diffclip
     path = official.path if layout == 'official' else tmp_path / 'diffclip.safetensors'
     if layout == 'open_clip':
@@ -225,7 +230,7 @@ def test_a_local_file_fine_tunes_with_a_new_head(official, tmp_path, layout, rou
     else:
         model = timm.create_model('vit_diff_base_patch16_224', pretrained=True, num_classes=10,
                                   pretrained_cfg_overlay=dict(file=str(path))).eval()
-    trunk = open_clip.create_model('diffclip-b16', pretrained=str(official.path)).visual.trunk.eval()
+    trunk = official_clip.visual.trunk
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(x), trunk.forward_features(x))
