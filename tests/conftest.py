@@ -75,9 +75,9 @@ def offline_hub(tmp_path, monkeypatch):
 # `make test` runs it; by default it orders files by their number of tests) hands out whole files in this order,
 # the next to the first worker that is nearly done, and one long file started last would run alone at the end
 LONGEST_FIRST = ('tests.layers.test_kernels', 'tests.train.test_end_to_end', 'tests.train.test_train_sh',
-                 'tests.test_demo', 'tests.test_cli', 'tests.bench.test_bench', 'tests.clip.test_official_checkpoint',
-                 'tests.vlm.test_train', 'tests.clip.test_tracing', 'tests.train.test_launch',
-                 'tests.train.test_data_events')
+                 'tests.clip.test_official_checkpoint', 'tests.test_demo', 'tests.models.test_vit_diff',
+                 'tests.train.test_launch', 'tests.clip.test_tracing', 'tests.bench.test_bench', 'tests.vlm.test_train',
+                 'tests.test_cli', 'tests.train.test_data_events')
 
 
 def pytest_collection_modifyitems(items):
