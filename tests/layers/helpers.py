@@ -33,23 +33,24 @@ def interpreter_patches_language_once_per_launch():
         yield
         return
     launch = executor.__call__
-    patched = []  # the language modules the running launch patched; empty between launches
+    launch_langs = None  # ids of the language modules the running launch patched; None between launches
 
     def patch_once(fn):
         langs = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
-        if patched and langs <= patched[0]:
+        if launch_langs is not None and langs <= launch_langs:
             return interpreter._LangPatchScope()  # nothing to undo
         scope = patch_lang(fn)
-        if patched:
-            patched[0].update(langs)
+        if launch_langs is not None:
+            launch_langs.update(langs)
         return scope
 
     def run_launch(self, *args, **kwargs):
-        patched.append(set())
+        nonlocal launch_langs
+        launch_langs = set()
         try:
             return launch(self, *args, **kwargs)
         finally:
-            patched.clear()
+            launch_langs = None
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter, '_patch_lang', patch_once)
