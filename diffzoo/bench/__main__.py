@@ -56,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--device', default=None, help='cpu, cuda or cuda:N (default: cuda if available)')
     p.add_argument('--model', dest='models', action='extend', nargs='+', default=None, metavar='NAME',
-                   help='open_clip model names, repeatable (default cuda: all five B/16; cpu: diffclip-b16 '
-                        'clip-b16-baseline ViT-B-16; smoke: diffclip-tiny clip-tiny-baseline)')
+                   help='open_clip model names, repeatable; NAME@KERNEL runs NAME with that --split-kernel '
+                        '(default cuda: all five B/16; cpu: diffclip-b16 clip-b16-baseline ViT-B-16; smoke: '
+                        'diffclip-tiny clip-tiny-baseline)')
     p.add_argument('--baseline', default=None, help='the model every ratio divides by (default clip-b16-baseline)')
     p.add_argument('--batch', type=int, default=None, help='model batch (default cuda 256, cpu 16)')
     p.add_argument('--precision', choices=('fp32', 'bf16'), default=None,
@@ -71,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
                    help='split_kernel of the differential models and the split-fused layer row: auto (the '
                         "device's default), two_calls, one_call, padded, four_calls or triton (default auto)")
     p.add_argument('--tokens', type=int, nargs='+', default=None, help='layer token counts (default 77 197 577 4096)')
+    p.add_argument('--variants', nargs='+', default=None, metavar='VARIANT',
+                   help='layer rows to measure (default: every variant the device runs; sdpa, the baseline, '
+                        'is always measured)')
     p.add_argument('--causal-tokens', type=int, nargs='*', default=None,
                    help='layer token counts measured again with is_causal=True, as the text tower attends (default 77)')
     p.add_argument('--tokens-per-batch', type=int, default=None,
@@ -126,12 +130,24 @@ def resolve(args: argparse.Namespace) -> Dict:
         bad = [n for n in cfg[name] if n < 1]
         if bad:
             raise BenchError(f'--{name.replace("_", "-")} {" ".join(map(str, bad))}: token counts must be at least 1')
+    from .attention import VARIANTS
+    from .whole_model import model_and_kernel
+    cfg['variants'] = args.variants
+    if args.variants:
+        bad = [v for v in args.variants if v not in VARIANTS]
+        if bad:
+            raise BenchError(f'--variants {" ".join(bad)}: expected some of {", ".join(VARIANTS)}')
     if {'model', 'profile'} & set(cfg['sections']):
         known = set(open_clip.list_models())
-        unknown = [m for m in cfg['models'] + [cfg['baseline']] if m not in known]
+        names = cfg['models'] + [cfg['baseline']]
+        unknown = [m for m in names if model_and_kernel(m)[0] not in known]
         if unknown:
             raise BenchError(f'--model/--baseline {" ".join(unknown)}: not open_clip models; diffzoo registers '
                              f'{", ".join(sorted(m for m in known if "diff" in m or "baseline" in m))}')
+        kernels = [m for m in names if model_and_kernel(m)[1] not in ('auto', *SPLIT_KERNELS)]
+        if kernels:
+            raise BenchError(f'--model {" ".join(kernels)}: the kernel after @ must be auto or one of '
+                             f'{", ".join(SPLIT_KERNELS)}')
         if cfg['baseline'] not in cfg['models']:
             cfg['models'] = [cfg['baseline']] + list(cfg['models'])
             print(f'baseline {cfg["baseline"]} added to --model: ratios need it measured in the same run')
@@ -192,7 +208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             elif section == 'layer':
                 results['layers'] = attention.run(cfg['tokens'], cfg['tokens_per_batch'], cfg['precision'],
                                                   cfg['reps'], cfg['warmup'], device, cfg['layer_target_s'],
-                                                  cfg['layer_dim'], cfg['split_kernel'], cfg['causal_tokens'])
+                                                  cfg['layer_dim'], cfg['split_kernel'], cfg['causal_tokens'],
+                                                  cfg['variants'])
             elif section == 'profile':
                 results['profile'] = profile.run(cfg['models'], cfg['baseline'], cfg['batch'], cfg['precision'],
                                                  cfg['warmup'], device, cfg['split_kernel'], out)

@@ -27,7 +27,7 @@ at once must allocate. The verdict `materialises_nn`:
            and nn_bytes ≥ P, so linear-size overheads (fp32 copies) cannot account for the excess
     None   otherwise: inconclusive, as at small N where activations outweigh N×N
 """
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from timm.layers import Attention
@@ -49,10 +49,11 @@ def heads(variant: str, dim: int) -> int:
     return dim // HEAD_DIM if variant == BASELINE else dim // HEAD_DIM // 2
 
 
-def variants(device: torch.device) -> List[str]:
-    """The rows measured on `device`: every variant, `split-triton` only where Triton compiles."""
+def variants(device: torch.device, wanted: Optional[Sequence[str]] = None) -> List[str]:
+    """The rows measured on `device`: every variant (or those `wanted`, with the baseline), `split-triton`
+    only where Triton compiles."""
     triton = device.type == 'cuda' and kernels.HAS_TRITON
-    return [v for v in VARIANTS if v != 'split-triton' or triton]
+    return [v for v in VARIANTS if (v != 'split-triton' or triton) and (not wanted or v in wanted or v == BASELINE)]
 
 
 def build(variant: str, dim: int, device: torch.device, split_kernel: str = 'auto') -> torch.nn.Module:
@@ -83,10 +84,10 @@ def materialises(peak: int, nn_bytes: int, baseline_peak: int):
 
 def run(tokens: Sequence[int], tokens_per_batch: int, precision: str, reps: int, warmup: int,
         device: torch.device, target_s: float, dim: int = DIM, split_kernel: str = 'auto',
-        causal_tokens: Sequence[int] = ()) -> Dict:
+        causal_tokens: Sequence[int] = (), wanted: Optional[Sequence[str]] = None) -> Dict:
     if dim % (2 * HEAD_DIM):
         raise BenchError(f'layer width {dim}: must be a multiple of {2 * HEAD_DIM} (heads of 64, pairs of them)')
-    layers = {v: build(v, dim, device, split_kernel) for v in variants(device)}
+    layers = {v: build(v, dim, device, split_kernel) for v in variants(device, wanted)}
     rows: List[Dict] = []
     for n, causal in [(n, False) for n in tokens] + [(n, True) for n in causal_tokens]:
         batch = max(1, tokens_per_batch // n)

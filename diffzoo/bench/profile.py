@@ -78,7 +78,7 @@ def run(names: List[str], baseline: str, batch: int, precision: str, warmup: int
     rows = []
     for name in names:
         print(f'  profiling one training step of {name}', flush=True)
-        table = None if out is None else out.with_name(f'{out.stem}-profile-{name}.txt')
+        table = None if out is None else out.with_name(f'{out.stem}-profile-{name.replace("@", "-")}.txt')
         rows.append(profile_model(name, batch, precision, warmup, device, split_kernel, table))
         if device.type == 'cuda':
             torch.cuda.empty_cache()

@@ -5,7 +5,9 @@ model's forward (both towers) under the precision's autocast, `open_clip.ClipLos
 `AdamW.step()`, `logit_scale.clamp_(0, ln 100)`. Inference: `encode_image` under `inference_mode`.
 Inputs are a fixed random image batch (B, 3, S, S) and tokenized captions (B, context_length).
 
-Differential models run with the run's `--split-kernel` (set on every differential layer).
+Differential models run with the run's `--split-kernel` (set on every differential layer); a
+model named `NAME@KERNEL` (`diffclip-b16@two_calls`) runs NAME with that split kernel instead, so
+two kernels are measured in one run against the same baseline.
 
 Repeats are interleaved across models (model A rep 1, model B rep 1, …, A rep 2, …) after
 `warmup` untimed calls of each, so drift in clocks or load hits every model alike. Peak memory is
@@ -14,7 +16,7 @@ one profiled call (see `measure`), so models held side by side do not count agai
 """
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -39,17 +41,24 @@ class Subject:
     results: Dict = field(default_factory=dict)
 
 
+def model_and_kernel(name: str, split_kernel: str = 'auto') -> Tuple[str, str]:
+    """(open_clip model name, split kernel) of a bench model name, `NAME` or `NAME@KERNEL`."""
+    model, _, kernel = name.partition('@')
+    return model, kernel or split_kernel
+
+
 def build(name: str, batch: int, device: torch.device, split_kernel: str = 'auto') -> Subject:
     import open_clip
-    cfg = open_clip.get_model_config(name)
+    model_name, split_kernel = model_and_kernel(name, split_kernel)
+    cfg = open_clip.get_model_config(model_name)
     if cfg is None:
         raise BenchError(f'--models {name}: not an open_clip model config; '
                          f'choose from {", ".join(m for m in open_clip.list_models() if "diff" in m or "B-16" in m)}')
-    model = open_clip.create_model(name, device=device, output_dict=True)
+    model = open_clip.create_model(model_name, device=device, output_dict=True)
     set_split_kernel(model, split_kernel)
     size = cfg['vision_cfg'].get('image_size', 224)
     size = (size, size) if isinstance(size, int) else tuple(size)
-    tokenizer = open_clip.get_tokenizer(name)
+    tokenizer = open_clip.get_tokenizer(model_name)
     texts = tokenizer([CAPTIONS[i % len(CAPTIONS)] for i in range(batch)]).to(device)  # (B, L)
     images = torch.randn(batch, 3, *size, device=device)  # (B, 3, S, S)
     # open_clip_train's recipe (diffzoo's recipes: lr 5e-4, weight decay 0.5)

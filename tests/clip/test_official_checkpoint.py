@@ -11,6 +11,7 @@ import torch
 
 from diffzoo.checkpoint import CheckpointError, official_diffclip_to_open_clip, read_state_dict
 from diffzoo.convert import main as convert
+from diffzoo.layers import set_split_kernel
 from tests.clip import official_reference as ref
 from tests.factory import call
 
@@ -214,3 +215,30 @@ def test_no_unrestricted_torch_load_anywhere():
             if f.endswith('.py'):
                 src = open(os.path.join(dirpath, f)).read()
                 assert 'weights_only=False' not in src, f
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a GPU')
+def test_official_outputs_on_cuda_in_fp32_and_with_the_triton_kernel_in_bf16(official, expected):
+    """On CUDA the fp32 model (SDPA kernels, TF32 off) equals the official outputs as on CPU; in bf16 the
+    Triton split kernel is off them by at most twice what the two_calls SDPA kernel is."""
+    model, _, _ = open_clip.create_model_and_transforms('diffclip-b16', pretrained=str(official.path))
+    model = model.cuda().eval()
+    images, text = expected.images.cuda(), expected.text.cuda()
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            assert _rel(model.encode_image(images, normalize=False).cpu(), expected.image_features) < 1e-5
+            assert _rel(model.encode_text(text, normalize=False).cpu(), expected.text_features) < 1e-5
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    errors = {}
+    for kernel in ('triton', 'two_calls'):
+        set_split_kernel(model, kernel)
+        with torch.no_grad(), torch.autocast('cuda', dtype=torch.bfloat16):
+            errors[kernel] = (_rel(model.encode_image(images, normalize=False).float().cpu(), expected.image_features),
+                              _rel(model.encode_text(text, normalize=False).float().cpu(), expected.text_features))
+    for ours, sdpa in zip(errors['triton'], errors['two_calls']):
+        assert ours <= 2 * sdpa + 1e-4, errors

@@ -21,13 +21,14 @@ FP32 = {'KB', 'LAM', 'LSE', 'RSTD', 'DW', 'DELTA'}
 POINTERS = FP32 | {'Q', 'K', 'V', 'W', 'Y', 'D', 'G', 'DD', 'DQ', 'DK', 'DV'}
 
 
-def resources(kernel, constexprs, num_warps, workdir: Path):
+def resources(kernel, constexprs, launch, workdir: Path):
     signature = {
         name: 'constexpr' if name in constexprs else ('*fp32' if name in FP32 else '*bf16') if name in POINTERS
         else 'fp32' if name in ('qk_scale', 'sm_scale', 'eps') else 'i32'
         for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget('cuda', 90, 32), options={'num_warps': num_warps})
+                              target=GPUTarget('cuda', 90, 32),
+                              options={'num_warps': launch.warps, 'num_stages': launch.stages})
     cubin = workdir / f'{kernel.__name__}.cubin'
     cubin.write_bytes(compiled.asm['cubin'])
     tool = Path(triton.__file__).parent / 'backends/nvidia/bin/cuobjdump'
@@ -43,15 +44,19 @@ def main(tokens):
         for causal in (False, True):
             common = dict(HEAD_D=64, HEAD_DV=128, BLOCK_D=64, BLOCK_DV=128, IS_CAUSAL=causal, HAS_BIAS=not causal,
                           PRECISION='tf32', DOT_UPCAST=False)
-            block_m, block_n, one_tile, warps = st._blocks(n)
-            kv_m, kv_n, kv_warps = st.DKDV_BLOCKS
-            for kernel, constexprs, num_warps in (
-                    (st._diff_attn_fwd, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile), warps),
-                    (st._diff_attn_bwd_dq, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile), warps),
-                    (st._diff_attn_bwd_dkdv, dict(common, BLOCK_M=kv_m, BLOCK_N=kv_n), kv_warps),
-                    (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True), 4)):
-                rows.append({'kernel': kernel.__name__, 'tokens': n, 'causal': causal, 'num_warps': num_warps,
-                             **resources(kernel, constexprs, num_warps, workdir)})
+            fwd, dq, dkdv = (st.launch_config(k, n, 64, 128, 'sm_90') for k in st.KERNELS)
+            for kernel, constexprs, launch in (
+                    (st._diff_attn_fwd, dict(common, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, ONE_TILE=fwd.one_tile,
+                                             STORE_STATS=True),
+                     fwd),
+                    (st._diff_attn_bwd_dq, dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, ONE_TILE=dq.one_tile),
+                     dq),
+                    (st._diff_attn_bwd_dkdv, dict(common, BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n), dkdv),
+                    (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True),
+                     st.Launch(0, 0, 4))):
+                rows.append({'kernel': kernel.__name__, 'tokens': n, 'causal': causal, 'num_warps': launch.warps,
+                             'num_stages': launch.stages, 'block_m': launch.block_m, 'block_n': launch.block_n,
+                             **resources(kernel, constexprs, launch, workdir)})
     print(json.dumps(rows))
 
 

@@ -7,15 +7,16 @@ from .tl_common import _dot, _key_tile, _load_rows, _maps_and_dpv, _scores_t, _s
 
 @triton.jit
 def _diff_attn_norm_bwd(
-        D, G, RSTD, W, DD, Y, DW,
-        n_rows, n_ctx, n_heads,
+        D, G, W, DD, Y, DW,
+        n_rows, n_heads, eps,
         HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_Y: tl.constexpr,
 ):
-    """dD = rstd·(g∘w − n·mean(g∘w∘n)) with n = D·rstd, per (row tile, head); partial Σ g∘n for the
-    weight's gradient; y = n∘w when the output projection's weight gradient needs it."""
+    """dD = rstd·(g∘w − n·mean(g∘w∘n)) with n = D·rstd and rstd recomputed from the stored D, per
+    (row tile, head); partial Σ g∘n for the weight's gradient; y = n∘w when the output projection's
+    weight gradient needs it."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of (B·N)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows of (B·N)
     cols = tl.arange(0, BLOCK_DV)
     row_ok = rows < n_rows
     col_ok = cols < HEAD_DV
@@ -23,8 +24,7 @@ def _diff_attn_norm_bwd(
     mask = row_ok[:, None] & col_ok[None, :]
     d = tl.load(D + offs, mask=mask, other=0.).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.).to(tl.float32)
-    b, n = rows // n_ctx, rows % n_ctx
-    rstd = tl.load(RSTD + (b * n_heads + h) * n_ctx + n, mask=row_ok, other=0.)
+    rstd = tl.rsqrt(tl.sum(d * d, 1) / HEAD_DV + eps)  # padded columns are 0
     w = tl.load(W + cols, mask=col_ok, other=0.).to(tl.float32)
     normed = d * rstd[:, None]
     gw = g * w[None, :]
@@ -47,7 +47,7 @@ def _diff_attn_bwd_dq(
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
+    b, h = (bh // n_heads).to(tl.int64), bh % n_heads
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_ctx
     q_base = Q + b * sq_b + 2 * h * sq_h
@@ -121,7 +121,7 @@ def _diff_attn_bwd_dkdv(
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
+    b, h = (bh // n_heads).to(tl.int64), bh % n_heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k1, k2, v, bias = _key_tile(K + b * sk_b + 2 * h * sk_h, V + b * sv_b + h * sv_h, KB, b, offs_n, sk_n, sk_h,
                                 sv_n, n_ctx, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, HAS_BIAS)  # (BLOCK_N, ·)

@@ -7,16 +7,17 @@ from .tl_common import _dot, _exact_softmax, _key_tile, _load_rows, _online_upda
 
 @triton.jit
 def _diff_attn_fwd(
-        Q, K, V, KB, LAM, W, Y, D, LSE, RSTD,
+        Q, K, V, KB, LAM, W, Y, D, LSE,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         n_ctx, n_heads, qk_scale, eps,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr,
         IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        STORE_STATS: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
+    b, h = (bh // n_heads).to(tl.int64), bh % n_heads  # int64: b·(N·3C) passes 2³¹ at ViT-B, B = 256, N = 4096
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < n_ctx
@@ -69,8 +70,8 @@ def _diff_attn_fwd(
     C = n_heads * HEAD_DV
     out = b * n_ctx * C + h * HEAD_DV  # this head's columns of (B, N, C)
     _store_rows(Y + out, offs_m, C, n_ctx, y, HEAD_DV, BLOCK_DV)
-    _store_rows(D + out, offs_m, C, n_ctx, acc, HEAD_DV, BLOCK_DV)
-    stat = bh * n_ctx + offs_m  # (B, h, N)
-    tl.store(LSE + stat, lse1, mask=row_ok)
-    tl.store(LSE + tl.num_programs(1) * n_ctx + stat, lse2, mask=row_ok)  # stream 2 of (2, B, h, N)
-    tl.store(RSTD + stat, rstd, mask=row_ok)
+    if STORE_STATS:  # what backward reads; inference leaves them out
+        _store_rows(D + out, offs_m, C, n_ctx, acc, HEAD_DV, BLOCK_DV)
+        stat = bh * n_ctx + offs_m  # (B, h, N)
+        tl.store(LSE + stat, lse1, mask=row_ok)
+        tl.store(LSE + tl.num_programs(1) * n_ctx + stat, lse2, mask=row_ok)  # stream 2 of (2, B, h, N)

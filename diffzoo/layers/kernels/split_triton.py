@@ -8,11 +8,12 @@ For differential head i with Q1, Q2, K1, K2 of width d and V of width 2d (layout
     y  = D · rstd · w,  rstd = 1/√(mean(D²) + ε)   sub-norm; w holds (1 − λ_init)
 
 Forward, one program per (query tile, batch·head): K1, K2 and V tiles are loaded once and feed
-both softmax streams. Up to ONE_TILE_MAX keys (ViT's 197, text's 77) a row's keys fit one tile,
-so both softmaxes are exact and P1 − λ·P2 is formed before the single P·V product; beyond, each
-stream keeps its own running max, sum and accumulator (online softmax) and D = O1/l1 − λ·O2/l2.
-The sub-norm runs in the epilogue with fp32 statistics; y and D are written in (B, N, C), and the
-row statistics kept for backward are the two log-sum-exps and rstd. Nothing N×N is stored.
+both softmax streams. When a row's keys fit one tile (`Launch.one_tile`, up to ONE_TILE_MAX keys:
+ViT's 197, text's 77) both softmaxes are exact and P1 − λ·P2 is formed before the single P·V
+product; otherwise each stream keeps its own running max, sum and accumulator (online softmax)
+and D = O1/l1 − λ·O2/l2. The sub-norm runs in the epilogue with fp32 statistics; y and D are
+written in (B, N, C), and the row statistics kept for backward are the two log-sum-exps. Nothing
+N×N is stored.
 
 Backward (FlashAttention-2 style, maps recomputed from the saved log-sum-exps), with dD the
 gradient reaching D through the sub-norm and dPV = dD Vᵀ computed once:
@@ -22,14 +23,24 @@ gradient reaching D through the sub-norm and dPV = dD Vᵀ computed once:
     dS2 = −λ·P2 ∘ (dPV − ρ2),     ρ2 = rowsum(P2 ∘ dPV) = dD·(P2V)
     dQm = dSm Km/√d,  dKm = dSmᵀ Qm/√d,  dλ = −Σ ρ2
 
+The sub-norm's backward recomputes rstd from the stored D, as the SDPA kernels' path does, so dD
+is orthogonal to the D it was formed from (a stale rstd would leak a radial part into dλ).
 δ1 and ρ2 need every key of a row, so the dQ kernel (one program per query tile) forms them
 first — in registers when the keys fit one tile, in a first pass otherwise — and stores them for
 the dK/dV kernel (one program per key tile).
 
+Launch configurations (tile sizes, warps, pipeline stages) come from `launch_configs.json`, per GPU
+architecture, head widths and token class, written by `python -m diffzoo.bench.tune` on that GPU;
+shapes it does not cover take `default_launch`, chosen so that ptxas reports no register spills
+on sm_90 at DiffCLIP's widths. The interpreter runs sm_90's table, so CPU tests check its tiles.
+
 Masks: `is_causal`, and a key-padding bias (0 or −inf per batch and key). Inputs bf16, fp16 or
 fp32; products take the input dtype (fp32 products are IEEE), softmax and statistics are fp32.
 """
-from typing import Tuple
+import functools
+import json
+from pathlib import Path
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -38,26 +49,72 @@ from triton.runtime.interpreter import InterpretedFunction
 from .bwd import _diff_attn_bwd_dkdv, _diff_attn_bwd_dq, _diff_attn_norm_bwd
 from .fwd import _diff_attn_fwd
 
-ONE_TILE_MAX = 256  # keys up to this many are one tile: exact softmax, single P·V
+ONE_TILE_MAX = 256  # a one-tile launch holds a row's keys up to this many
 LOG2E = 1.4426950408889634
 INTERPRETED = isinstance(_diff_attn_fwd, InterpretedFunction)  # TRITON_INTERPRET=1 was set at import
+CONFIGS = Path(__file__).with_name('launch_configs.json')
+KERNELS = ('fwd', 'dq', 'dkdv')
+TOKEN_CLASSES = (128, 256, 1024, None)  # upper bounds of the token classes a table row covers; None: any
+
+
+class Launch(NamedTuple):
+    """One kernel's launch: query rows and keys per tile, warps per program, software-pipeline depth;
+    `one_tile` (forward and dQ) holds every key of a row in one tile of next_power_of_2(N)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int = 3
+    one_tile: bool = False
 
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-def _blocks(n_ctx: int) -> Tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, ONE_TILE, num_warps) of the forward and dQ kernels. Chosen so that, for
-    sm_90 at q/k 64 and v 128 wide, ptxas reports no (≤ 40 B) register spills; timings may refine them."""
+def token_class(n_ctx: int) -> str:
+    """The table key of a sequence length: the smallest class bound ≥ N ('any' beyond the last)."""
+    return str(next(bound for bound in TOKEN_CLASSES if bound is None or n_ctx <= bound) or 'any')
+
+
+def default_launch(kernel: str, n_ctx: int) -> Launch:
+    """The launch where the table has none (see the module docstring)."""
+    if kernel == 'dkdv':
+        return Launch(32, 64, 8)
     if n_ctx <= 128:
-        return 32, _pow2(n_ctx), True, 8
+        return Launch(32, _pow2(n_ctx), 8, one_tile=True)
     if n_ctx <= ONE_TILE_MAX:
-        return 16, ONE_TILE_MAX, True, 16
-    return 64, 32, False, 8
+        return Launch(16, ONE_TILE_MAX, 16, one_tile=True)
+    return Launch(64, 32, 8)
 
 
-DKDV_BLOCKS = (32, 64, 8)  # (BLOCK_M, BLOCK_N, num_warps) of the dK/dV kernel, on the same grounds
+@functools.lru_cache(maxsize=None)
+def _table() -> Dict:
+    return json.loads(CONFIGS.read_text())['configs'] if CONFIGS.is_file() else {}
+
+
+def arch(device: torch.device) -> str:
+    """'sm_90' for an H100 or H200; the interpreter runs sm_90's launches."""
+    if device.type != 'cuda':
+        return 'sm_90'
+    major, minor = torch.cuda.get_device_capability(device)
+    return f'sm_{major}{minor}'
+
+
+def widths(d: int, dv: int) -> str:
+    return f'{d}x{dv}'
+
+
+def launch_config(kernel: str, n_ctx: int, d: int, dv: int, arch_name: str) -> Launch:
+    """The tuned launch of `kernel` for N keys at head widths d, dv on `arch_name` (`arch`), else the default."""
+    row = _table().get(arch_name, {}).get(widths(d, dv), {}).get(kernel, {}).get(token_class(n_ctx))
+    if row is None:
+        return default_launch(kernel, n_ctx)
+    launch = Launch(**row)
+    if launch.one_tile:
+        if n_ctx > ONE_TILE_MAX:
+            return default_launch(kernel, n_ctx)
+        launch = launch._replace(block_n=_pow2(n_ctx))
+    return launch
 
 
 def _dot_args(dtype: torch.dtype) -> dict:
@@ -71,67 +128,98 @@ def _geometry(q, v):
     return B, h2 // 2, N, d, v.shape[-1]
 
 
-def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal: bool):
+def _strides(q, k, v) -> Tuple[int, ...]:
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2))
+
+
+def _common(q, v, key_bias, is_causal: bool) -> dict:
+    _, _, _, d, dv = _geometry(q, v)
+    return dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), IS_CAUSAL=is_causal,
+                HAS_BIAS=key_bias is not None, **_dot_args(q.dtype))
+
+
+def _launch(kernel: str, q, v, given: Optional[Launch]) -> Launch:
+    B, h, N, d, dv = _geometry(q, v)
+    return given if given is not None else launch_config(kernel, N, d, dv, arch(q.device))
+
+
+def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal: bool,
+            launch: Optional[Launch] = None, for_backward: bool = True):
     """Launch the forward kernel. q, k (B, 2h, N, d) and v (B, h, N, 2d) with unit stride in the
     last dim; lam a 0-dim fp32 tensor; weight (2d,); key_bias None or (B, N) fp32 (0 / −inf).
-    Returns y and D, both (B, N, C) in the input dtype, lse (2, B, h, N) and rstd (B, h, N), fp32."""
+    Returns y and D, both (B, N, C) in the input dtype, and lse (2, B, h, N), fp32; without
+    `for_backward`, only y (D and lse are not written, and come back empty)."""
     B, h, N, d, dv = _geometry(q, v)
+    cfg = _launch('fwd', q, v, launch)
     y = v.new_empty(B, N, h * dv)
-    D = torch.empty_like(y)
-    lse = torch.empty(2, B, h, N, device=q.device, dtype=torch.float32)
-    rstd = torch.empty(B, h, N, device=q.device, dtype=torch.float32)
-    block_m, block_n, one_tile, warps = _blocks(N)
-    grid = (triton.cdiv(N, block_m), B * h)
-    _diff_attn_fwd[grid](
-        q, k, v, key_bias, lam, weight, y, D, lse, rstd,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        N, h, scale * LOG2E, eps,
-        HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile,
-        IS_CAUSAL=is_causal, HAS_BIAS=key_bias is not None, **_dot_args(q.dtype), num_warps=warps,
+    D = torch.empty_like(y) if for_backward else y.new_empty(0)
+    lse = torch.empty(2, B, h, N, device=q.device, dtype=torch.float32) if for_backward else D
+    _diff_attn_fwd[(triton.cdiv(N, cfg.block_m), B * h)](
+        q, k, v, key_bias, lam, weight, y, D, lse, *_strides(q, k, v), N, h, scale * LOG2E, eps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ONE_TILE=cfg.one_tile, STORE_STATS=for_backward,
+        num_warps=cfg.warps, num_stages=cfg.stages, **_common(q, v, key_bias, is_causal),
     )
-    return y, D, lse, rstd
+    return y, D, lse
 
 
-def backward(dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale: float, is_causal: bool, want_y: bool):
-    """Gradients from dy (B, N, C), the gradient of y: dq, dk, dv in the shapes of q, k, v;
-    dλ (0-dim fp32); the weight's gradient (fp32, (2d,)); and, with `want_y`, y recomputed."""
-    B, h, N, d, dv_width = _geometry(q, v)
+def norm_backward(dy, lam, weight, D, eps: float, want_y: bool):
+    """The sub-norm's backward: dD (B, N, C) in D's dtype, the weight's gradient (fp32, (2d,)) and,
+    with `want_y`, y recomputed."""
     dy = dy.contiguous()
-    rows = B * N
+    h = D.shape[-1] // weight.shape[0]
+    dv_width = weight.shape[0]
+    rows = D.shape[0] * D.shape[1]
     block_r = 32
     n_row_blocks = triton.cdiv(rows, block_r)
     block_dv = _pow2(dv_width)
     dD = torch.empty_like(D)
     y = torch.empty_like(D) if want_y else None
-    dw_parts = torch.empty(n_row_blocks, h, block_dv, device=q.device, dtype=torch.float32)
+    dw_parts = torch.empty(n_row_blocks, h, block_dv, device=D.device, dtype=torch.float32)
     _diff_attn_norm_bwd[(n_row_blocks, h)](
-        D, dy, rstd, weight, dD, y, dw_parts, rows, N, h,
+        D, dy, weight, dD, y, dw_parts, rows, h, eps,
         HEAD_DV=dv_width, BLOCK_DV=block_dv, BLOCK_R=block_r, WRITE_Y=want_y,
     )
-    dweight = dw_parts.sum((0, 1))[:dv_width]
+    return dD, dw_parts.sum((0, 1))[:dv_width], y
 
-    # gradients in (B, N, heads, width) memory, handed back as (B, heads, N, width) views like q, k, v
+
+def dq_backward(q, k, v, lam, key_bias, dD, lse, scale: float, is_causal: bool, launch: Optional[Launch] = None):
+    """dq (the shape of q, in (B, N, 2h, d) memory) and the row sums δ1, ρ2 as (2, B, h, N) fp32."""
+    B, h, N, d, _ = _geometry(q, v)
+    cfg = _launch('dq', q, v, launch)
     dq = q.new_empty(B, N, 2 * h, d).transpose(1, 2)
+    delta = torch.empty(2, B, h, N, device=q.device, dtype=torch.float32)
+    _diff_attn_bwd_dq[(triton.cdiv(N, cfg.block_m), B * h)](
+        q, k, v, key_bias, lam, dD, lse, delta, dq, *_strides(q, k, v),
+        dq.stride(0), dq.stride(1), dq.stride(2), N, h, scale * LOG2E, scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ONE_TILE=cfg.one_tile,
+        num_warps=cfg.warps, num_stages=cfg.stages, **_common(q, v, key_bias, is_causal),
+    )
+    return dq, delta
+
+
+def dkdv_backward(q, k, v, lam, key_bias, dD, lse, delta, scale: float, is_causal: bool,
+                  launch: Optional[Launch] = None):
+    """dk, dv in the shapes of k, v ((B, N, heads, width) memory)."""
+    B, h, N, d, dv_width = _geometry(q, v)
+    cfg = _launch('dkdv', q, v, launch)
     dk = k.new_empty(B, N, 2 * h, d).transpose(1, 2)
     dv = v.new_empty(B, N, h, dv_width).transpose(1, 2)
-    delta = torch.empty(2, B, h, N, device=q.device, dtype=torch.float32)
-    block_m, block_n, one_tile, warps = _blocks(N)
-    common = dict(HEAD_D=d, HEAD_DV=dv_width, BLOCK_D=_pow2(d), BLOCK_DV=block_dv,
-                  IS_CAUSAL=is_causal, HAS_BIAS=key_bias is not None, **_dot_args(q.dtype))
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    _diff_attn_bwd_dq[(triton.cdiv(N, block_m), B * h)](
-        q, k, v, key_bias, lam, dD, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        N, h, scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile,
-        num_warps=warps, **common,
-    )
-    kv_block_m, kv_block_n, kv_warps = DKDV_BLOCKS
-    _diff_attn_bwd_dkdv[(triton.cdiv(N, kv_block_n), B * h)](
-        q, k, v, key_bias, lam, dD, lse, delta, dk, dv, *strides,
+    _diff_attn_bwd_dkdv[(triton.cdiv(N, cfg.block_n), B * h)](
+        q, k, v, key_bias, lam, dD, lse, delta, dk, dv, *_strides(q, k, v),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        N, h, scale * LOG2E, scale, BLOCK_M=kv_block_m, BLOCK_N=kv_block_n, num_warps=kv_warps, **common,
+        N, h, scale * LOG2E, scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.warps,
+        num_stages=cfg.stages, **_common(q, v, key_bias, is_causal),
     )
+    return dk, dv
+
+
+def backward(dy, q, k, v, lam, weight, key_bias, D, lse, scale: float, eps: float, is_causal: bool, want_y: bool):
+    """Gradients from dy (B, N, C), the gradient of y: dq, dk, dv in the shapes of q, k, v (as views
+    of (B, N, heads, width) memory); dλ (0-dim fp32); the weight's gradient (fp32, (2d,)); and,
+    with `want_y`, y recomputed."""
+    dD, dweight, y = norm_backward(dy, lam, weight, D, eps, want_y)
+    dq, delta = dq_backward(q, k, v, lam, key_bias, dD, lse, scale, is_causal)
+    dk, dv = dkdv_backward(q, k, v, lam, key_bias, dD, lse, delta, scale, is_causal)
     dlam = -delta[1].sum()
     return dq, dk, dv, dlam, dweight, y

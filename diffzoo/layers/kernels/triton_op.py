@@ -57,54 +57,73 @@ if HAS_TRITON:
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor,
             key_bias: Optional[torch.Tensor], proj_weight: Optional[torch.Tensor], proj_bias: Optional[torch.Tensor],
             scale: float, eps: float, is_causal: bool,
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        y, D, lse, rstd = split_triton.forward(q, k, v, lam, weight, key_bias, scale, eps, is_causal)
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, D, lse = split_triton.forward(q, k, v, lam, weight, key_bias, scale, eps, is_causal)
+        return _projected(y, proj_weight, proj_bias), D, lse
+
+    def _projected(y: torch.Tensor, proj_weight: Optional[torch.Tensor], proj_bias: Optional[torch.Tensor]):
         if proj_weight is None:
-            return y, D, lse, rstd
+            return y
         bias = None if proj_bias is None else proj_bias.to(y.dtype)
         with torch.autocast(y.device.type, enabled=False):
-            return F.linear(y, proj_weight.to(y.dtype), bias), D, lse, rstd  # (B, N, C_out), as autocast would
+            return F.linear(y, proj_weight.to(y.dtype), bias)  # (B, N, C_out), as autocast would
+
+    def _fake_out(q, v, proj_weight):
+        B, h2, N, _ = q.shape
+        return v.new_empty(B, N, h2 // 2 * v.shape[-1] if proj_weight is None else proj_weight.shape[0])
 
     @_split_op.register_fake
     def _(q, k, v, lam, weight, key_bias, proj_weight, proj_bias, scale, eps, is_causal):
         B, h2, N, _ = q.shape
-        C = h2 // 2 * v.shape[-1]
-        out = v.new_empty(B, N, C if proj_weight is None else proj_weight.shape[0])
-        stats = dict(device=q.device, dtype=torch.float32)
-        return out, v.new_empty(B, N, C), q.new_empty(2, B, h2 // 2, N, **stats), q.new_empty(B, h2 // 2, N, **stats)
+        return (_fake_out(q, v, proj_weight), v.new_empty(B, N, h2 // 2 * v.shape[-1]),
+                q.new_empty(2, B, h2 // 2, N, dtype=torch.float32))
+
+    @torch.library.custom_op('diffzoo::split_diff_attention_inference', mutates_args=())
+    def _split_inference_op(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor,
+            key_bias: Optional[torch.Tensor], proj_weight: Optional[torch.Tensor], proj_bias: Optional[torch.Tensor],
+            scale: float, eps: float, is_causal: bool,
+    ) -> torch.Tensor:
+        """The forward alone, for calls no gradient will reach: D and the log-sum-exps are not written."""
+        y, _, _ = split_triton.forward(q, k, v, lam, weight, key_bias, scale, eps, is_causal, for_backward=False)
+        return _projected(y, proj_weight, proj_bias)
+
+    @_split_inference_op.register_fake
+    def _(q, k, v, lam, weight, key_bias, proj_weight, proj_bias, scale, eps, is_causal):
+        return _fake_out(q, v, proj_weight)
 
     @torch.library.custom_op('diffzoo::split_diff_attention_backward', mutates_args=())
     def _split_backward_op(
             dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
             weight: torch.Tensor, key_bias: Optional[torch.Tensor], D: torch.Tensor, lse: torch.Tensor,
-            rstd: torch.Tensor, scale: float, is_causal: bool, want_y: bool,
+            scale: float, eps: float, is_causal: bool, want_y: bool,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv, dlam, dweight, y = split_triton.backward(
-            dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale, is_causal, want_y)
+            dy, q, k, v, lam, weight, key_bias, D, lse, scale, eps, is_causal, want_y)
         return dq, dk, dv, dlam, dweight, y if want_y else D.new_empty(0)
 
     @_split_backward_op.register_fake
-    def _(dy, q, k, v, lam, weight, key_bias, D, lse, rstd, scale, is_causal, want_y):
+    def _(dy, q, k, v, lam, weight, key_bias, D, lse, scale, eps, is_causal, want_y):
         stats = dict(device=q.device, dtype=torch.float32)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty((), **stats),
                 q.new_empty(weight.shape, **stats), D.new_empty(D.shape if want_y else (0,)))
 
     def _setup_context(ctx, inputs, output):
         q, k, v, lam, weight, key_bias, proj_weight, proj_bias, scale, eps, is_causal = inputs
-        _, D, lse, rstd = output
-        ctx.scale, ctx.is_causal = scale, is_causal
+        _, D, lse = output
+        ctx.scale, ctx.eps, ctx.is_causal = scale, eps, is_causal
         ctx.bias_dtype = None if proj_bias is None else proj_bias.dtype
-        ctx.save_for_backward(q, k, v, lam, weight, key_bias, proj_weight, D, lse, rstd)
+        ctx.save_for_backward(q, k, v, lam, weight, key_bias, proj_weight, D, lse)
 
     def _backward(ctx, grad, *_):
-        q, k, v, lam, weight, key_bias, proj_weight, D, lse, rstd = ctx.saved_tensors
+        q, k, v, lam, weight, key_bias, proj_weight, D, lse = ctx.saved_tensors
         grad_pw = grad_pb = None
         dy = grad
         if proj_weight is not None:
             dy = grad @ proj_weight.to(grad.dtype)  # (B, N, C)
         want_y = proj_weight is not None and ctx.needs_input_grad[6]
         dq, dk, dv, dlam, dweight, y = _split_backward_op(
-            dy, q, k, v, lam, weight, key_bias, D, lse, rstd, ctx.scale, ctx.is_causal, want_y)
+            dy, q, k, v, lam, weight, key_bias, D, lse, ctx.scale, ctx.eps, ctx.is_causal, want_y)
         if want_y:
             grad_pw = (grad.flatten(0, -2).t() @ y.flatten(0, -2)).to(proj_weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[7]:
@@ -123,9 +142,13 @@ def split_diff_attention(
     """RMSNorm((softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s)) V) · weight per head as (B, N, C), or that
     projected by an output projection's `proj_weight`, `proj_bias`, (B, N, C_out). q, k (B, 2h, N, d) (query head 2i is Q1 of differential
     head i, 2i+1 its Q2), v (B, h, N, 2d); lam a 0-dim fp32 tensor; weight (2d,) in v's dtype;
-    key_bias None or (B, N) fp32 from `key_padding_bias`. Saves D (one (B, N, C)) and row statistics.
+    key_bias None or (B, N) fp32 from `key_padding_bias`. Saves D (one (B, N, C)) and the log-sum-exps;
+    where no gradient will be taken (inference mode, no_grad, nothing requiring grad) the forward-only
+    op writes neither.
     """
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, *_ = torch.ops.diffzoo.split_diff_attention(q, k, v, lam, weight, key_bias, proj_weight, proj_bias,
-                                                     scale, eps, is_causal)
-    return out
+    args = (q, k, v, lam, weight, key_bias, proj_weight, proj_bias, scale, eps, is_causal)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:8]):
+        out, *_ = torch.ops.diffzoo.split_diff_attention(*args)
+        return out
+    return torch.ops.diffzoo.split_diff_attention_inference(*args)
