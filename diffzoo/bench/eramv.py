@@ -3,11 +3,13 @@
 `cost_report(models, pixel_values, input_ids)` counts forward FLOPs (`eramv_paper.flop_counter`), in
 total and per part (vision tower, projector, post-MLP, language model: eRAM-V saves in the last), and
 times forward passes with the bench's timer (`measure.time_call`, which synchronises CUDA), with
-ratios against the first model (the full-token one).
+ratios against the first model (the full-token one). `generation_report` times greedy generation with
+the KV cache: time to first token (image, prefill and one token: `generate(max_new_tokens=1)`) and
+tokens/s over --new-tokens tokens with no end-of-sequence stop, so every call makes that many.
 
     python -m diffzoo.bench.eramv [--sizes 7b 13b] [--out report.json]
     python -m diffzoo.bench.eramv --model VISION LM_DIR [--anchors 64] [--select-layer -2]
-        [--projector mlp2x_gelu] [--out report.json]
+        [--projector mlp2x_gelu] [--device cuda] [--new-tokens 32] [--out report.json]
 
 Without --model: the paper's efficiency tables (Table 1, Table 10) recounted at its shapes on the meta device,
 FLOPs only, beside its figures, with the prompt lengths and the convention that reconcile them
@@ -56,6 +58,32 @@ def cost_report(models: Dict[str, 'torch.nn.Module'], pixel_values: 'torch.Tenso
     return rows
 
 
+def generation_report(models: Dict[str, 'torch.nn.Module'], pixel_values: 'torch.Tensor', input_ids: 'torch.Tensor',
+                      new_tokens: int, reps: int = 5) -> Dict:
+    """Per model: time to first token and tokens/s of greedy generation (medians of `reps` calls after
+    one warm-up), and tokens/s of the decoding alone (the tokens after the first, over the time after it)."""
+    import torch
+
+    from .measure import summarize, time_call
+    rows = {}
+    device = pixel_values.device
+    batch = input_ids.shape[0]
+    for name, model in models.items():
+        model.eval()
+        with torch.no_grad():
+            model.generate(pixel_values, input_ids, max_new_tokens=2)  # warm-up
+            first = summarize([time_call(lambda: model.generate(pixel_values, input_ids, max_new_tokens=1), device)
+                               for _ in range(reps)])
+            whole = summarize([time_call(lambda: model.generate(pixel_values, input_ids, max_new_tokens=new_tokens),
+                                         device) for _ in range(reps)])
+        decode_s = whole['median'] - first['median']
+        rows[name] = {'ttft_s': first['median'], 'ttft': first, 'generate_s': whole['median'], 'generate': whole,
+                      'new_tokens': new_tokens, 'tokens_per_s': batch * new_tokens / whole['median'],
+                      'decode_tokens_per_s': batch * (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0
+                      else None}
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.bench.eramv', description=__doc__.split('\n')[0])
     p.add_argument('--sizes', nargs='+', choices=('7b', '13b'), default=['7b', '13b'],
@@ -73,6 +101,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--prompt-tokens', type=int, default=32)
     p.add_argument('--batch', type=int, default=1)
     p.add_argument('--reps', type=int, default=5)
+    p.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N: where both models run (default cpu)')
+    p.add_argument('--new-tokens', type=int, default=32,
+                   help='greedy tokens per generation timed for tokens/s (default 32; 0: no generation timing)')
     p.add_argument('--out', metavar='FILE', help='write the report as JSON')
     return p
 
@@ -99,29 +130,50 @@ def main(argv: Optional[List[str]] = None) -> int:
     import transformers
 
     from diffzoo.vlm.model import build_vlm
+
+    from .measure import BenchError, device_name, resolve_device
+    try:
+        device = resolve_device(a.device)
+    except BenchError as exc:
+        p.error(str(exc))
+    if a.new_tokens < 0:
+        p.error(f'--new-tokens {a.new_tokens}: must be 0 or more')
     models = {}
     for integration in ('full', 'eramv'):
         lm = transformers.AutoModelForCausalLM.from_pretrained(a.language_model)
         torch.manual_seed(0)  # the same tower and projector in both
         kw = {'anchors': a.anchors, 'inject_layers': a.inject_layers} if integration == 'eramv' else {}
         models[integration] = build_vlm(a.vision, lm, integration, select_layer=a.select_layer,
-                                        projector=a.projector, **kw)
+                                        projector=a.projector, **kw).to(device)
     h, w = models['full'].vision.image_size
     g = torch.Generator().manual_seed(0)
-    pixels = torch.randn(a.batch, 3, h, w, generator=g)
-    ids = torch.randint(0, lm.config.get_text_config().vocab_size, (a.batch, a.prompt_tokens), generator=g)
-    print(f'timing {a.reps} forward passes of each model (batch {a.batch}, {a.prompt_tokens} prompt tokens)', flush=True)
+    pixels = torch.randn(a.batch, 3, h, w, generator=g).to(device)
+    ids = torch.randint(0, lm.config.get_text_config().vocab_size, (a.batch, a.prompt_tokens), generator=g).to(device)
+    print(f'timing {a.reps} forward passes of each model on {device_name(device)} (batch {a.batch}, '
+          f'{a.prompt_tokens} prompt tokens)', flush=True)
     report = cost_report(models, pixels, ids, a.reps)
-    report['config'] = {**vars(a), 'inject_layers': models['eramv'].inject_layers,
-                        'visual_tokens': models['full'].vision(pixels[:1]).shape[1]}
+    with torch.no_grad():
+        visual_tokens = models['full'].vision(pixels[:1]).shape[1]
+    report['config'] = {**vars(a), 'inject_layers': models['eramv'].inject_layers, 'visual_tokens': visual_tokens,
+                        'device_name': device_name(device)}
+    if a.new_tokens:
+        print(f'timing greedy generation of {a.new_tokens} tokens', flush=True)
+        for name, row in generation_report(models, pixels, ids, a.new_tokens, a.reps).items():
+            report[name].update(row)
     print(f'\n{"model":<7}{"sequence":>9}{"GFLOPs":>9}{"LM GFLOPs":>11}{"x FLOPs":>9}{"x LM":>7}{"ms":>9}{"x time":>8}')
     for name in ('full', 'eramv'):
         r = report[name]
         print(f'{name:<7}{r["sequence_length"]:>9}{r["flops"] / 1e9:>9.3f}{r["flops_by_part"]["language_model"] / 1e9:>11.3f}'
               f'{r["flops_ratio"]:>9.2f}{r["language_model_flops_ratio"]:>7.2f}{r["latency_s"] * 1e3:>9.1f}'
               f'{r["latency_ratio"]:>8.2f}')
+    if a.new_tokens:
+        print(f'\n{"model":<7}{"TTFT ms":>9}{"tokens/s":>10}{"decode tokens/s":>17}')
+        for name in ('full', 'eramv'):
+            r = report[name]
+            decode = '-' if r['decode_tokens_per_s'] is None else f'{r["decode_tokens_per_s"]:.1f}'
+            print(f'{name:<7}{r["ttft_s"] * 1e3:>9.2f}{r["tokens_per_s"]:>10.1f}{decode:>17}')
     print(f'anchors {a.anchors} of {report["config"]["visual_tokens"]} visual tokens, injected at layers '
-          f'{models["eramv"].inject_layers}')
+          f'{models["eramv"].inject_layers}, on {device_name(device)}')
     if a.out:
         with open(a.out, 'w') as f:
             json.dump(report, f, indent=1)

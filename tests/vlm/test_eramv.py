@@ -333,9 +333,10 @@ def test_cost_report_shows_fewer_flops_than_the_full_token_model():
 
 @pytest.mark.slow
 @pytest.mark.parametrize('process, model_flags, parts', [
-    ('real', ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear'],
-     ('final_norm', 'linear')),
-    ('this', ['--model', 'diffclip-tiny', '{lm}'], (-2, 'mlp2x_gelu')),  # eRAM-V's defaults, through main()
+    ('real', ['--model', 'diffclip-tiny', '{lm}', '--select-layer', 'final_norm', '--projector', 'linear',
+              '--new-tokens', '0'], ('final_norm', 'linear')),
+    ('this', ['--model', 'diffclip-tiny', '{lm}', '--new-tokens', '3', '--device', 'cpu'],
+     (-2, 'mlp2x_gelu')),  # eRAM-V's defaults, through main()
 ])
 def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, process, model_flags, parts):
     import json
@@ -358,6 +359,14 @@ def test_cost_report_cli_prints_a_table_and_writes_json(tmp_path, process, model
     assert report['eramv']['sequence_length'] == 1 + 16 + 8 and report['full']['sequence_length'] == 64 + 8
     assert report['config']['vision'] == 'diffclip-tiny' and report['config']['language_model'] == str(tmp_path / 'lm')
     assert (report['config']['select_layer'], report['config']['projector']) == parts
+    if process == 'this':  # time to first token and tokens/s of 3 greedy tokens, each a median of 2 calls
+        assert 'TTFT ms' in done.stdout
+        for name in ('full', 'eramv'):
+            r = report[name]
+            assert r['new_tokens'] == 3 and r['ttft']['n'] == r['generate']['n'] == 2
+            assert 0 < r['ttft_s'] and r['tokens_per_s'] == pytest.approx(3 / r['generate_s'])
+    else:
+        assert 'ttft_s' not in report['full'] and 'TTFT ms' not in done.stdout
 
 
 def test_the_flop_counter_matches_a_hand_count_of_a_tiny_eramv_model():
