@@ -189,6 +189,9 @@ def test_cli_prints_the_tables_and_target_lines(smoke):
     (['--device', 'tpu'], '--device tpu'),
     (['--sections', 'layer', '--compile'], '--compile'),
     (['--split-kernel', 'flash'], '--split-kernel flash'),
+    (['--model', 'diffclip-tiny@flash'], '--model diffclip-tiny@flash: the kernel after @'),
+    (['--model', 'nothing@two_calls'], '--model/--baseline nothing@two_calls'),
+    (['--variants', 'split-nope'], '--variants split-nope'),
 ])
 def test_bad_input_is_named(argv, message, capsys, tmp_path):
     assert main(['--smoke', '--out', str(tmp_path / 'x.json')] + argv) == 2
@@ -232,3 +235,23 @@ def test_model_flag_repeats_and_is_the_one_spelling(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(['--models', 'd'])  # retired
     assert 'unrecognized arguments: --models' in capsys.readouterr().err
+
+
+def test_a_model_named_with_a_kernel_runs_it_beside_the_run_s_kernel_and_variants_pick_layer_rows(tmp_path):
+    """NAME@KERNEL builds NAME with that split kernel on every differential layer, as its own row against
+    the same baseline; --variants measures those layer rows and the sdpa baseline only."""
+    from diffzoo.bench.whole_model import build
+    from diffzoo.layers import DifferentialAttention
+    layers = [m for m in build('diffclip-tiny@two_calls', 2, torch.device('cpu'), 'four_calls').model.modules()
+              if isinstance(m, DifferentialAttention)]
+    assert layers and {m.split_kernel for m in layers} == {'two_calls'}
+    out = tmp_path / 'b.json'
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(['--smoke', '--device', 'cpu', '--sections', 'layer', 'model', '--split-kernel', 'four_calls',
+                     '--model', 'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline',
+                     '--variants', 'split-fused', '--out', str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = {r['model']: r for r in results['models']['rows']}
+    assert set(rows) == {'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline'}
+    assert rows['clip-tiny-baseline']['ratios']['train_time'] == 1.0
+    assert {r['variant'] for r in results['layers']['rows']} == {'sdpa', 'split-fused'}
