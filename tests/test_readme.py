@@ -63,7 +63,9 @@ SKIPPED = {
     'python -m diffzoo.bench --device cuda': GPU,
     'python -m diffzoo.bench --device cpu --sections model layer': 'minutes of timing (--smoke runs in tests/bench)',
     'python -m diffzoo.bench --device cuda --sections model --compile --model diffclip-b16 clip-b16-baseline': GPU,
-    'python -m diffzoo.bench --device cuda --split-kernel triton': GPU,
+    'python -m diffzoo.bench --device cuda --split-kernel triton --model diffclip-b16 diffclip-b16@two_calls '
+    'clip-b16-baseline': GPU,
+    'python -m diffzoo.bench.tune --write': GPU,
 }
 
 # Python blocks, by the README section they stand in: (code run before the block, {text: replacement}), or a reason
