@@ -6,7 +6,7 @@
                                         shards `python -m diffzoo.data synthetic` writes with that --per-shard
                                         (sample i depends only on seed, split and i), in a fraction of the time
   assets DIR                            a tiny random PaliGemma with its processor and a VQAv2-layout set
-                                        (as tests/vlm/models.py and tests/vlm/test_train.py make them), and a
+                                        (tests/vlm/models.py's, the VLM tests' own), and a
                                         random Gemma directory for `python -m diffzoo.bench.eramv --model`
   vlm OUT.json -- ARGS                  `python -m diffzoo.train.vlm ARGS` (its main, in this process), then the
                                         device it trained on and CUDA's peak memory, to OUT.json
@@ -16,7 +16,6 @@ import argparse
 import io
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -137,80 +136,13 @@ def cmd_corpus(a) -> int:
 
 
 # -------------------------------------------------------------------------------------------- assets
-COLOURS = ('red', 'green', 'blue', 'yellow')  # as tests/vlm/models.py
-SHAPES = ('square', 'circle')
-
-
-def _word_tokenizer(words, extra_special=()):
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {t: i for i, t in enumerate(['<pad>', '<bos>', '<eos>', '<unk>', *extra_special] + sorted(words))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token='<bos>', eos_token='<eos>',
-                                                     pad_token='<pad>', unk_token='<unk>',
-                                                     additional_special_tokens=list(extra_special) or None)
-    return tokenizer, vocab
-
-
-def write_paligemma(directory: Path) -> None:
-    """tests/vlm/models.write_paligemma: a Gemma MQA decoder (2 layers), a one-block 32 px SigLIP, its processor."""
-    import torch
-    import transformers
-
-    from diffzoo.vlm.data import PROMPT
-    words = set(PROMPT.format(question='what color is the shape? what shape is it?').split())
-    tokenizer, vocab = _word_tokenizer(words | set(COLOURS) | set(SHAPES), ['<image>'])
-    images = transformers.SiglipImageProcessor(size={'height': 32, 'width': 32})
-    images.image_seq_length = 16  # (32 / 8)² patches
-    transformers.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(directory)
-    torch.manual_seed(0)
-    config = transformers.PaliGemmaConfig(
-        text_config=dict(model_type='gemma', vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8),
-        vision_config=dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
-                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
-        image_token_index=vocab['<image>'], projection_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    transformers.PaliGemmaForConditionalGeneration(config).save_pretrained(directory)
-
-
-def write_vqav2_split(root: Path, split: str, count: int, seed: int) -> None:
-    """tests/vlm/test_train.py's set: official VQAv2 JSON + COCO-named JPEGs of one shape, two questions each."""
-    from PIL import Image, ImageDraw
-
-    from diffzoo.data.synthetic import SceneObject, draw_object
-    rng = random.Random(seed)
-    images = root / f'{split}2014'
-    images.mkdir(parents=True, exist_ok=True)
-    questions, annotations = [], []
-    for i in range(count):
-        colour, shape = rng.choice(COLOURS), rng.choice(SHAPES)
-        im = Image.new('RGB', (64, 64), (245, 245, 245))
-        draw_object(ImageDraw.Draw(im), SceneObject(shape, colour, 'large', (32, 32), 20))
-        image_id = 1000 + i
-        im.save(images / f'COCO_{split}2014_{image_id:012d}.jpg', quality=95)
-        for j, (question, answer, qtype) in enumerate([('what color is the shape?', colour, 'what color is the'),
-                                                        ('what shape is it?', shape, 'what shape is')]):
-            qid = image_id * 10 + j
-            questions.append({'image_id': image_id, 'question': question, 'question_id': qid})
-            annotations.append({'image_id': image_id, 'question_id': qid, 'question_type': qtype,
-                                'answer_type': 'other', 'multiple_choice_answer': answer,
-                                'answers': [{'answer': answer, 'answer_id': k + 1} for k in range(10)]})
-    (root / f'v2_OpenEnded_mscoco_{split}2014_questions.json').write_text(json.dumps({'questions': questions}))
-    (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))
-
-
 def write_language_model(directory: Path, hidden: int, layers: int, heads: int) -> None:
-    """A random Gemma (MQA, as PaliGemma's) with a word-level tokenizer, saved as a local checkpoint."""
+    """A random Gemma (MQA, as PaliGemma's) of this size, saved as a local checkpoint: what
+    `python -m diffzoo.bench.eramv --model VISION DIR` loads (it feeds random prompt ids, so no tokenizer)."""
     import torch
     import transformers
-
-    from diffzoo.vlm.data import PROMPT
-    words = set(PROMPT.format(question='what color is the shape? what shape is it?').split())
-    tokenizer, vocab = _word_tokenizer(words | set(COLOURS) | set(SHAPES))
-    tokenizer.save_pretrained(directory)
     torch.manual_seed(0)
-    config = transformers.GemmaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden,
+    config = transformers.GemmaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=4 * hidden,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
                                       head_dim=hidden // heads, max_position_embeddings=1024, pad_token_id=0,
                                       bos_token_id=1, eos_token_id=2)
@@ -218,6 +150,7 @@ def write_language_model(directory: Path, hidden: int, layers: int, heads: int) 
 
 
 def cmd_assets(a) -> int:
+    from tests.vlm.models import write_paligemma, write_vqav2_split  # the VLM tests' tiny PaliGemma and VQAv2 set
     out = Path(a.out_dir)
     start = time.perf_counter()
     write_paligemma(out / 'paligemma')

@@ -1,10 +1,13 @@
 """Tiny transformers models for the VLM tests: decoders of every head layout, a word-level Gemma
-that knows the VQA answer format, a PaliGemma checkpoint with its processor."""
+that knows the VQA answer format, a PaliGemma checkpoint with its processor; and a VQAv2-layout set."""
+import json
 from pathlib import Path
 
 import torch
 import transformers
+from PIL import Image, ImageDraw
 
+from diffzoo.data.synthetic import SceneObject, draw_object
 from diffzoo.vlm.data import PROMPT
 
 COLOURS = ('red', 'green', 'blue', 'yellow')  # drawn in diffzoo.data.synthetic's palette
@@ -95,3 +98,28 @@ def paligemma_config(vocab_size: int = 80, image_token_index: int = 79, **kw) ->
         vision_config=dict(model_type='siglip_vision_model', image_size=32, patch_size=8, hidden_size=16,
                            intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
         image_token_index=image_token_index, projection_dim=32, **kw)
+
+
+def write_vqav2_split(root: Path, split: str, count: int, seed: int) -> None:
+    """Official VQAv2 layout: questions + annotations JSON, COCO-named JPEGs of one coloured shape
+    (drawn as diffzoo.data.synthetic draws it)."""
+    rng = torch.Generator().manual_seed(seed)
+    images = root / f'{split}2014'
+    images.mkdir(parents=True, exist_ok=True)
+    questions, annotations = [], []
+    for i in range(count):
+        colour = list(COLOURS)[int(torch.randint(len(COLOURS), (1,), generator=rng))]
+        shape = SHAPES[int(torch.randint(2, (1,), generator=rng))]
+        im = Image.new('RGB', (64, 64), (245, 245, 245))
+        draw_object(ImageDraw.Draw(im), SceneObject(shape, colour, 'large', (32, 32), 20))
+        image_id = 1000 + i
+        im.save(images / f'COCO_{split}2014_{image_id:012d}.jpg', quality=95)
+        for j, (question, answer, qtype) in enumerate([('what color is the shape?', colour, 'what color is the'),
+                                                        ('what shape is it?', shape, 'what shape is')]):
+            qid = image_id * 10 + j
+            questions.append({'image_id': image_id, 'question': question, 'question_id': qid})
+            annotations.append({'image_id': image_id, 'question_id': qid, 'question_type': qtype,
+                                'answer_type': 'other', 'multiple_choice_answer': answer,
+                                'answers': [{'answer': answer, 'answer_id': k + 1} for k in range(10)]})
+    (root / f'v2_OpenEnded_mscoco_{split}2014_questions.json').write_text(json.dumps({'questions': questions}))
+    (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))

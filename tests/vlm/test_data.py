@@ -9,7 +9,7 @@ from accelerate import skip_first_batches
 from PIL import Image
 
 from diffzoo.vlm.data import PaliGemmaCollator, SkippedImages, VLMCollator, load_vqav2
-from tests.vlm.test_train import _write_split
+from tests.vlm.models import write_vqav2_split
 
 
 def corrupt(image: Path, how: str) -> None:
@@ -23,7 +23,7 @@ def corrupt(image: Path, how: str) -> None:
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp('vqa-data')
-    _write_split(root / 'vqav2', 'train', 6, seed=0)
+    write_vqav2_split(root / 'vqav2', 'train', 6, seed=0)
     samples = load_vqav2(root / 'vqav2', 'train')  # 2 questions per image, in image order
     corrupt(Path(samples[2].image), 'truncated')
     corrupt(Path(samples[4].image), 'not an image')
@@ -32,7 +32,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.parametrize('name', ['questions', 'annotations'])
 def test_truncated_annotation_json_is_named(tmp_path, name):
-    _write_split(tmp_path, 'val', 2, seed=0)
+    write_vqav2_split(tmp_path, 'val', 2, seed=0)
     path = next(tmp_path.glob(f'*_{name}.json'))
     path.write_bytes(path.read_bytes()[:41])  # a download cut short
     with pytest.raises(ValueError, match=rf'{re.escape(str(path))}: not valid JSON .* 41 bytes.*download it again'):

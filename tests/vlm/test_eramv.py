@@ -442,10 +442,11 @@ def test_analysis_counts_injected_keys_as_visual_attention(language_model_dir):
 
 def test_an_eramv_recipe_fine_tunes_and_its_adapter_carries_the_post_projection_mlp(language_model_dir, tmp_path):
     from safetensors.torch import load_file
-    from tests.vlm.test_train import _recipe, _train, _write_split
+    from tests.vlm.models import write_vqav2_split
+    from tests.vlm.test_train import _recipe, _train
     from diffzoo.vlm import load_adapter
-    _write_split(tmp_path / 'vqav2', 'train', 8, seed=0)
-    _write_split(tmp_path / 'vqav2', 'val', 2, seed=1)
+    write_vqav2_split(tmp_path / 'vqav2', 'train', 8, seed=0)
+    write_vqav2_split(tmp_path / 'vqav2', 'val', 2, seed=1)
     model = {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(language_model_dir),
              'integration': 'eramv', 'anchors': 8, 'inject_layers': [2]}
     recipe = _recipe(tmp_path, model, tmp_path / 'runs', max_steps=4, log_every=2, save_every=4)

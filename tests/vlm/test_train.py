@@ -12,52 +12,25 @@ import pytest
 import torch
 import transformers
 import yaml
-from PIL import Image, ImageDraw
 from transformers.trainer_utils import get_last_checkpoint
 
-from diffzoo.data.synthetic import SceneObject, draw_object
 from diffzoo.train.vlm import main as train_vlm
 from diffzoo.train.vlm_trainer import VLMTrainer, checkpoint_problem
 from diffzoo.vlm import build_vlm, differentialize, load_adapter, load_vlm
 from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
 from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters
 from tests.factory import call
-from tests.vlm.models import COLOURS, SHAPES
+from tests.vlm.models import write_vqav2_split
 
 pytestmark = pytest.mark.slow  # fine-tunings, one under torchrun
-
-def _write_split(root: Path, split: str, count: int, seed: int) -> None:
-    """Official VQAv2 layout: questions + annotations JSON, COCO-named JPEGs of one coloured shape
-    (drawn as diffzoo.data.synthetic draws it)."""
-    rng = torch.Generator().manual_seed(seed)
-    images = root / f'{split}2014'
-    images.mkdir(parents=True)
-    questions, annotations = [], []
-    for i in range(count):
-        colour = list(COLOURS)[int(torch.randint(len(COLOURS), (1,), generator=rng))]
-        shape = SHAPES[int(torch.randint(2, (1,), generator=rng))]
-        im = Image.new('RGB', (64, 64), (245, 245, 245))
-        draw_object(ImageDraw.Draw(im), SceneObject(shape, colour, 'large', (32, 32), 20))
-        image_id = 1000 + i
-        im.save(images / f'COCO_{split}2014_{image_id:012d}.jpg', quality=95)
-        for j, (question, answer, qtype) in enumerate([('what color is the shape?', colour, 'what color is the'),
-                                                        ('what shape is it?', shape, 'what shape is')]):
-            qid = image_id * 10 + j
-            questions.append({'image_id': image_id, 'question': question, 'question_id': qid})
-            annotations.append({'image_id': image_id, 'question_id': qid, 'question_type': qtype,
-                                'answer_type': 'other', 'multiple_choice_answer': answer,
-                                'answers': [{'answer': answer, 'answer_id': k + 1} for k in range(10)]})
-    (root / f'v2_OpenEnded_mscoco_{split}2014_questions.json').write_text(json.dumps({'questions': questions}))
-    (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))
-
 
 
 
 @pytest.fixture(scope='module')
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp('vlm')
-    _write_split(root / 'vqav2', 'train', 48, seed=0)
-    _write_split(root / 'vqav2', 'val', 8, seed=1)
+    write_vqav2_split(root / 'vqav2', 'train', 48, seed=0)
+    write_vqav2_split(root / 'vqav2', 'val', 8, seed=1)
     return root
 
 
@@ -232,12 +205,12 @@ def test_a_checkpoint_cut_short_is_set_aside_and_the_run_resumes_from_the_one_be
 
 def test_unreadable_images_are_skipped_named_once_and_the_rest_trains(assets, language_model_dir, tmp_path):
     root = tmp_path / 'vqav2'
-    _write_split(root, 'train', 16, seed=0)  # 32 questions: one epoch of 8 steps of 4
+    write_vqav2_split(root, 'train', 16, seed=0)  # 32 questions: one epoch of 8 steps of 4
     truncated, not_jpeg = root / 'train2014' / 'COCO_train2014_000000001003.jpg', \
         root / 'train2014' / 'COCO_train2014_000000001011.jpg'
     truncated.write_bytes(truncated.read_bytes()[:300])  # cut off mid-scan: PIL opens it, decoding fails
     not_jpeg.write_bytes(b'<html>404 Not Found</html>\n' * 8)  # UnidentifiedImageError
-    _write_split(root, 'val', 4, seed=1)  # 8 validation questions, 2 per image
+    write_vqav2_split(root, 'val', 4, seed=1)  # 8 validation questions, 2 per image
     val_image = sorted((root / 'val2014').glob('*.jpg'))[1]
     val_image.write_bytes(val_image.read_bytes()[:300])
     recipe = _recipe(assets, language_model_dir, tmp_path / 'runs', max_steps=8, log_every=4, save_every=8, data={
