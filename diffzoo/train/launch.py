@@ -1,6 +1,6 @@
 """`python -m diffzoo.train`: a recipe (+ overrides) -> open_clip_train's own training loop.
 
-    python -m diffzoo.train --recipe RECIPE [--key value …] [-- open_clip_train flags]
+    python -m diffzoo.train --recipe RECIPE [--key value …] [--accept-changed-settings] [-- open_clip_train flags]
     python -m diffzoo.train --model NAME --train-data … [open_clip_train flags]
                             (a complete run without a recipe, as python -m open_clip_train.main takes it;
                              so does torchrun … -m diffzoo.train --model NAME …)
@@ -8,8 +8,10 @@
     python -m diffzoo.train plot-lambda RUN_DIR [--out PNG]   (λ against step, every layer)
 
 Before open_clip builds anything, the data is checked (shards exist, sizes known, enough shards
-for the workers) and the run directory is checked: a directory that holds a run started with
-other settings is refused, one with the same settings is resumed from its latest checkpoint
+for the workers, every worker's shards fill a batch, an epoch makes a step), the disk's room for a
+checkpoint, and the run directory (diffzoo.train.run_record): a directory that holds a run started with
+other settings is refused, a resume that changes the schedule is refused unless --accept-changed-settings
+is passed, one with the same settings is resumed from its latest checkpoint
 (recipes set `--resume latest --save-most-recent`), read with weights_only=True; a missing or unreadable
 latest checkpoint gives way to the newest intact epoch_K.pt (diffzoo.train.resume). Flags after `--`
 are appended last, so they win over the recipe. Under torchrun every process runs this; only rank 0
@@ -26,7 +28,7 @@ from diffzoo.data.shards import DataError
 from .recipe import DIFFZOO_KEYS, RecipeError, find_recipe, recipe_names
 
 
-USAGE = 'usage: python -m diffzoo.train --recipe RECIPE [--key value …] [-- open_clip_train flags]'
+USAGE = 'usage: python -m diffzoo.train --recipe RECIPE [--key value …] [--accept-changed-settings] [-- open_clip_train flags]'
 
 
 def _plot_lambda(argv: List[str]) -> int:

@@ -190,8 +190,8 @@ def expand_shards(train_data: str) -> Tuple[str, List[str]]:
     return train_data, shards
 
 
-def dataset_size(shards: List[str]) -> int:
-    """Samples in `shards` from the sizes.json next to the first shard, as open_clip reads it."""
+def shard_sizes(shards: List[str]) -> List[int]:
+    """Samples of each of `shards` from the sizes.json next to the first shard, as open_clip reads it."""
     folder = os.path.dirname(shards[0])
     path = os.path.join(folder, SIZES_FILE)
     if not os.path.exists(path):
@@ -205,7 +205,16 @@ def dataset_size(shards: List[str]) -> int:
     if missing:
         raise RecipeError(f'{path} has no entry for {len(missing)} shards (first: {missing[0]}); '
                           f'run python -m diffzoo.data sizes {folder}')
-    return sum(int(sizes[os.path.basename(s)]) for s in shards)
+    counts = [int(sizes[os.path.basename(s)]) for s in shards]
+    if not sum(counts):
+        raise RecipeError(f'{path} counts no sample in its {len(counts)} shard(s): run python -m diffzoo.data sizes '
+                          f'{folder} to count their members (shards that hold none are empty: download them again)')
+    return counts
+
+
+def dataset_size(shards: List[str]) -> int:
+    """Samples in `shards` from the sizes.json next to the first shard, as open_clip reads it."""
+    return sum(shard_sizes(shards))
 
 
 def check_shard_count(shards: int, workers: int, world_size: int) -> None:
@@ -213,6 +222,42 @@ def check_shard_count(shards: int, workers: int, world_size: int) -> None:
     if shards < max(1, workers) * world_size:
         raise RecipeError(f'{shards} shards cannot feed {workers} data workers on each of {world_size} '
                           f'processes; pass --workers {max(1, shards // world_size)} or --dataset-resampled')
+
+
+def _least_per_worker(sizes: List[int], workers: int, world_size: int) -> int:
+    """The fewest samples one data worker may read in a pass: each of the workers · world_size readers gets
+    at least len(sizes) // readers shards (shuffled to them anew each epoch), so the smallest of them."""
+    return sum(sorted(sizes)[:len(sizes) // (max(1, workers) * world_size)])
+
+
+def check_batches_fill(sizes: List[int], batch_size: int, accum: int, workers: int, world_size: int,
+                       folder: str) -> None:
+    """Without resampling each data worker batches the samples of its own shards, drops the partial batch
+    at the end of a pass, and webdataset repeats the pass until the worker has made its batches: a worker
+    whose shards hold fewer samples than one per-process batch would look for a full batch forever. And an
+    epoch must make at least one optimizer step (open_clip_train's schedule divides by the steps)."""
+    least = _least_per_worker(sizes, workers, world_size)
+    steps = steps_per_epoch(sum(sizes), batch_size, world_size, workers, accum)
+    if least >= batch_size and steps >= 1:
+        return
+    readers = max(1, workers) * world_size
+    fewer = [w for w in range(max(1, workers) - 1, 0, -1) if _least_per_worker(sizes, w, world_size) >= batch_size
+             and steps_per_epoch(sum(sizes), batch_size, world_size, w, accum) >= 1]
+    global_batch = batch_size * world_size * accum
+    accumulate = [] if not least or global_batch % (least * world_size) else [global_batch // (least * world_size)]
+    accumulate = [a for a in accumulate if steps_per_epoch(sum(sizes), least, world_size, workers, a) >= 1]
+    if least < batch_size:
+        why = (f'{len(sizes)} shard(s) of {sum(sizes)} samples in {folder} give each of the {max(1, workers)} data '
+               f'worker(s) of {world_size} process(es) {len(sizes) // readers} shard(s) a pass, as few as {least} '
+               f'samples: fewer than one batch of {batch_size} per process, so the loader would wait for a full '
+               f'batch forever')
+    else:
+        why = (f'{sum(sizes)} samples in {folder} make no optimizer step of global batch {global_batch} '
+               f'({batch_size} per process × {world_size} process(es) × {accum} accumulated)')
+    fixes = ([f'--max_batch_per_gpu {least} (the same global batch, accumulated)'] if accumulate else []) \
+        + ([f'a global batch of at most {least * world_size}'] if least else []) \
+        + ([f'--workers {fewer[0]}'] if fewer else []) + ['more data', '--dataset-resampled']
+    raise RecipeError(f'{why}. Pass {", ".join(fixes[:-1])} or {fixes[-1]}')
 
 
 def split_batch(global_batch: int, world_size: int, max_per_gpu: Optional[int]) -> Tuple[int, int]:

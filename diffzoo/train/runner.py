@@ -2,38 +2,28 @@
 the recipe resolved into open_clip_train's argv, the model, data and run-directory checks, the plan printed,
 then `open_clip_train.main.main` with diffzoo's seams installed."""
 import difflib
-import glob
-import json
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import open_clip
 import open_clip_train.main
 import torch.distributed
 from open_clip_train.params import parse_args
 
-from diffzoo.checkpoint import RUN_CONFIG, CheckpointError
+from diffzoo.checkpoint import CheckpointError
 from diffzoo.data.shards import DataError
 
 from . import seams
-from .resume import epoch_checkpoints, restore_latest
 from .recipe import (
-    DERIVED, Plan, RecipeError, check_shard_count, dataset_size, expand_shards, find_recipe, load_recipe,
-    open_clip_defaults, parse_overrides, resolve,
+    DERIVED, Plan, RecipeError, check_batches_fill, check_shard_count, expand_shards, find_recipe, load_recipe,
+    open_clip_defaults, parse_overrides, resolve, shard_sizes,
 )
+from .resume import epoch_checkpoints, restore_latest
+from .run_record import check_run_dir, pop_accept
+from .saving import NoSpaceError, checkpoint_bytes, free_bytes, no_space_message
 
 ERRORS = (RecipeError, DataError, CheckpointError, FileNotFoundError)  # bad inputs: `main` prints them, exits 2
-
-
-# open_clip_train settings that may differ when a run is resumed (hardware, logging, world size).
-MAY_CHANGE_ON_RESUME = {
-    'workers', 'batch_size', 'accum_freq', 'warmup', 'local_loss', 'gather_with_grad', 'log_every_n_steps',
-    'report_to', 'device', 'dist_url', 'dist_backend', 'grad_checkpointing', 'torchcompile', 'precision',
-    'resume', 'save_frequency', 'val_frequency', 'zeroshot_frequency', 'log_local', 'debug', 'horovod',
-    'no_set_device_rank', 'use_bn_sync', 'ddp_static_graph', 'delete_previous_checkpoint', 'wandb_notes',
-    'remote_sync', 'remote_sync_frequency', 'remote_sync_protocol', 'save_most_recent',
-}
 
 
 def _world() -> tuple:
@@ -41,38 +31,9 @@ def _world() -> tuple:
     return world_info_from_env()  # (local_rank, rank, world_size), from torchrun / SLURM variables
 
 
-def _jsonable(args) -> Dict:
-    return json.loads(json.dumps(vars(args), default=str))
-
-
-def check_run_dir(args, rank: int) -> Optional[str]:
-    """Refuse a run directory whose checkpoints come from other settings; record the settings of a new run
-    (or of one that stopped before its first checkpoint, e.g. on a typo: nothing of it is lost)."""
-    if args.name is None:
-        return None  # open_clip names a new directory by date
-    run_dir = os.path.join(args.logs, args.name)
-    path = os.path.join(run_dir, RUN_CONFIG)
-    config = _jsonable(args)
-    if os.path.exists(path) and glob.glob(os.path.join(run_dir, 'checkpoints', '*.pt')):
-        with open(path) as f:
-            stored = json.load(f)
-        changed = sorted(k for k in set(stored) | set(config)
-                         if k not in MAY_CHANGE_ON_RESUME and stored.get(k) != config.get(k))
-        if changed:
-            diffs = '; '.join(f'{k}: {stored.get(k)!r} -> {config.get(k)!r}' for k in changed[:6])
-            raise RecipeError(f'{run_dir} holds a run started with other settings ({diffs}). Re-run its original '
-                              f'command to resume it, or pass --name NEW for a new run.')
-    elif rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        tmp = f'{path}.tmp'
-        with open(tmp, 'w') as f:
-            json.dump(config, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)  # other ranks read it now or not at all, never half written
-    return run_dir
-
-
-def preflight(argv: List[str], world_size: int):
-    """open_clip_train's parsed args for `argv`, after the model and data checks open_clip would do later."""
+def preflight(argv: List[str], world_size: int) -> Tuple[object, Optional[int]]:
+    """open_clip_train's parsed args for `argv` and the training samples sizes.json counts (None when not
+    read), after the model and data checks open_clip would do later, or never (a corpus no batch fills)."""
     args = parse_args(list(argv))
     known = open_clip.list_models()
     if args.model not in known and not args.model.startswith(('hf-hub:', 'local-dir:')):
@@ -80,13 +41,28 @@ def preflight(argv: List[str], world_size: int):
         raise RecipeError(f'model {args.model!r} is not an open_clip model'
                           + (f'; did you mean {", ".join(close)}?' if close else '')
                           + ' (all of them: python -c "import diffzoo, open_clip; print(open_clip.list_models())")')
+    samples = None
     if args.train_data and args.dataset_type in ('webdataset', 'auto') and '.tar' in args.train_data:
         _, shards = expand_shards(args.train_data)
-        if args.train_num_samples is None:
-            dataset_size(shards)
+        sizes = shard_sizes(shards) if args.train_num_samples is None else None
+        samples = None if sizes is None else sum(sizes)
         if not args.dataset_resampled:
             check_shard_count(len(shards), args.workers, world_size)
-    return args
+            if sizes is not None:
+                check_batches_fill(sizes, args.batch_size, args.accum_freq, args.workers, world_size,
+                                   os.path.dirname(shards[0]))
+    return args, samples
+
+
+def check_space(args, run_dir: Optional[str]) -> None:
+    """Refuse to start when the run directory's disk cannot hold one checkpoint of the model (estimated on
+    the meta device): on a full disk open_clip_train would fail at its first save, or its log at once."""
+    if not run_dir or not os.path.isdir(run_dir) or args.model.startswith(('hf-hub:', 'local-dir:')):
+        return
+    needed = checkpoint_bytes(args.model)
+    free = free_bytes(run_dir)
+    if free < needed:
+        raise NoSpaceError(no_space_message(os.path.abspath(run_dir), needed, free, f'one checkpoint of {args.model}'))
 
 
 def print_plan(plan: Optional[Plan], source: Optional[str], argv: List[str], run_dir: Optional[str]) -> None:
@@ -125,6 +101,7 @@ def run(argv: List[str], doc: str = '') -> int:
     """Train as `argv` says (`python -m diffzoo.train`'s arguments); 0 when open_clip_train finished. `doc`, the
     command's usage text, ends the error raised when `argv` names nothing to run."""
     head, raw = (argv[:argv.index('--')], argv[argv.index('--') + 1:]) if '--' in argv else (argv, [])
+    accept, head = pop_accept(head)
     recipe_arg, head = _pop_recipe(head)
     local_rank, rank, world_size = _world()
     plan, source = None, None
@@ -139,9 +116,10 @@ def run(argv: List[str], doc: str = '') -> int:
         argv = head + raw  # open_clip_train's own flags, as `python -m open_clip_train.main` takes them
         if not argv:
             raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags\n' + doc)
-    args = preflight(argv, world_size)
-    run_dir = check_run_dir(args, rank)
+    args, samples = preflight(argv, world_size)
+    run_dir = check_run_dir(args, rank, world_size, samples, accept)
     if rank == 0:
+        check_space(args, run_dir)
         print_plan(plan, source, argv, run_dir)
         if run_dir and args.resume == 'latest' and args.save_most_recent and args.remote_sync is None:
             restored = restore_latest(os.path.join(run_dir, 'checkpoints'))  # else open_clip_train starts over

@@ -129,6 +129,48 @@ def test_bad_data_fails_before_any_model_is_built(tmp_path, args, message):
     assert not (tmp_path / 'runs').exists()
 
 
+def test_a_corpus_no_batch_fills_is_refused_with_the_numbers_and_the_fix_works(tmp_path):
+    """One shard of 16 samples and a global batch of 32: the loader would look for a full batch forever
+    (open_clip_train alone hangs after "Start epoch 0"); refused before any model is built, and the fix the
+    message gives trains. Accumulating two batches of 16 would make no step of 32 from 16 samples: refused too."""
+    write_shards(tmp_path / 'small', 1, 16)
+    cmd = ['--recipe', 'clip-tiny-baseline', '--train_data', 'small', '--epochs', '1', '--global_batch_size', '32']
+    result = train(cmd, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert ('error: 1 shard(s) of 16 samples in small give each of the 1 data worker(s) of 1 process(es) 1 shard(s) '
+            'a pass, as few as 16 samples: fewer than one batch of 32 per process, so the loader would wait for a '
+            'full batch forever. Pass a global batch of at most 16, more data or --dataset-resampled') in result.stderr
+    accumulated = train(cmd + ['--max_batch_per_gpu', '16'], cwd=tmp_path)
+    assert accumulated.returncode == 2
+    assert ('error: 16 samples in small make no optimizer step of global batch 32 (16 per process × 1 process(es) × 2 '
+            'accumulated). Pass a global batch of at most 16, more data or --dataset-resampled') in accumulated.stderr
+    assert not (tmp_path / 'runs').exists()
+    fixed = train(cmd[:-1] + ['16'], cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+    assert json.loads((tmp_path / 'runs' / 'clip-tiny-baseline' / 'data.jsonl').read_text())['samples_trained'] == 16
+
+
+def test_more_workers_than_a_batch_fills_are_refused_naming_the_worker_count_that_works(tmp_path):
+    """4 shards of 8 over 4 workers: each worker reads 8 samples a pass, fewer than a batch of 16; 2 workers fill it."""
+    write_shards(tmp_path / 'shards', 4, 8)
+    result = train(['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--global_batch_size', '16',
+                    '--workers', '4'], cwd=tmp_path)
+    assert result.returncode == 2
+    assert 'as few as 8 samples: fewer than one batch of 16 per process' in result.stderr
+    assert 'Pass --max_batch_per_gpu 8 (the same global batch, accumulated), a global batch of at most 8, --workers 2, ' \
+        'more data or --dataset-resampled' in result.stderr
+
+
+def test_an_all_zero_sizes_json_is_refused_before_any_model_is_built(tmp_path):
+    write_shards(tmp_path / 'shards', 2, 4)
+    (tmp_path / 'shards' / 'sizes.json').write_text(json.dumps({'00000.tar': 0, '00001.tar': 0}))
+    result = train(['--recipe', 'clip-tiny-baseline', '--train_data', 'shards'], cwd=tmp_path)
+    assert result.returncode == 2
+    assert ('error: shards/sizes.json counts no sample in its 2 shard(s): run python -m diffzoo.data sizes shards to '
+            'count their members') in result.stderr
+    assert not (tmp_path / 'runs').exists()
+
+
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_with_new_settings(tmp_path):
     write_shards(tmp_path / 'shards', 2, 4)
     cmd = ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '4']
