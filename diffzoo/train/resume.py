@@ -6,8 +6,10 @@ although `epoch_K.pt` files are there; without it, it takes the last `*.pt` name
 a `tmp.pt` left by a save cut short; and a remote checkpoint it cannot read ends the run. Here:
 
 - `restore_latest(folder)` (before open_clip_train looks, global rank 0): a missing `epoch_latest.pt` beside
-  `epoch_K.pt` files is restored as a hard link to the newest of them (a copy where the filesystem has no
-  links), and the run says so on stderr. open_clip_train replaces `epoch_latest.pt` by rename when it next saves, so
+  `epoch_K.pt` files is restored as a hard link to the newest of them that was written whole (a torch.save
+  file is a zip archive, whose directory is written last: a save cut short has none; a copy where the
+  filesystem has no links), and the run says so on stderr; when none was written whole, a `CheckpointError`
+  names them (open_clip_train would start over). open_clip_train replaces `epoch_latest.pt` by rename when it next saves, so
   the linked `epoch_K.pt` is never written through.
 - `latest_checkpoint(folder, remote)` replaces open_clip_train's `get_latest_checkpoint`: `epoch_latest.pt`,
   else the highest `epoch_K.pt`, listed with fsspec (s3://, gs://, file://, memory://, a local path).
@@ -22,6 +24,7 @@ import posixpath
 import re
 import shutil
 import tempfile
+import zipfile
 from typing import List, Optional, Tuple
 
 import fsspec
@@ -76,15 +79,23 @@ def restore_latest(folder: str) -> Optional[str]:
     epochs = epoch_checkpoints(folder)
     if not epochs:
         return None
-    newest = os.path.join(folder, epochs[0])
+    whole = [name for name in epochs if zipfile.is_zipfile(os.path.join(folder, name))]
+    if not whole:
+        raise CheckpointError(
+            f'cannot resume from {folder}: {LATEST} is missing and {", ".join(epochs)} '
+            f'{"was" if len(epochs) == 1 else "were"} not written whole (saves cut short). Delete the '
+            f'checkpoints folder to start the run over, or pass --name NEW for a new run', reason='cut short')
+    newest = os.path.join(folder, whole[0])
     try:
         os.link(newest, latest)
     except OSError:  # a filesystem without hard links: a copy, renamed into place whole
         tmp = latest + '.restoring'
         shutil.copyfile(newest, tmp)
         os.replace(tmp, latest)
-    return (f'{latest} is missing; resuming from {epochs[0]}, the newest epoch checkpoint beside it '
-            f'(put in place as {LATEST})')
+    cut = [name for name in epochs if name not in whole and epochs.index(name) < epochs.index(whole[0])]
+    return (f'{latest} is missing; resuming from {whole[0]}, the newest epoch checkpoint beside it written '
+            f'whole' + (f' ({", ".join(cut)} {"was" if len(cut) == 1 else "were"} cut short)' if cut else '')
+            + f' (put in place as {LATEST})')
 
 
 def _read(path: str):

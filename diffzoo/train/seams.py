@@ -22,6 +22,8 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   `.get_latest_checkpoint`, its choice of that checkpoint: `diffzoo.train.resume` reads it with
   weights_only=True whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, locally or through fsspec, falls back to
   the newest intact `epoch_K.pt` beside an unreadable one and says which, and never picks a `tmp.pt`.
+- `open_clip_train.main.torch`: the same torch, but its `save` (checkpoints only, in that module) writes a
+  file whole or not at all, checking the disk's free space first (`diffzoo.train.saving`).
 - torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back; the
   root logger's handlers that its set-up adds (console, RUN_DIR/out.log) are closed and removed after
   the run, so a second run in the same process (`diffzoo.train.launch.main(argv)` from Python) logs
@@ -43,6 +45,7 @@ from diffzoo.clip.seams import expect_function
 from . import data_events, data_report
 from .metrics import LambdaLog
 from .resume import latest_checkpoint, load_resume_checkpoint
+from .saving import TorchForCheckpoints
 from .shuffle import WebdatasetSeededShuffle, reseed
 
 DATA_REPORT_FILE = data_events.REPORT_FILE
@@ -106,6 +109,10 @@ def installed():
     if not callable(getattr(getattr(data_mod, 'wds', None), 'shuffle', None)):
         raise RuntimeError('open_clip_train.data no longer uses webdataset as `wds` with a `shuffle` stage; '
                            'diffzoo.train.seams needs updating for this open_clip_train version')
+    main_torch = getattr(main_mod, 'torch', None)
+    if not (main_torch is torch or isinstance(main_torch, TorchForCheckpoints)):  # (the latter: installed twice)
+        raise RuntimeError('open_clip_train.main no longer imports torch as `torch` (its checkpoints are saved '
+                           'through torch.save there); diffzoo.train.seams needs updating for this version')
     if 'shared_epoch' not in getattr(data_mod.DataInfo, '__dataclass_fields__', {}):
         raise RuntimeError('open_clip_train.data.DataInfo no longer carries `shared_epoch`; '
                            'diffzoo.train.seams needs updating for this open_clip_train version')
@@ -128,11 +135,13 @@ def installed():
         main_mod.get_latest_checkpoint = latest_checkpoint
         main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
         parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
+        main_mod.torch = TorchForCheckpoints(torch)
         yield
     finally:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
         parallel.DistributedDataParallel = ddp
+        main_mod.torch = main_torch
         data_mod.wds = webdataset_module
         if previous_env is None:
             os.environ.pop(data_events.ENV, None)

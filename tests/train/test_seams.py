@@ -14,7 +14,7 @@ def _current():
     return (open_clip_train.main.train_one_epoch, open_clip_train.main.pt_load,
             open_clip_train.data.get_wds_dataset, open_clip_train.data.tarfile_to_samples_nothrow,
             open_clip_train.data.filter_no_caption_or_no_image, open_clip_train.data.log_and_continue,
-            torch.nn.parallel.DistributedDataParallel, open_clip_train.data.wds)
+            torch.nn.parallel.DistributedDataParallel, open_clip_train.main.torch, open_clip_train.data.wds)
 
 
 def test_seams_hold_for_one_run_and_are_undone_after_it():
@@ -25,6 +25,8 @@ def test_seams_hold_for_one_run_and_are_undone_after_it():
         assert torch.nn.parallel.DistributedDataParallel is seams.CpuAwareDistributedDataParallel
         assert isinstance(open_clip_train.data.wds.shuffle(10, 2), SeededShuffle)
         assert open_clip_train.main.pt_load is seams.load_resume_checkpoint
+        assert open_clip_train.main.torch.save is seams.TorchForCheckpoints.save  # checkpoints whole or none
+        assert open_clip_train.main.torch.optim is torch.optim  # the rest is torch's
         assert open_clip_train.data.wds.DataPipeline is before[-1].DataPipeline  # the rest is webdataset's
         assert os.path.isdir(os.environ[data_events.ENV])
         events = os.environ[data_events.ENV]
