@@ -2,6 +2,7 @@
 giving way to an intact one (local, and on fsspec's file:// and memory:// filesystems standing in for object
 stores), and a checkpoint that would run code refused, on real files (`python -m diffzoo.train`
 through its `main` in this process; tests/train/test_end_to_end.py kills and resumes real processes)."""
+import json
 import logging
 import os
 import shutil
@@ -94,9 +95,62 @@ def test_a_missing_latest_checkpoint_with_no_intact_epoch_is_a_named_error(whole
     _cut(checkpoints / 'epoch_1.pt')
     result = call(main, ARGV, cwd=checkpoints.parents[2])
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f'error: cannot resume from runs/{RECIPE}/checkpoints: epoch_latest.pt is unreadable' in result.stderr
-    assert 'Delete the checkpoints folder to start the run over' in result.stderr
-    assert not (checkpoints / 'epoch_2.pt').exists()
+    assert (f'error: cannot resume from runs/{RECIPE}/checkpoints: epoch_latest.pt is missing and epoch_1.pt was '
+            'not written whole (saves cut short). Delete the checkpoints folder to start the run over') in result.stderr
+    assert 'put in place' not in result.stderr  # nothing is claimed before it is known to be whole
+    assert not (checkpoints / 'epoch_latest.pt').exists() and not (checkpoints / 'epoch_2.pt').exists()
+
+
+def _record(checkpoints):
+    return json.loads((checkpoints.parent / 'diffzoo-run.json').read_text())
+
+
+def test_a_resume_that_changes_the_schedule_is_refused_unless_accepted_and_then_recorded(whole_run, tmp_path):
+    """Resumed after epoch 1 with another global batch: refused with the schedule before and after and the
+    learning rate at the resumed step under each; with --accept-changed-settings it trains on, says so, and
+    the run's record holds the new settings and the change."""
+    checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
+    changed = ARGV[:-1] + ['16']
+    refused = call(main, changed, cwd=checkpoints.parents[2])
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert (f'error: runs/{RECIPE} was trained with other settings (batch_size: 8 -> 16; warmup: 1 -> 0), which '
+            'change its learning-rate schedule: the schedule was global batch 8, 2 steps per epoch, warm-up 1 steps, '
+            '2 epochs; now global batch 16, 1 steps per epoch, warm-up 0 steps, 2 epochs: resuming after epoch 1, '
+            'the learning rate goes from 0.00075 (the old schedule there) to 0.0005') in refused.stderr
+    assert 'pass --accept-changed-settings to train on with these' in refused.stderr
+    assert not (checkpoints / 'epoch_2.pt').exists() and _record(checkpoints)['batch_size'] == 8
+
+    accepted = call(main, ['--accept-changed-settings'] + changed, cwd=checkpoints.parents[2])
+    assert accepted.returncode == 0, accepted.stdout[-3000:] + accepted.stderr[-3000:]
+    assert 'warning: the learning-rate schedule changes (--accept-changed-settings): the schedule was' in accepted.stderr
+    assert torch.load(checkpoints / 'epoch_2.pt', weights_only=True)['epoch'] == 2
+    record = _record(checkpoints)
+    assert record['batch_size'] == 16 and record['warmup'] == 0
+    assert record['changes_on_resume'] == [{'epoch': 1, 'changed': {'batch_size': [8, 16], 'warmup': [1, 0]},
+                                            'accepted': '--accept-changed-settings'}]
+
+
+def test_a_resume_with_other_workers_keeps_the_schedule_says_it_is_no_replay_and_records_it(whole_run, tmp_path):
+    checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
+    result = call(main, ARGV + ['--workers', '2'], cwd=checkpoints.parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ('warning: workers: 1 -> 2: the run goes on, but no longer replays the uninterrupted run bit for bit '
+            '(another sample order or other numerics)') in result.stderr
+    assert _record(checkpoints)['changes_on_resume'] == [
+        {'epoch': 1, 'changed': {'workers': [1, 2]}, 'accepted': 'kept the schedule'}]
+
+
+def test_a_finished_run_is_lengthened_by_more_epochs(whole_run, tmp_path):
+    root = tmp_path / 'run'
+    shutil.copytree(whole_run, root)
+    result = call(main, ARGV[:5] + ['3'] + ARGV[6:], cwd=root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ('warning: epochs 2 -> 3: the run is lengthened; the schedule was global batch 8, 2 steps per epoch, '
+            'warm-up 1 steps, 2 epochs; now global batch 8, 2 steps per epoch, warm-up 1 steps, 3 epochs: resuming '
+            'after epoch 2, the learning rate goes from 0 (the old schedule there) to 0.000345') in result.stderr
+    checkpoints = root / 'runs' / RECIPE / 'checkpoints'
+    assert torch.load(checkpoints / 'epoch_3.pt', weights_only=True)['epoch'] == 3
+    assert _record(checkpoints)['changes_on_resume'][0]['accepted'] == 'lengthened'
 
 
 def test_latest_is_never_a_save_cut_short(tmp_path):
