@@ -10,7 +10,8 @@ open_clip's internals fails here, by name, instead of somewhere deep in a forwar
 - `open_clip.factory.load_state_dict`: reads pickles with `weights_only=True` plus the globals
   official DiffCLIP files need, and converts the official DiffCLIP layout to open_clip keys.
 - `open_clip.factory.load_checkpoint`: a checkpoint for another architecture fails with the first
-  missing/unexpected keys instead of torch's full list.
+  missing/unexpected keys instead of torch's full list; the non-persistent buffers that a scripted
+  model's checkpoint (open_clip_train's `--torchscript`) also holds are not unexpected.
 - `open_clip.pretrained._PRETRAINED`: DiffCLIP's pretrained tags (`cc3m`, `cc12m`).
 - `open_clip.factory.create_model` (and the `open_clip.create_model` it is exported as): a
   checkpoint file gets the preprocessing it was trained with (`diffzoo.checkpoint.preprocess_record`:
@@ -127,13 +128,23 @@ def _checkpoint_loader(original):
                 f'{checkpoint_path} is not a checkpoint for this {type(model).__name__}: '
                 f'{"; ".join(lines[:3])}{" …" if len(lines) > 3 else ""}. Pass the model name it was '
                 f'trained as') from None
-        if strict and result is not None and (result.missing_keys or result.unexpected_keys):
-            raise CheckpointError(
-                f'{checkpoint_path} is not a checkpoint for this {type(model).__name__}: '
-                f'missing keys [{first_keys(result.missing_keys)}], unexpected keys '
-                f'[{first_keys(result.unexpected_keys)}]. Pass the model name it was trained as')
+        if strict and result is not None:
+            unexpected = [k for k in result.unexpected_keys if k not in unsaved_buffers(model)]
+            if result.missing_keys or unexpected:
+                raise CheckpointError(
+                    f'{checkpoint_path} is not a checkpoint for this {type(model).__name__}: '
+                    f'missing keys [{first_keys(result.missing_keys)}], unexpected keys '
+                    f'[{first_keys(unexpected)}]. Pass the model name it was trained as')
         return result
     return load_checkpoint
+
+
+def unsaved_buffers(model: torch.nn.Module) -> set:
+    """The buffers `model` holds but leaves out of its state_dict (persistent=False: open_clip's causal `attn_mask`).
+    A scripted model's state_dict holds them too (TorchScript keeps no persistent=False), and so do the checkpoints
+    open_clip_train writes under --torchscript; their values are the model's own, rebuilt at construction."""
+    saved = model.state_dict().keys()
+    return {name for name, _ in model.named_buffers() if name not in saved}
 
 
 HF_HUB = 'hf-hub:'

@@ -9,6 +9,9 @@ A causal tower (open_clip's default) attends with `is_causal=True` where open_cl
 (L, L) causal mask (`CLIP.encode_text`, `TextTransformer`), so the attention kernels skip the
 masked half instead of adding −inf to it; a class-token or padding mask, (B·heads, L, L), is
 passed on as given.
+
+The tower scripts with `torch.jit.script`, inside the whole model (open_clip's `create_model(..., jit=True)`,
+open_clip_train's `--torchscript`); torch.compile(fullgraph=True) and torch.export trace it.
 """
 from collections import OrderedDict
 from typing import Optional, Type
@@ -16,6 +19,7 @@ from typing import Optional, Type
 import torch
 import torch.nn as nn
 from open_clip.transformer import LayerNorm, LayerScale, TextTransformer, Transformer
+from torch.utils.checkpoint import checkpoint
 
 from diffzoo.layers import diff_attn_layer
 
@@ -24,7 +28,7 @@ def is_exactly_causal(mask: torch.Tensor) -> bool:
     """An additive (L, L) mask that is −inf above the diagonal and 0 elsewhere, as
     `TextTransformer.build_causal_mask` makes it (a bool mask: True on and below the diagonal)."""
     L = mask.shape[-1]
-    if mask.shape != (L, L):
+    if mask.dim() != 2 or mask.shape[0] != L:
         return False
     lower = torch.ones(L, L, dtype=torch.bool, device=mask.device).tril_()  # (L, L)
     if mask.dtype == torch.bool:
@@ -79,7 +83,8 @@ class DiffResidualAttentionBlock(nn.Module):
 
 
 class DiffTransformer(Transformer):
-    """open_clip's `Transformer` (forward, intermediates, grad checkpointing) over differential blocks."""
+    """open_clip's `Transformer` (intermediates, grad checkpointing) over differential blocks; its forward is
+    written out, as TorchScript compiles no `super()` call."""
 
     def __init__(
             self,
@@ -112,22 +117,38 @@ class DiffTransformer(Transformer):
 
     def _blocks_mask(self, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The mask the blocks get: none for an exactly causal (L, L) mask given to a causal tower
-        (the blocks then pass is_causal); any other mask unchanged. The values are checked in eager
-        mode, once per mask tensor and version (open_clip hands the same buffer every call, so a GPU
-        run synchronises once, not every step); under torch.compile, and for a mask on the meta device
-        (which holds no values), a causal tower's (L, L) mask is taken to be the causal buffer open_clip
-        hands it, so the graph has no data-dependent branch."""
-        if not (self.is_causal and attn_mask is not None and attn_mask.ndim == 2):
+        (the blocks then pass is_causal); any other mask unchanged. Eager mode checks the values once
+        per mask tensor and version (open_clip hands the same buffer every call, so a GPU run
+        synchronises once, not every step); scripted, which keeps no Python state between calls, at
+        every call. Under torch.compile, and for a mask on the meta device (which holds no values), a
+        causal tower's (L, L) mask is taken to be the causal buffer open_clip hands it, so the graph
+        has no data-dependent branch."""
+        if attn_mask is None or not self.is_causal or attn_mask.dim() != 2:
             return attn_mask
+        if torch.jit.is_scripting():
+            causal = attn_mask.is_meta or is_exactly_causal(attn_mask)
+        else:
+            causal = self._is_causal_buffer(attn_mask)
+        return None if causal else attn_mask
+
+    def _is_causal_buffer(self, attn_mask: torch.Tensor) -> bool:
+        """`_blocks_mask`'s verdict outside TorchScript, kept per mask tensor and version."""
         if torch.compiler.is_compiling() or attn_mask.is_meta:
-            return None
+            return True
         seen, version = self._causal_seen
         if seen is not attn_mask or version != attn_mask._version:
             self._causal_seen = (attn_mask, attn_mask._version) if is_exactly_causal(attn_mask) else (None, None)
-        return None if self._causal_seen[0] is attn_mask else attn_mask
+        return self._causal_seen[0] is attn_mask
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None):
-        return super().forward(x, attn_mask=self._blocks_mask(attn_mask))
+        """open_clip's `Transformer.forward` (batch first), with the blocks' mask."""
+        attn_mask = self._blocks_mask(attn_mask)
+        for block in self.resblocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, None, None, attn_mask, use_reentrant=False)  # open_clip's positional call
+            else:
+                x = block(x, attn_mask=attn_mask)
+        return x  # (B, L, width)
 
     def forward_intermediates(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, **kwargs):
         return super().forward_intermediates(x, attn_mask=self._blocks_mask(attn_mask), **kwargs)

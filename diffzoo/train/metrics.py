@@ -28,10 +28,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def _differential(m: torch.nn.Module) -> bool:
+    """A `DifferentialAttention`, or one scripted (open_clip_train's --torchscript): a RecursiveScriptModule named
+    after its class (`diff_attn_layer`'s classes are named DifferentialAttention_…)."""
+    if isinstance(m, DifferentialAttention):
+        return True
+    return (isinstance(m, torch.jit.RecursiveScriptModule)
+            and getattr(m, 'original_name', '').startswith(DifferentialAttention.__name__))
+
+
 def lambda_layers(model: torch.nn.Module) -> Dict[str, DifferentialAttention]:
     """Differential layers with an input-independent λ, by module name (vision then text)."""
     return {name: m for name, m in unwrap(model).named_modules()
-            if isinstance(m, DifferentialAttention) and m.variant != 'v2'}
+            if _differential(m) and m.variant != 'v2'}
 
 
 def lambda_values(layers: Dict[str, DifferentialAttention]) -> Dict[str, float]:
