@@ -61,7 +61,11 @@ def _cmd_check(a, _) -> int:
             ('samples training uses', sum(s.usable for s in report.shards)),
             ('samples missing a member', missing), ('undecodable images', undecodable),
             ('undecodable captions or json', undecodable_text),
+            ('samples repeating a key', report.key_repeats),
+            ('members named to leave the dir', sum(len(s.hostile) for s in report.shards)),
             ('empty shards', empty), ('unreadable shards', unreadable)]
+    if report.sizes is not None:
+        rows.insert(1, ('samples in sizes.json', sum(report.sizes.get(s.name, 0) for s in report.shards)))
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f'  {name:<{width}}  {value:>12,}')

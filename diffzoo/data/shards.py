@@ -5,6 +5,10 @@ img2dataset's `NNNNN_stats.json` (success counts) and `NNNNN.parquet` (every URL
 open_clip counts training samples only from a `sizes.json` ({"NNNNN.tar": samples}) next to the
 shards; `write_sizes` makes it from the stats files, counting a tar itself where stats are missing.
 Sample keys follow webdataset's rule: the member name up to the first dot of its base name.
+
+Members are read into memory (tarfile's stream, as webdataset reads them), never extracted: a member named with a
+`..` component or an absolute path is only reported, as the sign of a shard made by something other than
+img2dataset, or made to escape a directory.
 """
 import io
 import json
@@ -17,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+from .keys import repeats_across, shard_keys
 
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp')
 TEXT_EXT = 'txt'
@@ -34,6 +40,15 @@ def split_member(name: str) -> Tuple[Optional[str], Optional[str]]:
     if not match:
         return None, None
     return match.group(1), match.group(2).lower()
+
+
+def hostile_name(name: str) -> Optional[str]:
+    """Why a tar member's name would leave the directory it was extracted into (None: it would not)."""
+    if name.startswith(('/', '\\')) or re.match(r'^[A-Za-z]:', name):
+        return 'an absolute path'
+    if '..' in re.split(r'[/\\]', name):
+        return 'a ../ component'
+    return None
 
 
 def list_shards(directory) -> List[Path]:
@@ -62,11 +77,16 @@ def read_stats(directory) -> Dict[str, dict]:
     return stats
 
 
-def iter_samples(shard: Path) -> Iterator[Tuple[str, Dict[str, bytes]]]:
-    """(key, {ext: bytes}) for each sample of a tar, grouping consecutive members by key."""
+def iter_samples(shard: Path, hostile: Optional[List[Tuple[str, str]]] = None
+                 ) -> Iterator[Tuple[str, Dict[str, bytes]]]:
+    """(key, {ext: bytes}) for each sample of a tar, grouping consecutive members by key, read in memory.
+    `hostile`, a list, gets (member name, why) of each member whose name has a `..` component or is absolute."""
     key, members = None, {}
     with tarfile.open(shard, mode='r|*') as tar:
         for info in tar:
+            why = hostile_name(info.name) if hostile is not None else None
+            if why:
+                hostile.append((info.name, why))
             if not info.isreg():
                 continue
             k, ext = split_member(info.name)
@@ -195,6 +215,9 @@ class ShardReport:
     undecodable_text: List[Tuple[str, str]] = field(default_factory=list)  # (sample key, reason)
     skipped: int = 0  # samples training skips (each once, for the first reason it meets)
     error: Optional[str] = None  # the tar itself could not be read to the end
+    keys: List[list] = field(default_factory=list)  # distinct sample keys (`diffzoo.data.keys` groups)
+    key_repeats: List[Tuple[int, str]] = field(default_factory=list)  # (position, key): a key met earlier here
+    hostile: List[Tuple[str, str]] = field(default_factory=list)  # (member name, why): would leave the directory
 
     @property
     def usable(self) -> int:
@@ -202,21 +225,29 @@ class ShardReport:
         return self.samples - self.skipped
 
     @property
+    def images(self) -> int:
+        """Samples with an image: what sizes.json counts (`sizes --recount` writes it)."""
+        return self.samples - self.missing['image']
+
+    @property
     def ok(self) -> bool:
         return (self.error is None and self.samples > 0 and not self.missing and not self.undecodable
-                and not self.undecodable_text)
+                and not self.undecodable_text and not self.key_repeats and not self.hostile)
 
 
 def check_shard(shard: Path, decode: bool = True) -> ShardReport:
     """Read every sample of a shard and skip what open_clip_train's pipeline skips, in its order:
     no image or a blank caption (its caption filter), then a member that does not decode (webdataset's
-    decode stage: images with PIL unless `decode` is off, captions as UTF-8, json as JSON)."""
+    decode stage: images with PIL unless `decode` is off, captions as UTF-8, json as JSON). Samples whose key
+    an earlier sample of the shard has, and members named to leave the directory, are noted (training keeps them)."""
     from PIL import Image
 
     report = ShardReport(shard.name)
+    keys = []
     try:
-        for key, members in iter_samples(shard):
+        for key, members in iter_samples(shard, hostile=report.hostile):
             report.samples += 1
+            keys.append(key)
             has_image = any(e in members for e in IMAGE_EXTS)
             has_caption = bool(members.get(TEXT_EXT, b'').strip())
             if not has_image:
@@ -246,7 +277,12 @@ def check_shard(shard: Path, decode: bool = True) -> ShardReport:
             report.skipped += 1
     except (tarfile.TarError, OSError, EOFError) as exc:
         report.error = f'{type(exc).__name__}: {exc}'
+    report.keys, report.key_repeats = shard_keys(keys)
     return report
+
+
+def _shown(items: List[str], n: int = 3, sep: str = ', ') -> str:
+    return sep.join(items[:n]) + (' …' if len(items) > n else '')
 
 
 @dataclass
@@ -254,10 +290,28 @@ class DatasetReport:
     directory: Path
     shards: List[ShardReport]
     sizes: Optional[Dict[str, int]]
+    key_repeats_across: int = 0  # samples whose key another shard holds too, counted once each
+    key_repeat_examples: List[Tuple[str, List[str]]] = field(default_factory=list)  # (key, shards holding it)
 
     @property
     def samples(self) -> int:
         return sum(s.samples for s in self.shards)
+
+    @property
+    def key_repeats(self) -> int:
+        """Samples whose key another sample has (the first of them, in shard name order, is not one)."""
+        return self.key_repeats_across + sum(len(s.key_repeats) for s in self.shards)
+
+    def sizes_disagreements(self) -> Dict[str, List[Tuple[str, Optional[int], int]]]:
+        """(shard, sizes.json's count or None, samples with an image) of the shards read to their end that
+        sizes.json has no entry for ('absent'), counts fewer samples than they hold ('under'), or more ('over')."""
+        out = {'absent': [], 'under': [], 'over': []}
+        for s in self.shards:
+            declared = (self.sizes or {}).get(s.name)
+            if s.error is None and self.sizes is not None and declared != s.images:
+                out['absent' if declared is None else 'under' if declared < s.images else 'over'].append(
+                    (s.name, declared, s.images))
+        return out
 
     def problems(self) -> List[str]:
         out = []
@@ -277,14 +331,39 @@ class DatasetReport:
                     ' …' if len(s.undecodable_text) > 3 else '')
                 out.append(f'{s.name}: {len(s.undecodable_text)} undecodable captions or json, skipped in '
                            f'training ({shown})')
+            if s.key_repeats:
+                shown = _shown([f'{k} at sample {p}' for p, k in s.key_repeats])
+                out.append(f'{s.name}: {len(s.key_repeats)} samples repeat the key of an earlier sample of the shard '
+                           f'({shown}); training trains each of them; re-create the shard with a key of its own '
+                           f'for every sample')
+            if s.hostile:
+                shown = _shown([f'{name!r} ({why})' for name, why in s.hostile], sep='; ')
+                out.append(f'{s.name}: {len(s.hostile)} members named to leave the directory they would be extracted '
+                           f'into: {shown}; not written by img2dataset (nothing here extracts them: members are '
+                           f'read in memory); re-create the shard')
+        if self.key_repeats_across:
+            shown = _shown([f'{key} in {" and ".join(shards[:3])}' for key, shards in self.key_repeat_examples],
+                           sep='; ')
+            out.append(f'{self.key_repeats_across} samples repeat the key of a sample of another shard ({shown}); '
+                       f'training trains each of them; delete a shard that is a copy of another, or re-create the '
+                       f'shards with a key of their own for every sample')
+        fix = f'run python -m diffzoo.data sizes {self.directory} --recount'
         if self.sizes is None:
             out.append(f'no {SIZES_FILE}: run python -m diffzoo.data sizes {self.directory}')
-        else:
-            wrong = [s.name for s in self.shards if s.error is None and self.sizes.get(s.name) != s.samples
-                     and not s.missing]
-            if wrong:
-                out.append(f'{SIZES_FILE} disagrees with {len(wrong)} shards ({", ".join(wrong[:3])}); '
-                           f'run python -m diffzoo.data sizes {self.directory} --recount')
+            return out
+        wrong = self.sizes_disagreements()
+        if wrong['absent']:
+            out.append(f'{SIZES_FILE} has no entry for {len(wrong["absent"])} shards '
+                       f'({_shown([name for name, _, _ in wrong["absent"]])}); {fix}')
+        for kind, fewer in (('under', True), ('over', False)):
+            if wrong[kind]:
+                n = abs(sum(held - declared for _, declared, held in wrong[kind]))
+                shown = _shown([f'{name}: {declared:,} in {SIZES_FILE}, {held:,} in the tar'
+                                for name, declared, held in wrong[kind]], sep='; ')
+                effect = ('an epoch ends that many samples short, and part of the corpus is never trained' if fewer
+                          else 'an epoch asks for that many more samples and trains others twice to make them up')
+                out.append(f'{SIZES_FILE} counts {n:,} samples {"fewer" if fewer else "more"} than '
+                           f'{len(wrong[kind])} shards hold ({shown}): {effect}; {fix}')
         return out
 
 
@@ -318,7 +397,8 @@ def check_dataset(directory, workers: int = 0, decode: bool = True, progress=pri
         if pool is not None:
             pool.close()
             pool.join()
-    return DatasetReport(Path(directory), reports, sizes)
+    across, examples = repeats_across({r.name: r.keys for r in reports})
+    return DatasetReport(Path(directory), reports, sizes, across, examples)
 
 
 @dataclass

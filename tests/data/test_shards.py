@@ -1,16 +1,21 @@
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
+import sys
 import tarfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import webdataset as wds
 
 from diffzoo.data.__main__ import main as data_main
 from diffzoo.data.shards import DataError, check_dataset, list_shards, write_retry, write_sizes
-from tests.factory import write_shards
+from tests.data.tars import rename_samples
+from tests.factory import run, write_shards
 
 
 def test_sizes_from_img2dataset_stats(tmp_path):
@@ -77,7 +82,7 @@ def test_check_finds_captions_and_json_that_training_cannot_decode(tmp_path, cap
     assert '00000.tar: 1 undecodable captions or json, skipped in training (000000001: .txt is not UTF-8' in out
     assert '00001.tar: 1 undecodable captions or json, skipped in training (000010003: .json is not JSON' in out
     assert re.search(r'samples training uses +8\n', out) and re.search(r'samples +10\n', out)
-    assert 'sizes.json disagrees' not in out  # sizes.json counts samples, as open_clip does
+    assert 'sizes.json counts' not in out  # sizes.json counts samples, as open_clip does
 
 
 def test_check_skips_exactly_what_training_skips(tmp_path):
@@ -121,7 +126,79 @@ def test_check_catches_stale_sizes_json(tmp_path, capsys):
     write_shards(tmp_path, 2, 4)
     (tmp_path / 'sizes.json').write_text(json.dumps({'00000.tar': 4, '00001.tar': 9}))
     assert data_main(['check', str(tmp_path), '--no-decode']) == 1
-    assert 'sizes.json disagrees with 1 shards (00001.tar)' in capsys.readouterr().out
+    assert (f'sizes.json counts 5 samples more than 1 shards hold (00001.tar: 9 in sizes.json, 4 in the tar): an epoch '
+            f'asks for that many more samples and trains others twice to make them up; run python -m diffzoo.data '
+            f'sizes {tmp_path} --recount') in capsys.readouterr().out
+
+
+def test_check_counts_what_an_undercounting_sizes_json_leaves_out_and_recount_fixes_it(tmp_path, capsys):
+    """3 shards of 6, a sample of shard 2 without its image (5 with one: what sizes.json counts); sizes.json says 2
+    for shard 1 and 3 for shard 2, 6 samples fewer than they hold, and has no entry for shard 0."""
+    write_shards(tmp_path, 3, 6)
+    rename_samples(tmp_path / '00002.tar', {}, drop={'000020004.jpg'})
+    (tmp_path / 'sizes.json').write_text(json.dumps({'00001.tar': 2, '00002.tar': 3}))
+    assert data_main(['check', str(tmp_path), '--workers', '1', '--no-decode']) == 1
+    out = capsys.readouterr().out
+    assert re.search(r'samples in sizes.json +5\n', out)
+    assert (f'sizes.json counts 6 samples fewer than 2 shards hold (00001.tar: 2 in sizes.json, 6 in the tar; '
+            f'00002.tar: 3 in sizes.json, 5 in the tar): an epoch ends that many samples short, and part of the corpus '
+            f'is never trained; run python -m diffzoo.data sizes {tmp_path} --recount') in out
+    assert (f'sizes.json has no entry for 1 shards (00000.tar); run python -m diffzoo.data sizes {tmp_path} '
+            f'--recount') in out
+    assert data_main(['sizes', str(tmp_path), '--recount']) == 0
+    assert data_main(['check', str(tmp_path), '--workers', '1', '--no-decode']) == 1  # the missing image remains
+    out = capsys.readouterr().out
+    assert 'sizes.json' not in out.split('problems')[-1] and 'no image in 1 of 6 samples' in out
+
+
+def test_check_counts_each_sample_that_repeats_a_key_once(tmp_path, capsys):
+    """Shard 1 holds key 000010001 three times (samples 1, 3 and 4), shard 3 is a copy of shard 0: 2 samples repeat
+    a key of their own shard and 5 the keys of another; a key three times is two repeats, not three."""
+    write_shards(tmp_path, 4, 5)
+    rename_samples(tmp_path / '00001.tar', {'000010003': '000010001', '000010004': '000010001'})
+    shutil.copy(tmp_path / '00000.tar', tmp_path / '00003.tar')
+    report = check_dataset(tmp_path, workers=2, progress=None)
+    by_name = {s.name: s for s in report.shards}
+    assert by_name['00001.tar'].key_repeats == [(3, '000010001'), (4, '000010001')]
+    assert (report.key_repeats_across, report.key_repeats) == (5, 7)
+    assert report.key_repeat_examples[0] == ('000000000', ['00000.tar', '00003.tar'])
+    assert data_main(['check', str(tmp_path), '--workers', '1', '--no-decode']) == 1
+    out = capsys.readouterr().out
+    assert re.search(r'samples repeating a key +7\n', out)
+    assert ('00001.tar: 2 samples repeat the key of an earlier sample of the shard (000010001 at sample 3, 000010001 '
+            'at sample 4); training trains each of them; re-create the shard with a key of its own for every '
+            'sample') in out
+    assert ('5 samples repeat the key of a sample of another shard (000000000 in 00000.tar and 00003.tar; 000000001 '
+            'in 00000.tar and 00003.tar; 000000002 in 00000.tar and 00003.tar …); training trains each of them; '
+            'delete a shard that is a copy of another, or re-create the shards with a key of their own for every '
+            'sample') in out
+
+
+def test_check_flags_members_named_to_leave_the_directory_and_nothing_extracts_them(tmp_path):
+    """A real `python -m diffzoo.data check` process, run two levels below the shards' parent, and webdataset's own
+    reader (as training reads shards) over a shard whose members are named '../../escaped.*' and '<abs>/absolute.*':
+    both read them in memory, nothing is written where the names point, and check names the shard and members."""
+    write_shards(tmp_path / 'shards', 2, 3)
+    absolute = tmp_path / 'absolute'
+    rename_samples(tmp_path / 'shards' / '00001.tar', {'000010000': '../../escaped', '000010002': str(absolute)})
+    cwd = tmp_path / 'a' / 'b'
+    cwd.mkdir(parents=True)
+    result = run([sys.executable, '-m', 'diffzoo.data', 'check', str(tmp_path / 'shards'), '--workers', '1'], cwd=cwd)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r'members named to leave the dir +6\n', result.stdout)
+    assert ("00001.tar: 6 members named to leave the directory they would be extracted into: '../../escaped.jpg' "
+            "(a ../ component); '../../escaped.json' (a ../ component); '../../escaped.txt' (a ../ component) …; not "
+            "written by img2dataset (nothing here extracts them: members are read in memory); re-create the shard"
+            ) in result.stdout
+    hostile = check_dataset(tmp_path / 'shards', workers=1, progress=None).shards[1].hostile
+    assert [why for _, why in hostile] == ['a ../ component'] * 3 + ['an absolute path'] * 3
+    assert hostile[3] == (f'{absolute}.jpg', 'an absolute path')
+    with contextlib.chdir(cwd):
+        keys = [s['__key__'] for s in wds.DataPipeline(wds.SimpleShardList(str(tmp_path / 'shards' / '00001.tar')),
+                                                       wds.tarfile_to_samples())]
+    assert keys == ['../../escaped', '000010001', str(absolute)]
+    assert sorted(p.name for p in tmp_path.rglob('*') if p.is_file()) == [
+        '00000.tar', '00001.tar', 'sizes.json']  # no escaped.* nor absolute.*
 
 
 @pytest.mark.parametrize('make, message', [
