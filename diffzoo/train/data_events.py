@@ -6,7 +6,9 @@ here replace its pipeline functions (see `diffzoo.train.seams`) and count as wel
 epoch, into the journal `$DIFFZOO_DATA_EVENTS/<pid>-<epoch>.jsonl`: before a batch leaves the process,
 one line is appended with what changed since the last line (the batch's samples by shard and position,
 shards opened, samples skipped), so the journal is complete once the epoch's last batch has been
-trained and costs a few bytes per sample (`python -m diffzoo.bench --sections data` measures it).
+trained and costs a few bytes per sample (`python -m diffzoo.bench --sections data` measures it). Each shard
+read to its end adds a line to `<pid>-<epoch>.shards.jsonl` (its counts and its keys, a few bits per key for
+img2dataset's numbered keys), written before the shard's last sample leaves the reader.
 
 A sample is named by its shard url and its position in the shard (0-based, as the tar holds it);
 its key names it in examples. Every count is of distinct samples or shards within one epoch, the
@@ -22,6 +24,12 @@ union over data-loader workers and ranks (not their sum):
 - skipped shards: distinct shard urls.
 - readable samples: distinct samples that reached a batch (caption, image, decoded); the exact
   number the shards hold once every process has read all its shards at least once this epoch.
+- shards read to their end: distinct shard urls whose every sample a process handed on, without an error
+  in the shard; for each, its samples, those with an image (what sizes.json counts; `data_report` compares
+  them with it) and its keys.
+- key repeats: samples of the shards read to their end whose `__key__` another sample of them has (the same key
+  twice in a tar, a shard copied under a second name): a key held by n samples is n - 1 repeats, each sample
+  counted once however often it is read. They are trained, as open_clip trains them.
 
 One difference in what is trained: a blank caption counts as none and its sample is skipped
 (img2dataset writes an empty `.txt` where the URL list had no caption; open_clip would train on it).
@@ -38,6 +46,7 @@ import tarfile
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional
 
+import torch
 import webdataset
 from open_clip_train.data import group_by_keys_nothrow
 from open_clip_train.data import log_and_continue as _open_clip_log_and_continue
@@ -45,11 +54,13 @@ from webdataset.filters import _to_tuple, default_collation_fn
 from webdataset.tariterators import tar_file_expander as _webdataset_tar_file_expander
 from webdataset.tariterators import url_opener
 
-from diffzoo.data.shards import IMAGE_EXTS  # what open_clip_train renames to `image`
+from diffzoo.data.keys import shard_keys
+from diffzoo.data.shards import IMAGE_EXTS, DataError  # IMAGE_EXTS: what open_clip_train renames to `image`
 
 ENV = 'DIFFZOO_DATA_EVENTS'
 REPORT_FILE = 'data.jsonl'  # in the run directory, a record per epoch (diffzoo.train.data_report)
 EPOCH_FILE = 'epoch'
+SHARDS_SUFFIX = '.shards.jsonl'  # `<pid>-<epoch>.shards.jsonl`: a line per shard read to its end
 INDEX = '__index__'  # a sample's position in its shard, set by `tarfile_to_samples_nothrow`
 SAMPLE_REASONS = {
     'undecodable_image': 'undecodable image',
@@ -86,7 +97,7 @@ class _ProcessLog:
     def __init__(self, directory: str):
         self.where, self.directory, self.pid = directory, Path(directory), os.getpid()
         self.epoch: Optional[int] = None
-        self.file = None
+        self.file = self.shards_file = None
         self.reset()
 
     def reset(self) -> None:
@@ -106,13 +117,24 @@ class _ProcessLog:
             epoch = None
         if epoch != self.epoch:
             self.flush()
-            if self.file is not None:
-                self.file.close()
-            self.epoch, self.file = epoch, None
+            for file in (self.file, self.shards_file):
+                if file is not None:
+                    file.close()
+            self.epoch, self.file, self.shards_file = epoch, None, None
             self.reset()
 
     def skip(self, reason: str, url: Optional[str], position: Optional[int], key: Optional[str]) -> None:
         self.skips.append([reason, url, position, key])
+
+    def shard_read(self, url: str, keys: List[str], images: int) -> None:
+        """A shard read to its end: its samples (`keys`, in order) and how many have an image, as a line of
+        this epoch's shards file, written at once."""
+        groups, repeats = shard_keys(keys)
+        if self.shards_file is None:
+            self.shards_file = open(self.directory / f'{self.pid}-{self.epoch}{SHARDS_SUFFIX}', 'a')
+        line = {'url': url, 'samples': len(keys), 'images': images, 'keys': groups, 'key_repeats': repeats}
+        self.shards_file.write(json.dumps(line, separators=(',', ':')) + '\n')
+        self.shards_file.flush()
 
     def flush(self) -> None:
         """Append what changed since the last line, if anything did."""
@@ -192,19 +214,29 @@ def _counting_shard_errors(handler, url: str, log: Optional[_ProcessLog], state:
 
 def _numbered_samples(streams: Iterable[Dict], handler, log: Optional[_ProcessLog]) -> Iterator[Dict]:
     """Each opened shard's members grouped into samples (open_clip's grouping, one shard at a time),
-    each numbered by its position in the shard; counts shards opened, empty and broken ones."""
+    each numbered by its position in the shard; counts shards opened, empty and broken ones, and notes
+    each shard read to its end with its keys and samples with an image."""
     for source in streams:
         url = source.get('url')
         if log is not None:
             log.opened.append(url)
         state = {'failed': False, 'go_on': True}
         files = _webdataset_tar_file_expander([source], handler=_counting_shard_errors(handler, url, log, state))
-        position = -1
-        for position, sample in enumerate(group_by_keys_nothrow(files, handler=handler)):
-            sample[INDEX] = position
-            yield sample
-        if log is not None and position < 0 and not state['failed']:
+        samples = group_by_keys_nothrow(files, handler=handler)
+        sample, keys, images = next(samples, None), [], 0
+        if log is not None and sample is None and not state['failed']:
             log.skip('empty_shard', url, None, None)
+        position = 0
+        while sample is not None:
+            following = next(samples, None)  # read one ahead: the shard's end is known before its last sample leaves
+            sample[INDEX] = position
+            if log is not None:
+                keys.append(sample['__key__'])
+                images += not sample.keys().isdisjoint(IMAGE_EXTS)
+                if following is None and not state['failed']:
+                    log.shard_read(url, keys, images)
+            yield sample
+            sample, position = following, position + 1
         if not state['go_on']:
             return
 
@@ -250,18 +282,26 @@ class NumberedTuples(webdataset.PipelineStage):
 
 class Batched(webdataset.PipelineStage):
     """webdataset's `batched` (same batches), counting the samples of each batch as trained and writing
-    the process's counts before the batch leaves, and counting the pass when its source is exhausted."""
+    the process's counts before the batch leaves, and counting the pass when its source is exhausted.
+
+    Without partial batches (training), a pass over a worker's shards that makes no full batch ends the
+    run with a `DataError`: webdataset's `with_epoch` would repeat that pass, which makes none again,
+    forever (open_clip_train alone hangs there). A resampled source never ends a pass."""
 
     def __init__(self, batchsize: int = 20, collation_fn=default_collation_fn, partial: bool = True):
         self.batchsize, self.collation_fn, self.partial = batchsize, collation_fn, partial
 
     def run(self, src):
         log = _log()
-        batch, counted = [], False
+        batch, counted, made, read, urls = [], False, 0, 0, {}
         for sample in src:
             batch.append(sample)
+            read += 1
+            url = (getattr(sample, 'sample_id', None) or (None,))[0]
+            urls[url] = None
             if len(batch) == self.batchsize:
                 counted |= self._count(batch, log)
+                made += 1
                 yield self.collation_fn(batch) if self.collation_fn is not None else batch
                 batch = []
         if batch and self.partial:
@@ -272,6 +312,8 @@ class Batched(webdataset.PipelineStage):
         if log is not None:
             log.passes += counted
             log.flush()
+        if not self.partial and not made:
+            raise DataError(_no_full_batch(read, self.batchsize, [u for u in urls if u is not None]))
 
     @staticmethod
     def _count(batch: List, log: Optional[_ProcessLog]) -> bool:
@@ -283,6 +325,21 @@ class Batched(webdataset.PipelineStage):
             log.trained.setdefault(url, []).append(position)
         log.flush()
         return True
+
+
+def _no_full_batch(read: int, batch_size: int, urls: List[str]) -> str:
+    info = torch.utils.data.get_worker_info()
+    worker = f'data worker {info.id}' if info is not None else 'the data loader'
+    rank = os.environ.get('RANK', '0')
+    names = ', '.join(os.path.basename(u) for u in urls[:4]) + (f' and {len(urls) - 4} more' if len(urls) > 4 else '')
+    folder = os.path.dirname(urls[0]) if urls else None
+    where = f' ({names} in {folder})' if urls else ''
+    check = f'python -m diffzoo.data check {folder}' if folder else 'python -m diffzoo.data check DIR'
+    return (f'{worker} of rank {rank} read {read} sample(s) in a pass over its shards{where} and made no full batch '
+            f'of {batch_size}; every pass would make none, and the epoch would wait forever. The shards hold fewer '
+            f'samples than the run counted on (a shard cut short, or sizes.json or --train-num-samples counting '
+            f'more): run {check}, then python -m diffzoo.data sizes DIR --recount; or pass a smaller per-GPU '
+            f'batch (--max_batch_per_gpu) or fewer --workers')
 
 
 class CountingWebdataset:

@@ -1,20 +1,25 @@
 """The trainer's side of the data accounting (`diffzoo.train.data_events` counts in the loader processes):
 `start_epoch` tells the loader processes which epoch their next pass belongs to, `report_epoch` gathers
-every process's and rank's counts at the epoch's end, logs a summary (and the repeat warning once a run)
-and appends the epoch's record to RUN_DIR/data.jsonl. The counts and their definitions are
-`diffzoo.train.data_events`'s docstring.
+every process's and rank's counts at the epoch's end, logs a summary (and each warning once a run: samples
+trained twice, a sizes.json that counts fewer samples than the shards hold, key repeats) and appends the
+epoch's record to RUN_DIR/data.jsonl. The counts and their definitions are `diffzoo.train.data_events`'s
+docstring; the shards read to their end are compared with the sizes.json that sized the epoch (open_clip's:
+the one beside the first shard, unless --train-num-samples is given).
 """
 import json
 import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 from open_clip_train.data import expand_urls, get_dataset_size
 
-from .data_events import EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS, mark, size, union
+from diffzoo.data.keys import repeats_across
+from diffzoo.data.shards import SIZES_FILE, DataError, read_sizes
+from .data_events import (EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS, SHARDS_SUFFIX, mark, size,
+                          union)
 
 
 def start_epoch(directory, epoch: int) -> None:
@@ -26,9 +31,10 @@ def start_epoch(directory, epoch: int) -> None:
 
 def collect(directory, epoch: Optional[int] = None) -> Dict:
     """One rank's counts for `epoch` (None: what was read outside `start_epoch`'s epochs, e.g. validation
-    shards): every process's journal of `directory` for it, added up."""
+    shards): every process's journal of `directory` for it, added up, and the shards read to their end
+    ({url: [samples, with an image, keys, key repeats]})."""
     total = {'shards': Counter(), 'read': 0, 'trained': 0, 'trained_bits': {}, 'readable_bits': {}, 'bad_bits': {},
-             'bad_shards': {}, 'events': Counter(), 'examples': [], 'processes': 0, 'all_read': True}
+             'bad_shards': {}, 'events': Counter(), 'examples': [], 'processes': 0, 'all_read': True, 'ended': {}}
     examples = {}
     for path in sorted(Path(directory).glob(f'*-{epoch}.jsonl')):
         passes = 0
@@ -58,15 +64,60 @@ def collect(directory, epoch: Optional[int] = None) -> Dict:
                     examples.setdefault((reason, url, key), None)
         total['processes'] += 1
         total['all_read'] &= passes > 0
+    for path in sorted(Path(directory).glob(f'*-{epoch}{SHARDS_SUFFIX}')):
+        for line in path.read_text().splitlines():
+            try:
+                shard = json.loads(line)
+            except ValueError:
+                continue
+            # the same shard read again has the same contents: [samples, with an image, keys, key repeats]
+            total['ended'].setdefault(shard['url'], [shard['samples'], shard['images'], shard['keys'],
+                                                     shard['key_repeats']])
     total['examples'] = list(examples)
     return total
 
 
-def epoch_record(epoch: int, per_rank: List[Dict]) -> Dict:
+def key_repeats(ended: Dict[str, list]) -> Tuple[int, List[list]]:
+    """Samples of the shards read to their end ({url: [samples, images, keys, repeats]}) whose key another of
+    them has, each counted once, and examples [key, [url of each sample holding it]]."""
+    within = Counter((url, key) for url, shard in ended.items() for _, key in shard[3])
+    examples = [[key, [url] * (n + 1)] for (url, key), n in within.items()]
+    across, found = repeats_across({url: ended[url][2] for url in sorted(ended)}, MAX_EXAMPLES)
+    return sum(within.values()) + across, (examples + [[key, urls] for key, urls in found])[:MAX_EXAMPLES]
+
+
+def sizes_comparison(ended: Dict[str, list], sizes: Optional[Dict[str, int]]) -> Optional[Dict]:
+    """The shards read to their end against sizes.json ({shard name: samples}; None: it did not size the epoch):
+    how many sizes.json counts fewer or more samples with an image than they hold, by how many, and examples
+    [url, sizes.json's count, samples with an image]."""
+    if sizes is None:
+        return None
+    out = {'shards_compared': 0, 'undercounted_shards': 0, 'uncounted_samples': 0, 'overcounted_shards': 0,
+           'overcounted_samples': 0, 'examples': []}
+    for url in sorted(ended):
+        declared, held = sizes.get(os.path.basename(url)), ended[url][1]
+        if declared is None:
+            continue
+        out['shards_compared'] += 1
+        if declared < held:
+            out['undercounted_shards'] += 1
+            out['uncounted_samples'] += held - declared
+        elif declared > held:
+            out['overcounted_shards'] += 1
+            out['overcounted_samples'] += declared - held
+        if declared != held and len(out['examples']) < MAX_EXAMPLES:
+            out['examples'].append([url, declared, held])
+    return out
+
+
+def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int]] = None) -> Dict:
     """What data.jsonl holds for an epoch (1-based): the ranks' counts merged, distinct samples and shards
-    as the union over ranks, plus each rank's shards and totals."""
-    trained_bits, readable_bits, bad_bits, bad_shards, events = {}, {}, {}, {}, Counter()
+    as the union over ranks, plus each rank's shards and totals; the shards read to their end compared with
+    `sizes` (the sizes.json that sized the epoch, if one did)."""
+    trained_bits, readable_bits, bad_bits, bad_shards, events, ended = {}, {}, {}, {}, Counter(), {}
     for r in per_rank:
+        for url, shard in r.get('ended', {}).items():
+            ended.setdefault(url, shard)
         union(trained_bits, r['trained_bits'])
         union(readable_bits, r['readable_bits'])
         for reason, bits in r['bad_bits'].items():
@@ -79,12 +130,15 @@ def epoch_record(epoch: int, per_rank: List[Dict]) -> Dict:
     skipped = {**{reason: size(bits) for reason, bits in bad_bits.items()},
                **{reason: len(urls) for reason, urls in bad_shards.items()}}
     examples = list({e: None for r in per_rank for e in r['examples']})
+    repeats, repeat_examples = key_repeats(ended)
     return {
         'epoch': epoch, 'samples_trained': trained, 'samples_distinct': distinct, 'samples_repeated': trained - distinct,
         'samples_read': sum(r['read'] for r in per_rank), 'samples_readable': size(readable_bits),
         'all_shards_read': all(r['all_read'] and r['processes'] > 0 for r in per_rank),
         'skipped': dict(sorted(skipped.items())), 'skip_events': dict(sorted(events.items())),
         'examples': [list(e) for e in examples][:MAX_EXAMPLES],
+        'shards_read_to_end': len(ended), 'key_repeats': repeats, 'key_repeat_examples': repeat_examples,
+        'sizes_json': sizes_comparison(ended, sizes),
         'ranks': [{'shards': dict(r['shards']), 'samples_read': r['read'], 'samples_trained': r['trained'],
                    'skip_events': dict(r['events'])} for r in per_rank],
     }
@@ -112,7 +166,29 @@ def summary(record: Dict) -> str:
         met = record['skip_events'].get(reason, n)
         again = f', met {met} times ({_repeats(met - n)})' if met > n else ''
         lines.append(f'  skipped {n} {noun}{again}' + (f' ({where})' if where else ''))
+    if record.get('key_repeats'):
+        lines.append(f'  {_key_repeats(record)}')
+    compared = record.get('sizes_json')
+    for kind, fewer in (('under', True), ('over', False)):
+        if compared and compared[f'{kind}counted_shards']:
+            n = compared['uncounted_samples' if fewer else 'overcounted_samples']
+            shown = '; '.join([f'{os.path.basename(url)}: {declared} in sizes.json, {held} in the tar'
+                               for url, declared, held in compared['examples'] if (declared < held) == fewer][:3])
+            lines.append(f'  sizes.json counts {n:,} samples {"fewer" if fewer else "more"} than '
+                         f'{compared[f"{kind}counted_shards"]} of the {record["shards_read_to_end"]} shards read to '
+                         f'their end hold ({shown})')
     return '\n'.join(lines)
+
+
+def _key_repeats(record: Dict) -> str:
+    shown = []
+    for key, urls in record['key_repeat_examples'][:3]:
+        names = Counter(os.path.basename(u) for u in urls)
+        shown.append(f'{key} in ' + ', '.join(name + (f' ×{n}' if n > 1 else '') for name, n in names.items()))
+    n = record['key_repeats']
+    return (f'{n:,} key repeat{"s" if n != 1 else ""} (samples whose __key__ another sample of the '
+            f'{record["shards_read_to_end"]} shards read to their end has; trained all the same): '
+            + '; '.join(shown) + (' …' if n > len(shown) else ''))
 
 
 def repeat_warning(record: Dict, args) -> Optional[str]:
@@ -151,24 +227,64 @@ def repeat_warning(record: Dict, args) -> Optional[str]:
             f'of equal size, a multiple of {workers} of them, or a smaller --train-num-samples')
 
 
-_WARNED = set()  # event directories (one per run) whose repeat warning was given
+def _sizes_folder(args) -> Optional[str]:
+    """The folder of the sizes.json that sized the epoch (open_clip's: beside the first shard), if one did."""
+    if getattr(args, 'train_num_samples', None) is not None or not getattr(args, 'train_data', None):
+        return None
+    return os.path.dirname(expand_urls(args.train_data)[0][0])
+
+
+def undercount_warning(record: Dict, folder: Optional[str]) -> Optional[str]:
+    """A warning when the sizes.json that sized the epoch counts fewer samples than shards read hold (None: it
+    does not, or none sized the epoch): open_clip ends each epoch after the samples it counts, so the rest of
+    the corpus is left out of every epoch's share."""
+    compared = record.get('sizes_json')
+    if not compared or not compared['undercounted_shards'] or folder is None:
+        return None
+    shown = '; '.join([f'{os.path.basename(url)}: {declared} in sizes.json, {held} in the tar'
+                       for url, declared, held in compared['examples'] if declared < held][:3])
+    more = ' …' if compared['undercounted_shards'] > 3 else ''
+    return (f'{os.path.join(folder, SIZES_FILE)} counts {compared["uncounted_samples"]} samples fewer than '
+            f'{compared["undercounted_shards"]} of the {compared["shards_compared"]} shards read to their end in epoch '
+            f'{record["epoch"]} hold ({shown}{more}): open_clip sizes each epoch from it, so each epoch ends that many '
+            f'samples short and part of the corpus goes untrained; fix it with '
+            f'`python -m diffzoo.data sizes {folder} --recount`')
+
+
+def key_repeat_warning(record: Dict, args) -> Optional[str]:
+    """A warning when samples share a key (None when none does)."""
+    if not record.get('key_repeats'):
+        return None
+    folder = os.path.dirname(expand_urls(args.train_data)[0][0]) if getattr(args, 'train_data', None) else 'DIR'
+    return (f'{_key_repeats(record)}. `python -m diffzoo.data check {folder}` names every one; re-create the '
+            f'shards with a key of its own for every sample, or delete a shard that is a copy of another')
+
+
+_WARNED = set()  # (event directory, kind): each warning once a run
 
 
 def report_epoch(directory, epoch: int, args, run_dir: Optional[str]) -> Dict:
     """At the end of open_clip's epoch `epoch` (0-based): gather every rank's counts; rank 0 logs the summary
-    (and, once a run, the repeat warning) and appends the record to RUN_DIR/data.jsonl."""
+    (and, once a run, each warning) and appends the record to RUN_DIR/data.jsonl."""
     report = collect(directory, epoch)
     per_rank = [report]
     if dist.is_available() and dist.is_initialized():
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, report)
-    record = epoch_record(epoch + 1, per_rank)
+    folder = _sizes_folder(args)
+    try:
+        sizes = read_sizes(folder) if folder is not None else None
+    except DataError:  # a sizes.json broken since the run began: the comparison is left out
+        sizes = None
+    record = epoch_record(epoch + 1, per_rank, sizes)
     if args.rank == 0:
         logging.info(summary(record))
-        warning = repeat_warning(record, args)
-        if warning and directory not in _WARNED:
-            _WARNED.add(directory)
-            logging.warning(warning)
+        for kind, warning in (('repeats', repeat_warning(record, args)),
+                              ('undercount', undercount_warning(record, folder)),
+                              ('keys', key_repeat_warning(record, args))):
+            if warning and (directory, kind) not in _WARNED:
+                _WARNED.add((directory, kind))
+                logging.warning(warning)
         if run_dir:
             with open(os.path.join(run_dir, REPORT_FILE), 'a') as f:
                 f.write(json.dumps(record) + '\n')
