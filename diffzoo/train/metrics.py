@@ -56,14 +56,15 @@ def lambda_scalars(lam: Dict[str, float]) -> Dict[str, float]:
     return {f'lambda/{name}': value for name, value in lam.items()}
 
 
-def drop_records_after(path, step: int) -> int:
-    """Remove the records whose 'step' is after `step` from a resumed run's JSON-lines log (lambda.jsonl, the VLM's
-    log.jsonl: the stopped run's steps past the checkpoint resumed from, which the run trains and logs again), so
-    that every step is in the file once; rewritten atomically. Returns how many were removed."""
+def drop_records_after(path, step: int, key: str = 'step') -> int:
+    """Remove the records whose `key` ('step'; 'epoch' in data.jsonl) is after `step` from a resumed run's JSON-lines
+    log (lambda.jsonl, data.jsonl, the VLM's log.jsonl: the stopped run's steps or epochs past the checkpoint
+    resumed from, which the run trains and logs again), so that each is in the file once; rewritten atomically.
+    Returns how many were removed."""
     path = str(path)
     with open(path) as f:
         lines = f.read().splitlines()
-    kept = [line for line in lines if json.loads(line)['step'] <= step]
+    kept = [line for line in lines if json.loads(line)[key] <= step]
     if len(kept) < len(lines):
         with open(path + '.tmp', 'w') as f:
             f.write(''.join(line + '\n' for line in kept))

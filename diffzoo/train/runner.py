@@ -129,6 +129,8 @@ def run(argv: List[str], doc: str = '') -> int:
     with seams.installed():
         try:
             result = open_clip_train.main.main(argv)
+        except DataError as exc:  # from a data-loader worker, whose traceback torch wraps into the message
+            raise DataError(str(exc).rsplit(f'{DataError.__name__}: ', 1)[-1].strip()) from None
         except (torch.distributed.DistError, RuntimeError) as exc:
             if world_size > 1 and _lost_contact(exc):
                 raise LostContact(_lost_contact_message(exc, rank, run_dir)) from exc

@@ -9,7 +9,8 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
 - `open_clip_train.main.train_one_epoch`: reseeds the trainer's generators from --seed, rank and
   epoch (`diffzoo.train.shuffle.reseed`); around each epoch, logs λ and loss
   (`diffzoo.train.metrics`) and, at its end, gathers what the data pipeline skipped from every
-  rank and reports it (`RUN_DIR/data.jsonl` and the log).
+  rank and reports it (`RUN_DIR/data.jsonl` and the log); a resumed run's epochs past its checkpoint,
+  which it trains again, leave data.jsonl at the epoch's start, so each epoch is there once.
 - `open_clip_train.data.filter_no_caption_or_no_image`, `.log_and_continue`,
   `.tarfile_to_samples_nothrow`: open_clip's skipping, counted, and blank captions skipped too
   (`diffzoo.train.data_events`).
@@ -43,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diffzoo.clip.seams import expect_function
 from . import data_events, data_report
-from .metrics import LambdaLog
+from .metrics import LambdaLog, drop_records_after
 from .resume import latest_checkpoint, load_resume_checkpoint
 from .saving import TorchForCheckpoints
 from .shuffle import WebdatasetSeededShuffle, reseed
@@ -76,6 +77,9 @@ def _epoch_wrapper(original, events_dir: str):
         run_dir = os.path.join(args.logs, args.name) if master and args.logs else None
         steps = data['train'].dataloader.num_batches // args.accum_freq  # as train_one_epoch counts them
         log = LambdaLog(run_dir, model, optimizer, epoch, steps, args.log_every_n_steps, tb_writer, args.wandb)
+        report = os.path.join(run_dir, DATA_REPORT_FILE) if run_dir else None
+        if report and os.path.exists(report):
+            drop_records_after(report, epoch, key='epoch')  # a resumed run's epochs after its checkpoint, again
         hook = loss.register_forward_hook(log.on_loss)
         data_report.start_epoch(events_dir, epoch)
         try:

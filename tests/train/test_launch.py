@@ -150,6 +150,24 @@ def test_a_corpus_no_batch_fills_is_refused_with_the_numbers_and_the_fix_works(t
     assert json.loads((tmp_path / 'runs' / 'clip-tiny-baseline' / 'data.jsonl').read_text())['samples_trained'] == 16
 
 
+def test_a_shard_cut_short_that_no_batch_fills_ends_the_run_by_name_instead_of_spinning(tmp_path):
+    """sizes.json says 16, the tar holds 5 readable samples before its cut: every pass makes no batch of 8, and
+    open_clip_train alone would repeat the pass forever, logging the tar error each time."""
+    write_shards(tmp_path / 'shards', 1, 16)
+    shard = tmp_path / 'shards' / '00000.tar'
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) * 5 // 16 + 700])  # five whole samples and a cut sixth
+    result = train(['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
+                    '--global_batch_size', '8'], cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    err = result.stderr
+    assert 'error: data worker 0 of rank 0 read 5 sample(s) in a pass over its shards (00000.tar in shards) and made ' \
+           'no full batch of 8; every pass would make none' in err
+    assert 'python -m diffzoo.data check shards' in err and 'Traceback' not in err.split('error: ')[-1]
+    log = (tmp_path / 'runs' / 'clip-tiny-baseline' / 'out.log').read_text()
+    assert log.count('Train Epoch') == 0 and log.count('00000.tar') < 10  # one pass, not thousands
+
+
 def test_more_workers_than_a_batch_fills_are_refused_naming_the_worker_count_that_works(tmp_path):
     """4 shards of 8 over 4 workers: each worker reads 8 samples a pass, fewer than a batch of 16; 2 workers fill it."""
     write_shards(tmp_path / 'shards', 4, 8)

@@ -64,6 +64,11 @@ def test_a_run_resumed_at_an_epoch_boundary_trains_the_same_weights(whole_run, t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert '(epoch 1)' in result.stderr  # open_clip's "=> resuming checkpoint … (epoch 1)"
     _assert_same_weights(checkpoints / 'epoch_2.pt', whole_run / 'runs' / RECIPE / 'checkpoints' / 'epoch_2.pt')
+    # the stopped run had reported epoch 2 (then lost its checkpoint): data.jsonl counts it once, as lambda.jsonl
+    epochs = [json.loads(line)['epoch'] for line in (checkpoints.parent / 'data.jsonl').read_text().splitlines()]
+    assert epochs == [1, 2]
+    steps = [json.loads(line)['step'] for line in (checkpoints.parent / 'lambda.jsonl').read_text().splitlines()]
+    assert steps == sorted(set(steps))
 
 
 def test_a_cut_latest_checkpoint_gives_way_to_the_newest_intact_one(whole_run, tmp_path):
