@@ -13,7 +13,6 @@
   summary WORK OUT.json                 commands.json from the steps' records and logs, and a table
 """
 import argparse
-import io
 import json
 import os
 import re
@@ -92,22 +91,10 @@ def cmd_env(a) -> int:
 
 # -------------------------------------------------------------------------------------------- corpus
 def _write_shard(job):
-    """Shard `index` of the train split, written exactly as diffzoo.data.synthetic.write_split writes it."""
-    import webdataset as wds
-
-    from diffzoo.data.synthetic import make_scene
-    directory, index, start, stop, config = job
-    shard = Path(directory) / f'{index:05d}.tar'
-    tmp = shard.with_suffix('.tmp')
-    with wds.TarWriter(str(tmp)) as writer:
-        for i in range(start, stop):
-            image, description = make_scene(config.seed, 'train', i, config)
-            buf = io.BytesIO()
-            image.save(buf, 'JPEG', quality=92)
-            writer.write({'__key__': f'{i:09d}', 'jpg': buf.getvalue(), 'txt': description['caption'],
-                          'json': json.dumps(description).encode()})
-    os.replace(tmp, shard)
-    return stop - start
+    """One shard of the train split, as diffzoo.data.synthetic.write_split writes it (its write_shard)."""
+    from diffzoo.data.synthetic import write_shard
+    directory, start, config = job
+    return write_shard(directory, 'train', start, config)
 
 
 def cmd_corpus(a) -> int:
@@ -122,8 +109,7 @@ def cmd_corpus(a) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob('*.tar'):
         old.unlink()
-    jobs = [(str(directory), n, start, min(a.train, start + a.per_shard), config)
-            for n, start in enumerate(range(0, a.train, a.per_shard))]
+    jobs = [(str(directory), start, config) for start in range(0, a.train, a.per_shard)]
     processes = max(1, min(a.processes or os.cpu_count() or 1, len(jobs)))
     start = time.perf_counter()
     with multiprocessing.get_context('fork').Pool(processes) as pool:

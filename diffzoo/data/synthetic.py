@@ -145,28 +145,37 @@ def make_scene(seed: int, split: str, index: int,
     return image, description
 
 
-def write_split(out_dir, split: str, config: CorpusConfig, progress=print) -> int:
-    """Shards of one split into OUT_DIR/<split>/, then its sizes.json. Returns the sample count."""
+def write_shard(directory, split: str, start: int, config: CorpusConfig) -> int:
+    """Shard number start // per_shard of `split` into `directory`: scenes start … start + per_shard − 1
+    (fewer at the split's end), written whole under its name. Each scene depends only on the seed, the
+    split and its index, so shards can be written in any order or in parallel. Returns its scene count."""
     import io
 
     import webdataset as wds
 
+    stop = min(getattr(config, split), start + config.per_shard)
+    shard = Path(directory) / f'{start // config.per_shard:05d}.tar'
+    tmp = shard.with_suffix('.tmp')
+    with wds.TarWriter(str(tmp)) as writer:
+        for i in range(start, stop):
+            image, description = make_scene(config.seed, split, i, config)
+            buf = io.BytesIO()
+            image.save(buf, 'JPEG', quality=92)
+            writer.write({'__key__': f'{i:09d}', 'jpg': buf.getvalue(), 'txt': description['caption'],
+                          'json': json.dumps(description).encode()})
+    os.replace(tmp, shard)
+    return stop - start
+
+
+def write_split(out_dir, split: str, config: CorpusConfig, progress=print) -> int:
+    """Shards of one split into OUT_DIR/<split>/, then its sizes.json. Returns the sample count."""
     directory = Path(out_dir) / split
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob('*.tar'):
         old.unlink()  # a split is written whole; a shorter new one leaves no stale shard behind
     total = getattr(config, split)
     for start in range(0, total, config.per_shard):
-        shard = directory / f'{start // config.per_shard:05d}.tar'
-        tmp = shard.with_suffix('.tmp')
-        with wds.TarWriter(str(tmp)) as writer:
-            for i in range(start, min(total, start + config.per_shard)):
-                image, description = make_scene(config.seed, split, i, config)
-                buf = io.BytesIO()
-                image.save(buf, 'JPEG', quality=92)
-                writer.write({'__key__': f'{i:09d}', 'jpg': buf.getvalue(), 'txt': description['caption'],
-                              'json': json.dumps(description).encode()})
-        os.replace(tmp, shard)
+        write_shard(directory, split, start, config)
         if progress:
             progress(f'  {split}: {min(total, start + config.per_shard):,}/{total:,} scenes')
     return write_sizes(directory).total

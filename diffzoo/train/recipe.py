@@ -236,23 +236,26 @@ def check_batches_fill(sizes: List[int], batch_size: int, accum: int, workers: i
     at the end of a pass, and webdataset repeats the pass until the worker has made its batches: a worker
     whose shards hold fewer samples than one per-process batch would look for a full batch forever. And an
     epoch must make at least one optimizer step (open_clip_train's schedule divides by the steps)."""
-    least = _least_per_worker(sizes, workers, world_size)
-    steps = steps_per_epoch(sum(sizes), batch_size, world_size, workers, accum)
-    if least >= batch_size and steps >= 1:
+    total, least = sum(sizes), _least_per_worker(sizes, workers, world_size)
+
+    def works(per_process: int, accumulation: int, data_workers: int) -> bool:
+        return (_least_per_worker(sizes, data_workers, world_size) >= per_process
+                and steps_per_epoch(total, per_process, world_size, data_workers, accumulation) >= 1)
+
+    if works(batch_size, accum, workers):
         return
     readers = max(1, workers) * world_size
-    fewer = [w for w in range(max(1, workers) - 1, 0, -1) if _least_per_worker(sizes, w, world_size) >= batch_size
-             and steps_per_epoch(sum(sizes), batch_size, world_size, w, accum) >= 1]
+    fewer = [w for w in range(max(1, workers) - 1, 0, -1) if works(batch_size, accum, w)]
     global_batch = batch_size * world_size * accum
-    accumulate = [] if not least or global_batch % (least * world_size) else [global_batch // (least * world_size)]
-    accumulate = [a for a in accumulate if steps_per_epoch(sum(sizes), least, world_size, workers, a) >= 1]
+    accumulate = (least and global_batch % (least * world_size) == 0
+                  and works(least, global_batch // (least * world_size), workers))
     if least < batch_size:
-        why = (f'{len(sizes)} shard(s) of {sum(sizes)} samples in {folder} give each of the {max(1, workers)} data '
+        why = (f'{len(sizes)} shard(s) of {total} samples in {folder} give each of the {max(1, workers)} data '
                f'worker(s) of {world_size} process(es) {len(sizes) // readers} shard(s) a pass, as few as {least} '
                f'samples: fewer than one batch of {batch_size} per process, so the loader would wait for a full '
                f'batch forever')
     else:
-        why = (f'{sum(sizes)} samples in {folder} make no optimizer step of global batch {global_batch} '
+        why = (f'{total} samples in {folder} make no optimizer step of global batch {global_batch} '
                f'({batch_size} per process × {world_size} process(es) × {accum} accumulated)')
     fixes = ([f'--max_batch_per_gpu {least} (the same global batch, accumulated)'] if accumulate else []) \
         + ([f'a global batch of at most {least * world_size}'] if least else []) \

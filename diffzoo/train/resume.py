@@ -92,7 +92,7 @@ def restore_latest(folder: str) -> Optional[str]:
         tmp = latest + '.restoring'
         shutil.copyfile(newest, tmp)
         os.replace(tmp, latest)
-    cut = [name for name in epochs if name not in whole and epochs.index(name) < epochs.index(whole[0])]
+    cut = epochs[:epochs.index(whole[0])]  # the newer ones, not written whole
     return (f'{latest} is missing; resuming from {whole[0]}, the newest epoch checkpoint beside it written '
             f'whole' + (f' ({", ".join(cut)} {"was" if len(cut) == 1 else "were"} cut short)' if cut else '')
             + f' (put in place as {LATEST})')

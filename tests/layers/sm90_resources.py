@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 from diffzoo.layers.kernels import split_triton as st
 
-FP32 = {'KB', 'LAM', 'LSE', 'RSTD', 'DW', 'DELTA'}
+FP32 = {'KB', 'LAM', 'LSE', 'DW', 'DELTA'}
 POINTERS = FP32 | {'Q', 'K', 'V', 'W', 'Y', 'D', 'G', 'DD', 'DQ', 'DK', 'DV'}
 
 

@@ -32,7 +32,7 @@ the dK/dV kernel (one program per key tile).
 Launch configurations (tile sizes, warps, pipeline stages) come from `launch_configs.json`, per GPU
 architecture, head widths and token class, written by `python -m diffzoo.bench.tune` on that GPU;
 shapes it does not cover take `default_launch`, chosen so that ptxas reports no register spills
-on sm_90 at DiffCLIP's widths. The interpreter runs sm_90's table, so CPU tests check its tiles.
+on sm_90 at DiffCLIP's widths. The interpreter takes sm_90's table too (`arch`).
 
 Masks: `is_causal`, and a key-padding bias (0 or −inf per batch and key). Inputs bf16, fp16 or
 fp32; products take the input dtype (fp32 products are IEEE), softmax and statistics are fp32.
@@ -163,7 +163,7 @@ def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal:
     return y, D, lse
 
 
-def norm_backward(dy, lam, weight, D, eps: float, want_y: bool):
+def norm_backward(dy, weight, D, eps: float, want_y: bool):
     """The sub-norm's backward: dD (B, N, C) in D's dtype, the weight's gradient (fp32, (2d,)) and,
     with `want_y`, y recomputed."""
     dy = dy.contiguous()
@@ -218,7 +218,7 @@ def backward(dy, q, k, v, lam, weight, key_bias, D, lse, scale: float, eps: floa
     """Gradients from dy (B, N, C), the gradient of y: dq, dk, dv in the shapes of q, k, v (as views
     of (B, N, heads, width) memory); dλ (0-dim fp32); the weight's gradient (fp32, (2d,)); and,
     with `want_y`, y recomputed."""
-    dD, dweight, y = norm_backward(dy, lam, weight, D, eps, want_y)
+    dD, dweight, y = norm_backward(dy, weight, D, eps, want_y)
     dq, delta = dq_backward(q, k, v, lam, key_bias, dD, lse, scale, is_causal)
     dk, dv = dkdv_backward(q, k, v, lam, key_bias, dD, lse, delta, scale, is_causal)
     dlam = -delta[1].sum()
