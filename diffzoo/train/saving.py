@@ -19,6 +19,7 @@ the run in torch's `basic_ios::clear: iostream error` with no word of space. Und
 AdamW's two moments, from a model made on the meta device), for the run's check at start.
 """
 import errno
+import logging
 import os
 import shutil
 from typing import Any, Iterator
@@ -113,8 +114,15 @@ def checkpoint_bytes(model_name: str) -> int:
     """One open_clip_train checkpoint of `model_name`: its state dict and AdamW's two fp32 moments per
     trainable parameter, counted on a model built on the meta device (no memory, no weights read)."""
     import open_clip
-    with torch.device('meta'):
-        model = open_clip.create_model(model_name, device='meta')
+    root, quiet = logging.getLogger(), logging.NullHandler()
+    # open_clip warns through the root logger; with no handler there yet, logging would install its default
+    # stderr handler for the rest of the process, and every line of the run would print twice
+    root.addHandler(quiet)
+    try:
+        with torch.device('meta'):
+            model = open_clip.create_model(model_name, device='meta')
+    finally:
+        root.removeHandler(quiet)
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     moments = sum(2 * p.numel() * 4 for p in model.parameters() if p.requires_grad)
     return state + moments

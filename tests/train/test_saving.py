@@ -80,6 +80,7 @@ def test_a_full_disk_is_named_keeps_the_last_good_checkpoint_and_the_run_resumes
     assert 'Logging error' not in err[2] and 'Traceback' not in err[2] and not (tmp_path / 'out2').read_text()
 
     assert rc[3] == 0, err[3][-3000:]
+    assert 'INFO:root:' not in err[1] + err[3]  # open_clip's log lines once each, in its own format
     assert (f'{checkpoints}/epoch_latest.pt is missing; resuming from epoch_1.pt, the newest epoch checkpoint beside '
             'it written whole') in err[3]
     last = tmp_path / 'after3' / RECIPE / 'checkpoints'
