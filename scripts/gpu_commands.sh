@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's commands on one CUDA GPU, in one job of about 150 s (no network, nothing downloaded):
+# The project's commands on one CUDA GPU, in one job of about 250 s (no network, nothing downloaded):
 #   0. environment, package versions, nvidia-smi, a one-process all_reduce over NCCL
 #   1. scripts/train.sh diffclip-tiny on a small synthetic webdataset corpus, on the GPU (one process)
 #   2. scripts/train.sh diffclip-b16-cc3m and clip-b16-baseline-cc3m on synthetic shards, one after the
@@ -17,7 +17,7 @@
 # OUTDIR receives two files: commands.log (every step's output, in order) and commands.json (per step:
 # command, exit status, seconds, timeout; and what each step measured). Every step runs under `timeout`;
 # a step that fails or times out is recorded and the next one runs. Steps share a deadline (BUDGET_S,
-# default 160 s on CUDA): a step's timeout is cut so that the steps after it keep their share, and a step
+# default 250 s on CUDA): a step's timeout is cut so that the steps after it keep their share, and a step
 # with no time left is skipped and recorded as such. Scratch files go to WORK (default: a new directory
 # under TMPDIR, removed at the end unless KEEP_WORK=1).
 #
@@ -45,17 +45,20 @@ read -r B16_DIFF B16_BASE <<< "${B16_RECIPES:-diffclip-b16-cc3m clip-b16-baselin
 VLM_RECIPE=paligemma-3b-vqav2-diff
 
 if [ "$DEVICE" = cuda ]; then
-    BUDGET_S="${BUDGET_S:-160}"
-    # Step 2's size. A B/16 training step at batch 256 in bf16 takes 0.173 s (diffclip-b16) and 0.143 s
-    # (clip-b16-baseline) on an H100 (bench/results/cuda-NVIDIA-H100-80GB-HBM3-2026-11-22.json, the
-    # model alone), and each train.sh run spends ~12-14 s besides its steps (torchrun and imports ~6 s,
-    # model, CUDA and loader start-up, the first step's autotuning ~4 s, exit ~2.5 s). 200 steps per
-    # recipe (2 × 13 s + 200 × 0.32 s ≈ 90 s) are the most that fit beside the other steps (~45 s) in
-    # ~150 s; the first 5 steps are left out of the images/s medians. B16_STEPS (a multiple of
-    # B16_WORKERS) sets another length.
+    # Step 2's size. A B/16 training step at batch 256 in bf16 takes about 0.17 s (diffclip-b16) and 0.14 s
+    # (clip-b16-baseline) on an H100 or H200, the model alone (bench/results), and each train.sh run spends
+    # ~13 s besides its steps (torchrun and imports, model, CUDA and loader start-up, exit). At 8 workers
+    # decoding 128 px scenes the loader fed ~1,200-1,500 images/s (55-67 % of each step waiting on data,
+    # bench/results/cuda-NVIDIA-H200-2026-11-26/commands-128px.json); 14 workers of 64 px scenes
+    # (RandomResizedCrop still gives the model 224 px) feed about as many (54 % and 65 %, commands.json):
+    # the per-sample transforms, not decoding, bound a 16-core machine, and summary's loader_bound says so.
+    # 112 steps per recipe (8 per worker) fit beside the other steps in ~250 s; the first 5 steps are left
+    # out of the images/s medians. B16_STEPS (a multiple of B16_WORKERS) sets another length.
+    BUDGET_S="${BUDGET_S:-250}"
     B16_BATCH="${B16_BATCH:-256}"
-    B16_STEPS="${B16_STEPS:-200}"
-    B16_WORKERS="${B16_WORKERS:-8}"
+    B16_STEPS="${B16_STEPS:-112}"
+    B16_WORKERS="${B16_WORKERS:-14}"
+    B16_IMAGE_SIZE="${B16_IMAGE_SIZE:-64}"
     B16_PRECISION=()                             # the recipes' amp_bf16
     B16_WARMUP=5                                 # steps left out of the images/s medians
     TINY_SCENES=1024                             # diffclip-tiny: 2 epochs of 32 steps at batch 32
@@ -193,14 +196,14 @@ start_bg 2-corpus 90 "$PY" "$HELPER" corpus "$WORK/b16" --train "$B16_SAMPLES" -
 start_bg 3-assets 90 "$PY" "$HELPER" assets "$WORK/assets" "${LM_SIZE[@]}"
 
 # 0. environment and NCCL (gloo on CPU)
-run_step 0-env 40 110 env NCCL_DEBUG=INFO "$PY" "$HELPER" env "$WORK/env.json" --device "$DEVICE"
+run_step 0-env 40 200 env NCCL_DEBUG=INFO "$PY" "$HELPER" env "$WORK/env.json" --device "$DEVICE"
 
 # 1. scripts/train.sh diffclip-tiny, one process, on the GPU (the recipe says cpu: --device overrides it).
 #    commands.json records the device and the process group its out.log names: open_clip_train makes no
 #    process group for a world of one (WORLD_SIZE=1), so NCCL carries nothing here and step 0's all_reduce
 #    is the NCCL check; NCCL_DEBUG=INFO would show any communicator in the log.
 wait_bg 1-corpus-tiny
-run_step 1-train-tiny 60 90 env NPROC_PER_NODE=1 NCCL_DEBUG=INFO bash scripts/train.sh diffclip-tiny \
+run_step 1-train-tiny 60 180 env NPROC_PER_NODE=1 NCCL_DEBUG=INFO bash scripts/train.sh diffclip-tiny \
     --device "$DEVICE" --train_data "$WORK/tiny/train" --logs "$WORK/runs" --name diffclip-tiny --workers 2
 
 # 2. diffclip-b16 against clip-b16-baseline: scripts/train.sh with the flags diffzoo/bench/end_to_end.py
@@ -213,12 +216,12 @@ b16_train() {  # RECIPE LIMIT RESERVE
         --workers "$B16_WORKERS" --log_every_n_steps 1 --save_frequency 0 --save_most_recent false \
         --resume null --report_to none "${B16_PRECISION[@]}"
 }
-b16_train "$B16_DIFF" 75 70
-b16_train "$B16_BASE" 70 35
+b16_train "$B16_DIFF" 70 120
+b16_train "$B16_BASE" 60 70
 
 # 3. one VLM fine-tuning stage (LoRA + λ on a differential decoder, VQA accuracy on the val split)
 wait_bg 3-assets
-run_step 3-vlm 60 25 env PALIGEMMA_DIR="$WORK/assets/paligemma" VQAV2_DIR="$WORK/assets/vqav2" \
+run_step 3-vlm 90 30 env PALIGEMMA_DIR="$WORK/assets/paligemma" VQAV2_DIR="$WORK/assets/vqav2" \
     "$PY" "$HELPER" vlm "$WORK/vlm-device.json" -- --recipe "$VLM_RECIPE" --output "$WORK/vlm" \
     --report_to none --workers 2 --batch_size 8 --data.fraction 1.0 --data.val_fraction 1.0 \
     --eval_max_new_tokens 3 --device "$DEVICE" "${VLM_SIZE[@]}"
