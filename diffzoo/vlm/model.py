@@ -268,58 +268,82 @@ class VisionLanguageModel(nn.Module):
             anchors = torch.cat([self.post_mlp(self.projector(cls[:, None])), anchors], 1)  # (B, 1 + k, D)
         return anchors * self.embed_scale, features, index
 
-    def _injected(self, features, embeds, input_ids) -> dict:
+    def _injected(self, features, text_at) -> dict:
         """The language model's extra forward keyword: eRAM-V's injected keys/values ({} without)."""
         if features is None:
             return {}
-        text = torch.arange(embeds.shape[1], device=input_ids.device) >= embeds.shape[1] - input_ids.shape[1]
+        queries = text_at  # (B, L): the positions that read the features
         if self.injected_queries == 'all':  # Eq. 8: the whole multimodal sequence reads the features
-            text = torch.ones_like(text)
-        queries = text[None].expand(input_ids.shape[0], -1)  # (B, L): the positions that read the features
+            queries = torch.ones_like(text_at)
         decoder = find_decoder(self.language_model)
         return {INJECTED: InjectedFeatures.from_features(decoder, self.inject_indices, features, queries)}
 
-    def _inputs(self, pixel_values, input_ids, attention_mask, prefix_mask):
-        """inputs_embeds (B, P + T, D), 4D mask, position ids for [image | text], injected features."""
+    def _inputs(self, pixel_values, input_ids, attention_mask, prefix_mask, image_at=None):
+        """inputs_embeds (B, P + T, D), 4D mask, position ids, valid flags, injected features, the text
+        positions (B, P + T) and each text token's position (B, T). Without `image_at` the sequence is
+        [image | text]; with it (B,), row b's image tokens go before its text token image_at[b] (LLaVA's
+        `<image>` place; -1: no image, the row's P slots are padding at its end)."""
         image, features, _ = self.visual_inputs(pixel_values)  # (B, P, D)
         text = self.language_model.get_input_embeddings()(input_ids)  # (B, T, D)
         B, P = image.shape[:2]
-        ones = attention_mask.new_ones(B, P)
-        valid = torch.cat([ones, attention_mask], 1)  # (B, P + T)
-        prefix = torch.cat([ones, prefix_mask.to(attention_mask.dtype)], 1)
+        T = input_ids.shape[1]
+        if image_at is None:
+            image_at = input_ids.new_zeros(B)
+        t = torch.arange(T, device=input_ids.device)[None]  # (1, T)
+        has_image = image_at >= 0  # (B,)
+        text_to = t + P * (has_image[:, None] & (t >= image_at[:, None]))  # (B, T): where each text token goes
+        image_to = torch.where(has_image, image_at, T)[:, None] + torch.arange(P, device=t.device)  # (B, P)
+        L = T + P
+        embeds = text.new_zeros(B, L, text.shape[-1])
+        embeds.scatter_(1, text_to[..., None].expand_as(text), text)
+        embeds = embeds.scatter(1, image_to[..., None].expand(-1, -1, text.shape[-1]), image.to(text.dtype))
+        valid = attention_mask.new_zeros(B, L).scatter_(1, text_to, attention_mask)
+        valid.scatter_(1, image_to, has_image[:, None].to(valid.dtype).expand(-1, P))
+        prefix = attention_mask.new_zeros(B, L).scatter_(1, text_to, prefix_mask.to(attention_mask.dtype))
+        prefix.scatter_(1, image_to, has_image[:, None].to(prefix.dtype).expand(-1, P))
+        text_at = torch.zeros(B, L, dtype=torch.bool, device=t.device).scatter_(1, text_to, True)
         positions = (valid.cumsum(1) - 1).clamp_(min=0)  # (B, P + T)
-        embeds = torch.cat([image.to(text.dtype), text], 1)
-        return embeds, prefix_lm_mask(valid, self._prefix(prefix), embeds.dtype), positions, valid, features
+        mask = prefix_lm_mask(valid, self._prefix(prefix), embeds.dtype)
+        return embeds, mask, positions, valid, features, text_at, text_to
 
     def _prefix(self, prefix: torch.Tensor) -> torch.Tensor:
         """The positions that attend both ways: `prefix` under prefix_lm, none under causal."""
         return prefix if self.sequence_mask == 'prefix_lm' else torch.zeros_like(prefix)
 
-    def forward(self, pixel_values, input_ids, attention_mask=None, prefix_mask=None, labels=None, **kwargs):
-        """Logits over [image | text]; with `labels` (B, T; -100 ignored), the next-token loss on the text.
+    def forward(self, pixel_values, input_ids, attention_mask=None, prefix_mask=None, labels=None, image_at=None,
+                **kwargs):
+        """Logits over [image | text] (or the text with the image spliced in at `image_at`, `_inputs`); with
+        `labels` (B, T; -100 ignored), the next-token loss on the text: a scored token is predicted from
+        the position before it in the sequence (with `image_at`, the image's last token for one right after
+        the image, as LLaVA's captions are; without, the text's first token is never scored).
 
         prefix_mask (B, T): 1 for prompt tokens (bidirectional under sequence_mask='prefix_lm'), 0 for answer
         tokens; default all prefix. Under sequence_mask='causal' every token attends causally.
         """
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         prefix_mask = attention_mask if prefix_mask is None else prefix_mask
-        embeds, mask, positions, valid, features = self._inputs(pixel_values, input_ids, attention_mask, prefix_mask)
+        embeds, mask, positions, valid, features, text_at, text_to = self._inputs(
+            pixel_values, input_ids, attention_mask, prefix_mask, image_at)
         out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                  **self._injected(features, embeds, input_ids), **kwargs)
+                                  **self._injected(features, text_at), **kwargs)
         if labels is not None:
-            P = embeds.shape[1] - input_ids.shape[1]
-            logits = out.logits[:, P:-1].float()  # (B, T - 1, V): text position t predicts t + 1
-            out.loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+            if image_at is None:  # [image | text]: the text's first token (BOS) is not predicted from the image
+                labels = torch.cat([labels.new_full((labels.shape[0], 1), -100), labels[:, 1:]], 1)
+            targets = labels.new_full(embeds.shape[:2], -100).scatter_(1, text_to, labels)  # (B, P + T)
+            logits = out.logits[:, :-1].float()  # (B, P + T - 1, V): position i predicts i + 1
+            out.loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1),
                                                    ignore_index=-100)
         return out
 
     @torch.no_grad()
     def generate(self, pixel_values, input_ids, attention_mask=None, max_new_tokens: int = 10,
-                 eos_token_id: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
-        """Greedy answers (B, ≤ max_new_tokens) to prompts `input_ids` (all prefix), right padding allowed."""
+                 eos_token_id: Optional[int] = None, use_cache: bool = True, image_at=None) -> torch.Tensor:
+        """Greedy answers (B, ≤ max_new_tokens) to prompts `input_ids` (all prefix), right padding allowed;
+        `image_at` as `forward`."""
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        embeds, mask, positions, valid, features = self._inputs(pixel_values, input_ids, attention_mask, attention_mask)
-        injected = self._injected(features, embeds, input_ids)
+        embeds, mask, positions, valid, features, text_at, _ = self._inputs(pixel_values, input_ids, attention_mask,
+                                                                            attention_mask, image_at)
+        injected = self._injected(features, text_at)
         return self._generate(embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache,
                               injected)
 

@@ -240,8 +240,9 @@ def _causal_reference(model, pixels, ids, mask):
     allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (B, L, L): k ≤ q, k valid
     additive = torch.zeros(B, 1, L, L).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    text_at = (torch.arange(L) >= anchors.shape[1])[None].expand(B, -1)  # (B, L): the text positions
     return model.language_model(inputs_embeds=embeds, attention_mask=additive, position_ids=positions,
-                                 **model._injected(features, embeds, ids)).logits, valid
+                                 **model._injected(features, text_at)).logits, valid
 
 
 def test_eramv_attends_causally_as_published_and_prefix_lm_by_name():

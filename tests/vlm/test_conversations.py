@@ -1,0 +1,170 @@
+"""LLaVA-format conversations: the loader's checks, both prompt formats' label masks token by token (the
+expectations written out by hand), and batches through a real `build_vlm` model with the image spliced
+in at the `<image>` place."""
+import json
+
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from diffzoo.vlm import build_vlm
+from diffzoo.vlm.conversations import ConversationCollator, encode, load_conversations
+from tests.vlm.models import lm_config
+
+SYSTEM_WORDS = ['A', 'chat', 'between', 'a', 'curious', 'user', 'and', 'an', 'artificial', 'intelligence',
+                'assistant.', 'The', 'assistant', 'gives', 'helpful,', 'detailed,', 'and', 'polite', 'answers', 'to',
+                'the', "user's", 'questions.']
+CONVERSATION = (('human', '<image>\nwhat color is it?'), ('gpt', 'red'),
+                ('human', 'and the shape?'), ('gpt', 'a circle'))
+CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+          "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer(specials=('<s>', '</s>', '<pad>', '<unk>'), extra=(), chat_template=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = set(SYSTEM_WORDS) | {'USER:', 'ASSISTANT:', 'what', 'color', 'is', 'it?', 'red', 'shape?', 'circle',
+                                 'system', 'user', 'assistant', 'You', 'are', 'helpful', 'caption', 'green'} | set(extra)
+    vocab = {t: i for i, t in enumerate(list(specials) + sorted(words))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    named = dict(pad_token='<pad>', unk_token='<unk>')
+    if '<s>' in specials:
+        named.update(bos_token='<s>', eos_token='</s>')
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, additional_special_tokens=[
+        s for s in specials if s.startswith('<|')], **named)
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
+
+
+def _marked(tok, ids, scored):
+    """Tokens with the scored ones starred."""
+    return [tok.convert_ids_to_tokens(i) + ('*' if s else '') for i, s in zip(ids, scored)]
+
+
+def test_vicuna_v1_scores_each_answer_and_its_eos_only():
+    tok = _tokenizer()
+    ids, scored, image_at = encode(CONVERSATION, tok, 'vicuna_v1')
+    expected = (['<s>'] + SYSTEM_WORDS + ['USER:', 'what', 'color', 'is', 'it?', 'ASSISTANT:', 'red*', '</s>*',
+                                          'USER:', 'and', 'the', 'shape?', 'ASSISTANT:', 'a*', 'circle*', '</s>*'])
+    assert _marked(tok, ids, scored) == expected
+    assert image_at == 1 + len(SYSTEM_WORDS) + 1  # "USER: <image>\nwhat …": right after USER:
+
+
+def test_chat_template_scores_each_assistant_turn_with_its_end_of_turn():
+    tok = _tokenizer(specials=('<|im_start|>', '<|im_end|>', '<pad>', '<unk>'), chat_template=CHATML)
+    ids, scored, image_at = encode(CONVERSATION, tok, 'chat_template')
+    expected = ['<|im_start|>', 'system', 'You', 'are', 'a', 'helpful', 'assistant.', '<|im_end|>',
+                '<|im_start|>', 'user', 'what', 'color', 'is', 'it?', '<|im_end|>', '<|im_start|>', 'assistant',
+                'red*', '<|im_end|>*',
+                '<|im_start|>', 'user', 'and', 'the', 'shape?', '<|im_end|>', '<|im_start|>', 'assistant',
+                'a*', 'circle*', '<|im_end|>*']
+    assert _marked(tok, ids, scored) == expected
+    assert image_at == 10  # after "<|im_start|> user"
+    with pytest.raises(ValueError, match='no chat template'):
+        encode(CONVERSATION, _tokenizer(), 'chat_template')
+
+
+def _image(path, colour='red', broken=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if broken:
+        path.write_bytes(b'\xff\xd8\xff\xe0 not a jpeg')
+    else:
+        Image.new('RGB', (32, 32), colour).save(path)
+
+
+def _record(i, image='img/0.jpg', turns=(('human', '<image>\nwhat color is it?'), ('gpt', 'red'))):
+    record = {'id': i, 'conversations': [{'from': f, 'value': v} for f, v in turns]}
+    if image is not None:
+        record['image'] = image
+    return record
+
+
+def test_the_loader_keeps_what_trains_and_counts_each_left_out_record_once(tmp_path):
+    _image(tmp_path / 'images/img/0.jpg')
+    records = [
+        _record('ok'),
+        _record('text-only', image=None, turns=(('human', 'what color is it?'), ('gpt', 'red'))),
+        _record('moved', turns=(('human', 'what color is it? <image>'), ('gpt', 'red'))),
+        _record('no-file', image='img/missing.jpg'),
+        _record('no-placeholder', turns=(('human', 'what color is it?'), ('gpt', 'red'))),
+        _record('twice', turns=(('human', '<image> <image>'), ('gpt', 'red'))),
+        _record('stray', image=None),
+        _record('order', turns=(('gpt', 'red'), ('human', '<image>'))),
+        _record('ends-human', turns=(('human', '<image>\nwhat color is it?'), ('gpt', 'red'), ('human', 'and?'))),
+        _record('only-human', image=None, turns=(('human', 'hello'),)),
+        {'id': 'junk', 'conversations': 'red'},
+    ]
+    (tmp_path / 'data.json').write_text(json.dumps(records))
+    kept, problems = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+    assert [c.id for c in kept] == ['ok', 'text-only', 'moved', 'ends-human']
+    assert kept[2].turns[0] == ('human', '<image>\nwhat color is it?')  # LLaVA: the placeholder leads the turn
+    assert kept[3].turns == kept[0].turns and kept[1].image is None
+    assert problems.left_out == {'image file missing': 1, '<image> missing from an image sample': 1,
+                                 '<image> repeated': 1, '<image> in a sample without an image': 1,
+                                 'turns not alternating human, gpt': 1, 'no gpt turn': 1,
+                                 'not a conversation (a list of {from: human|gpt, value})': 1}
+    assert problems.truncated == {'ended on a human turn (that turn dropped)': 2}  # ends-human, only-human
+    assert 'no-file' in problems.summary()
+    with pytest.raises(FileNotFoundError, match='nothere.json'):
+        load_conversations(tmp_path / 'nothere.json', tmp_path / 'images')
+    with pytest.raises(FileNotFoundError, match='noimages'):
+        load_conversations(tmp_path / 'data.json', tmp_path / 'noimages')
+
+
+def _vlm(tok):
+    torch.manual_seed(0)
+    config = lm_config('qwen2', vocab=len(tok), layers=2)
+    lm = transformers.AutoModelForCausalLM.from_config(config)
+    return build_vlm('diffclip-tiny', lm, projector='mlp2x_gelu', sequence_mask='causal')
+
+
+def test_a_batch_splices_the_image_at_its_place_and_scores_the_assistant_tokens(tmp_path):
+    """The model's loss on a collated batch (an image sample, a text-only one) equals the loss written out
+    by hand: [text before <image> | image tokens | text after] through the LM with a causal mask, the
+    text-only row without image tokens, cross-entropy over the starred tokens."""
+    tok = _tokenizer()
+    model = _vlm(tok)
+    _image(tmp_path / 'images/img/0.jpg')
+    (tmp_path / 'data.json').write_text(json.dumps([
+        _record('with-image'), _record('text', image=None, turns=(('human', 'what color is it?'), ('gpt', 'green')))]))
+    kept, _ = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+    transform = model.vision.preprocess
+    batch = ConversationCollator(tok, transform, 'vicuna_v1', image_size=(64, 64))(kept)
+    assert batch['image_at'].tolist() == [25, -1]
+    loss = model(**batch).loss
+
+    embed = model.language_model.get_input_embeddings()
+    image = model.image_embeddings(batch['pixel_values'][:1])[0]  # (P, D)
+    terms = []
+    for row, at in enumerate(batch['image_at'].tolist()):
+        n = int(batch['attention_mask'][row].sum())
+        ids, labels = batch['input_ids'][row, :n], batch['labels'][row, :n]
+        text = embed(ids)
+        if at >= 0:
+            seq = torch.cat([text[:at], image, text[at:]])
+            targets = torch.cat([labels[:at], torch.full((image.shape[0],), -100), labels[at:]])
+        else:
+            seq, targets = text, labels
+        logits = model.language_model(inputs_embeds=seq[None]).logits[0]  # causal by default
+        terms.append(torch.nn.functional.cross_entropy(logits[:-1], targets[1:], reduction='sum',
+                                                       ignore_index=-100))
+    expected = sum(terms) / int((batch['labels'] != -100).sum())
+    torch.testing.assert_close(loss, expected)
+    scored = batch['input_ids'][1][batch['labels'][1] != -100]
+    assert tok.convert_ids_to_tokens(scored.tolist()) == ['green', '</s>']
+
+
+def test_an_unreadable_image_and_a_sample_cut_to_nothing_are_left_out_and_named(tmp_path):
+    tok = _tokenizer()
+    _image(tmp_path / 'images/img/0.jpg')
+    _image(tmp_path / 'images/img/bad.jpg', broken=True)
+    (tmp_path / 'data.json').write_text(json.dumps([_record('good'), _record('bad', image='img/bad.jpg')]))
+    kept, _ = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+    batch = ConversationCollator(tok, lambda im: torch.zeros(3, 8, 8), 'vicuna_v1')(kept)
+    assert batch['input_ids'].shape[0] == 1 and batch['skipped_images']['sources'][0].endswith('bad.jpg')
+    short = ConversationCollator(tok, lambda im: torch.zeros(3, 8, 8), 'vicuna_v1', max_length=20)(kept[:1])
+    assert short['cut_short'] == ['good'] and short['left_out_long'] == ['good']
+    assert bool((short['labels'] == -100).all())  # the placeholder row scores nothing
