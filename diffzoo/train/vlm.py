@@ -63,7 +63,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.recipe:
             p.error('--recipe is required (`recipes` lists the shipped ones)')
         recipe = check(expand_env(apply_overrides(load_vlm_recipe(args.recipe), parse_overrides(rest))))
-        from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
+        if recipe['train'] is not None:  # a LLaVA-style stage
+            from .vlm_stage import run_stage as run
+        else:
+            from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
         run(recipe, Path(args.recipe).stem)
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         print(f'error: {exc}', file=sys.stderr)

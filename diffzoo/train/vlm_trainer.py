@@ -34,18 +34,19 @@ INCOMPLETE = 'incomplete-'  # set-aside checkpoints: not `checkpoint-*`, so Trai
 ADAPTER_CONFIG = 'adapter_config.json'  # peft's
 
 
-def checkpoint_problem(checkpoint: Path) -> Optional[str]:
+def checkpoint_problem(checkpoint: Path, weights: Optional[str] = None) -> Optional[str]:
     """Why `checkpoint` cannot be resumed from, or None when every file a checkpoint save writes is there
-    and loads: trainer_state.json (written last), the adapter and extra tensors with their settings,
-    optimizer, scheduler, the RNG state of each process (and the gradient scaler, when there is one)."""
+    and loads: trainer_state.json (written last), the adapter and extra tensors with their settings (or,
+    for a stage, its `weights` file), optimizer, scheduler, the RNG state of each process (and the gradient
+    scaler, when there is one)."""
     def torch_file(path: Path):
         with safe_globals():  # Trainer's allow-list for numpy RNG states
             torch.load(path, map_location='cpu', weights_only=True)
 
-    loaders = [(TRAINER_STATE_NAME, lambda p: json.loads(p.read_text())['global_step']),
-               (ADAPTER_CONFIG, lambda p: json.loads(p.read_text())),
-               (EXTRA_CONFIG, lambda p: json.loads(p.read_text())),
-               (ADAPTER_WEIGHTS, lambda p: load_file(str(p))), (EXTRA_WEIGHTS, lambda p: load_file(str(p))),
+    model_files = [(weights, lambda p: load_file(str(p)))] if weights else [
+        (ADAPTER_CONFIG, lambda p: json.loads(p.read_text())), (EXTRA_CONFIG, lambda p: json.loads(p.read_text())),
+        (ADAPTER_WEIGHTS, lambda p: load_file(str(p))), (EXTRA_WEIGHTS, lambda p: load_file(str(p)))]
+    loaders = [(TRAINER_STATE_NAME, lambda p: json.loads(p.read_text())['global_step']), *model_files,
                (OPTIMIZER_NAME, torch_file), (SCHEDULER_NAME, torch_file)]
     rng = sorted(p.name for p in checkpoint.glob('rng_state*.pth'))
     if not rng:
@@ -63,13 +64,13 @@ def checkpoint_problem(checkpoint: Path) -> Optional[str]:
     return None
 
 
-def last_complete_checkpoint(folder: Path, set_aside: bool = True
+def last_complete_checkpoint(folder: Path, set_aside: bool = True, weights: Optional[str] = None
                              ) -> Tuple[Optional[Path], List[Tuple[Path, str, Optional[Path]]]]:
     """The newest `checkpoint-<step>` in `folder` that `checkpoint_problem` passes, and the newer ones passed
     over as (path, reason, where it was set aside). Unlike transformers' `get_last_checkpoint` (the highest
     step, complete or not), a run killed while saving resumes from the checkpoint before. With `set_aside`
     the incomplete ones are renamed `incomplete-checkpoint-<step>` (kept for inspection, out of Trainer's
-    resume and rotation)."""
+    resume and rotation). `weights`: a stage's model file (`checkpoint_problem`)."""
     folder = Path(folder)
     steps = {}
     for path in folder.glob(f'{PREFIX_CHECKPOINT_DIR}-*') if folder.is_dir() else []:
@@ -78,7 +79,7 @@ def last_complete_checkpoint(folder: Path, set_aside: bool = True
             steps[int(step)] = path
     skipped = []
     for step in sorted(steps, reverse=True):
-        problem = checkpoint_problem(steps[step])
+        problem = checkpoint_problem(steps[step], weights)
         if problem is None:
             return steps[step], skipped
         target = None
@@ -196,15 +197,56 @@ def _check_resume(recipe: Dict, run_dir: Path) -> None:
                           f'the same recipe (only {", ".join(RESUMABLE_CHANGES)} may change) or set --output elsewhere')
 
 
+def accumulation(recipe: Dict, world: int) -> int:
+    """Micro-batches per optimizer step: `grad_accum`, or what `global_batch_size` makes of batch_size × world."""
+    total = recipe.get('global_batch_size')
+    if total is None:
+        return recipe['grad_accum']
+    per_pass = recipe['batch_size'] * world
+    if total % per_pass:
+        raise RecipeError(f'global_batch_size {total} is not a multiple of batch_size {recipe["batch_size"]} × {world} '
+                          f'process(es) = {per_pass}; choose a batch_size (and process count) that divides it')
+    return total // per_pass
+
+
+def warmup(recipe: Dict) -> float:
+    """Trainer's warmup_steps: steps, or below 1 a fraction of the steps (`warmup_ratio`)."""
+    ratio = recipe.get('warmup_ratio')
+    if ratio is None:
+        return recipe['warmup_steps']
+    if recipe['warmup_steps']:
+        raise RecipeError(f'warmup_ratio {ratio} and warmup_steps {recipe["warmup_steps"]} both given; keep one')
+    if not 0 <= ratio < 1:
+        raise RecipeError(f'warmup_ratio {ratio}: a fraction of the steps in [0, 1)')
+    return ratio
+
+
+def resume_point(recipe: Dict, run_dir: Path, args: TrainingArguments, weights: Optional[str] = None
+                 ) -> Optional[Path]:
+    """The checkpoint a rerun resumes from (`last_complete_checkpoint`; rank 0 sets incomplete ones aside and
+    names them), its settings checked against the recipe's (`_check_resume`); None for a new run."""
+    rank = args.process_index
+    with args.main_process_first(local=False, desc='choosing the checkpoint'):
+        checkpoint, incomplete = last_complete_checkpoint(Path(args.output_dir), set_aside=rank == 0, weights=weights)
+    if rank == 0:
+        for path, problem, target in incomplete:
+            print(f'skipping {path}: incomplete ({problem}), most likely a run stopped while saving it; '
+                  f'set aside as {target.name}', flush=True)
+    if checkpoint is not None:
+        _check_resume(recipe, run_dir)
+    return checkpoint
+
+
 def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArguments:
     precision = recipe['precision'] or ('bf16' if cuda else 'fp32')
     report = [r for r in recipe['report_to'].split(',') if r and r != 'none']
+    world = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's; Trainer's world_size once it has started
     return TrainingArguments(
         output_dir=str(run_dir / 'checkpoints'), per_device_train_batch_size=recipe['batch_size'],
-        gradient_accumulation_steps=recipe['grad_accum'], learning_rate=recipe['lr'],
+        gradient_accumulation_steps=accumulation(recipe, world), learning_rate=recipe['lr'],
         weight_decay=recipe['weight_decay'], num_train_epochs=recipe['epochs'],
         max_steps=recipe['max_steps'] or -1, lr_scheduler_type=recipe['lr_scheduler'],
-        warmup_steps=recipe['warmup_steps'], max_grad_norm=recipe['max_grad_norm'], bf16=precision == 'bf16',
+        warmup_steps=warmup(recipe), max_grad_norm=recipe['max_grad_norm'], bf16=precision == 'bf16',
         logging_steps=recipe['log_every'], save_steps=recipe['save_every'], save_total_limit=2,
         seed=recipe['seed'], use_cpu=not cuda, dataloader_drop_last=True,
         dataloader_num_workers=recipe['workers'], remove_unused_columns=False, report_to=report or 'none',
@@ -236,23 +278,19 @@ def _run(recipe: Dict, name: str) -> Dict:
     args = training_arguments(recipe, run_dir, cuda)
     rank, world = args.process_index, args.world_size
     data = recipe['data']
+    if data['type'] != 'vqav2':
+        raise RecipeError(f'data.type {data["type"]}: LoRA fine-tuning (train: null) reads VQAv2; conversations train '
+                          f'in a stage (train: {{projector, vision, language_model, …}})')
     seed = recipe['seed'] if data['seed'] is None else data['seed']
     train_set = load_vqav2(data['root'], data['split'], data['fraction'], seed)
     val_set = load_vqav2(data['root'], data['val_split'], data['val_fraction'], seed) if data['val_split'] else []
-    steps_per_epoch = len(train_set) // (recipe['batch_size'] * world) // recipe['grad_accum']
+    steps_per_epoch = len(train_set) // (recipe['batch_size'] * world) // args.gradient_accumulation_steps
     if steps_per_epoch == 0:
         raise RecipeError(f'{len(train_set)} training samples make no optimizer step at batch {recipe["batch_size"]} × '
-                          f'accumulation {recipe["grad_accum"]} × {world} processes; lower batch_size or raise '
-                          f'data.fraction')
+                          f'accumulation {args.gradient_accumulation_steps} × {world} processes; lower batch_size or '
+                          f'raise data.fraction')
     max_steps = recipe['max_steps'] or int(steps_per_epoch * recipe['epochs'])
-    with args.main_process_first(local=False, desc='choosing the checkpoint'):  # rank 0 sets incomplete ones aside
-        checkpoint, incomplete = last_complete_checkpoint(Path(args.output_dir), set_aside=rank == 0)
-    if rank == 0:
-        for path, problem, target in incomplete:
-            print(f'skipping {path}: incomplete ({problem}), most likely a run stopped while saving it; '
-                  f'set aside as {target.name}', flush=True)
-    if checkpoint is not None:
-        _check_resume(recipe, run_dir)
+    checkpoint = resume_point(recipe, run_dir, args)
 
     torch.manual_seed(recipe['seed'])  # a build_vlm projector (and eRAM-V post-MLP) starts from this seed
     vlm = load_vlm(recipe['model'], differential=recipe['differential'])
@@ -262,11 +300,11 @@ def _run(recipe: Dict, name: str) -> Dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
         print(f'{name}: {len(train_set)} training questions, {max_steps} steps of {recipe["batch_size"]} × '
-              f'{recipe["grad_accum"]} × {world}; trainable {counts}', flush=True)
+              f'{args.gradient_accumulation_steps} × {world}; trainable {counts}', flush=True)
         if checkpoint is not None:
             step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
             print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
-    samples_per_step = recipe['batch_size'] * recipe['grad_accum'] * world
+    samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
     trainer = VLMTrainer(model=vlm.model, args=args, train_dataset=train_set,
                          data_collator=vlm.collator(train=True, max_length=data['max_length']),
                          callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'])

@@ -16,6 +16,8 @@ LLaVA's preprocessing does, the `<image>` placeholder moves to the start of the 
 
 Prompt formats (`FORMATS`, the recipe's choice):
 
+    plain           LLaVA's pre-training (`conv_llava_plain`): the image, then the first answer and a
+                    newline, scored; the human text is dropped (it only holds the image)
     vicuna_v1       LLaVA-1.5's conversation template (`conv_vicuna_v1`): its system line, then
                     "USER: … ASSISTANT: …</s>" per round; BOS first when the tokenizer has one
     chat_template   the language model's own `tokenizer.apply_chat_template` (Qwen2.5's ChatML for
@@ -40,10 +42,10 @@ import torch
 from PIL import Image
 
 from .data import UNREADABLE, _skipped_record
+from .options import CONVERSATION_FORMATS as FORMATS
 
 IMAGE = '<image>'
 HUMAN, GPT = 'human', 'gpt'
-FORMATS = ('vicuna_v1', 'chat_template')
 VICUNA_V1_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
                     "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 
@@ -157,6 +159,11 @@ def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Pat
     return kept, problems
 
 
+def plain_pieces(turns: Sequence[Tuple[str, str]], tokenizer=None) -> List[Tuple[str, bool]]:
+    """LLaVA's `conv_llava_plain` (its `preprocess_plain`): '<image>' then the first answer and '\\n', scored."""
+    return [(IMAGE if IMAGE in turns[0][1] else '', False), (turns[1][1] + '\n', True)]
+
+
 def vicuna_v1_pieces(turns: Sequence[Tuple[str, str]], tokenizer=None) -> List[Tuple[str, bool]]:
     """LLaVA-1.5's `conv_vicuna_v1` (sep ' ', sep2 '</s>'): 'SYSTEM USER: q ASSISTANT: a</s>USER: …', the
     answers and their '</s>' scored."""
@@ -190,16 +197,18 @@ def chat_template_pieces(turns: Sequence[Tuple[str, str]], tokenizer) -> List[Tu
     return pieces
 
 
-PIECES: Dict[str, Callable] = {'vicuna_v1': vicuna_v1_pieces, 'chat_template': chat_template_pieces}
+PIECES: Dict[str, Callable] = {'plain': plain_pieces, 'vicuna_v1': vicuna_v1_pieces,
+                               'chat_template': chat_template_pieces}
 
 
 def encode(turns: Sequence[Tuple[str, str]], tokenizer, prompt_format: str) -> Tuple[List[int], List[bool], int]:
     """(token ids, scored flag per token, image_at): image_at is the index the image tokens go before (the
-    `<image>` placeholder's place), -1 without one. BOS leads vicuna_v1 when the tokenizer has one."""
+    `<image>` placeholder's place), -1 without one. BOS leads plain and vicuna_v1 when the tokenizer has one
+    (LLaVA's Llama tokenizer adds it); a chat template writes its own."""
     if prompt_format not in PIECES:
         raise ValueError(f'prompt format {prompt_format!r}: expected one of {FORMATS}')
     ids, scored, image_at = [], [], -1
-    if prompt_format == 'vicuna_v1' and tokenizer.bos_token_id is not None:
+    if prompt_format != 'chat_template' and tokenizer.bos_token_id is not None:
         ids, scored = [tokenizer.bos_token_id], [False]
     for text, is_scored in PIECES[prompt_format](turns, tokenizer):
         parts = text.split(IMAGE)

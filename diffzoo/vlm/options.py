@@ -12,6 +12,9 @@ INJECTED_QUERIES = ('all', 'text')
 SEQUENCE_MASKS = ('prefix_lm', 'causal')
 PROJECTOR_NAMES = ('linear', 'mlp2x_gelu')  # PaliGemma's one Linear; LLaVA-1.5's Linear → GELU → Linear
 FINAL_NORM = 'final_norm'  # select_layer: the last block's output through the tower's final norm
+# conversation prompt formats (diffzoo.vlm.conversations): LLaVA's pre-training `plain`, LLaVA-1.5's vicuna_v1,
+# the language model's own chat template
+CONVERSATION_FORMATS = ('plain', 'vicuna_v1', 'chat_template')
 
 
 def check_select_layer(select_layer, depth: Optional[int] = None) -> Optional[int]:

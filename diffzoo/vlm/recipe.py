@@ -1,12 +1,19 @@
-"""What a VLM fine-tuning recipe may hold (`diffzoo.recipes`, kind "vlm"; shipped ones in recipes/vlm/).
+"""What a VLM recipe may hold (`diffzoo.recipes`, kind "vlm"; shipped ones in recipes/vlm/).
 
     model:        {type: paligemma, path: DIR} or {type: build_vlm, vision, language_model, integration, …}
     attention:    {type: vanilla} (the decoder as pretrained, the default) or
                   {type: differential, variant, lambda_init, layers, mlp} (differentialize's settings)
+    data:         {type: vqav2, root, split, fraction, seed, val_split, val_fraction, max_length} (the
+                  default type) or {type: conversations, json, image_folder, format, max_length}
+                  (LLaVA-format conversations, `diffzoo.vlm.conversations`)
+    train:        a stage (`diffzoo.train.vlm_stage`): {projector, vision, language_model: frozen | full |
+                  lora, differential, gradient_checkpointing}; null: LoRA fine-tuning as `lora` and
+                  `train_projector` say (Differential PaliGemma's run)
+    init_from:    a stage starts from an earlier stage's output: its recipe name (run directory under
+                  `output`) or a run directory
     lora:         {r, alpha, dropout, mlp}; train_projector (build_vlm models)
-    data:         {root, split, fraction, seed, val_split, val_fraction, max_length}
-    optimisation: lr, lambda_lr, weight_decay, batch_size (per process), grad_accum, epochs, max_steps,
-                  lr_scheduler, warmup_steps, max_grad_norm, precision, seed
+    optimisation: lr, lambda_lr, weight_decay, batch_size (per process), grad_accum or global_batch_size,
+                  epochs, max_steps, lr_scheduler, warmup_steps or warmup_ratio, max_grad_norm, precision, seed
     running:      device, workers, log_every, save_every, eval_max_new_tokens, report_to, output
 
 `attention` is chosen by type as `model` is, so a recipe over a differential base says
@@ -19,7 +26,7 @@ from typing import Dict, Mapping
 
 from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
 
-from .options import (FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS,
+from .options import (CONVERSATION_FORMATS, FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS,
                       check_select_layer)
 
 
@@ -36,6 +43,29 @@ class SelectLayerKey(Key):
                 raise RecipeError(f'recipe key {where}: {exc}') from None
         return value
 
+
+LM_TRAINING = ('frozen', 'full', 'lora')
+DATA_TYPE = Key((str,), REQUIRED, 'which data: vqav2 (default) or conversations')
+DATA = Typed({
+    'vqav2': Section({
+        'type': DATA_TYPE,
+        'root': Key((str,), REQUIRED, 'a VQAv2 copy: official JSON + COCO images, or Hugging Face parquet'),
+        'split': Key((str,), 'train', 'training split'),
+        'fraction': Key((float,), 1.0, 'seeded subset of the training split, in (0, 1]'),
+        'seed': Key((int,), None, 'subset seed (default: seed)'),
+        'val_split': Key((str,), 'val', 'validation split for VQA accuracy, or null', nullable=True),
+        'val_fraction': Key((float,), 1.0, 'seeded subset of the validation split'),
+        'max_length': Key((int,), 64, 'longest prompt + answer in tokens (build_vlm models)'),
+    }),
+    'conversations': Section({
+        'type': DATA_TYPE,
+        'json': Key((str,), REQUIRED, "a LLaVA-format JSON file (LLaVA's 558K, 665K, …)"),
+        'image_folder': Key((str,), None, 'the folder its image paths are relative to (null: text only)'),
+        'format': Key((str,), REQUIRED, 'prompt format: plain (LLaVA pre-training), vicuna_v1 (LLaVA-1.5) or '
+                                        "chat_template (the language model's own)", CONVERSATION_FORMATS),
+        'max_length': Key((int,), 2048, 'longest conversation in text tokens (longer ones are cut, counted)'),
+    }),
+}, doc='the training data, chosen by type (vqav2 when not given)')
 
 TYPE = Key((str,), REQUIRED, 'which model: paligemma or build_vlm')
 MODEL = Typed({
@@ -92,24 +122,31 @@ VLM_RECIPE = Section({
         'mlp': Key((bool,), False, 'adapters on gate/up/down too'),
     }, doc='LoRA on the decoder'),
     'train_projector': Key((bool,), False, 'train a build_vlm projector (and eRAM-V post-MLP)'),
-    'data': Section({
-        'root': Key((str,), REQUIRED, 'a VQAv2 copy: official JSON + COCO images, or Hugging Face parquet'),
-        'split': Key((str,), 'train', 'training split'),
-        'fraction': Key((float,), 1.0, 'seeded subset of the training split, in (0, 1]'),
-        'seed': Key((int,), None, 'subset seed (default: seed)'),
-        'val_split': Key((str,), 'val', 'validation split for VQA accuracy, or null', nullable=True),
-        'val_fraction': Key((float,), 1.0, 'seeded subset of the validation split'),
-        'max_length': Key((int,), 64, 'longest prompt + answer in tokens (build_vlm models)'),
-    }, doc='VQAv2 data'),
+    'data': DATA,
+    'train': Section({
+        'projector': Key((bool,), False, 'train the projector (and eRAM-V\'s post-MLP)'),
+        'vision': Key((bool,), False, 'train the vision tower'),
+        'language_model': Key((str,), 'frozen', 'the language model: frozen, full or lora (the lora section)',
+                              LM_TRAINING),
+        'differential': Key((bool,), None, 'train λ and the sub-norm of a differential decoder (default: when '
+                                           'the language model trains)'),
+        'gradient_checkpointing': Key((bool,), False, "recompute the language model's layers in backward"),
+    }, doc='what a stage trains (null: LoRA fine-tuning as lora and train_projector say)', optional=True),
+    'init_from': Key((str,), None, "an earlier stage's output to start from: its recipe name (the run directory "
+                                   "under output) or a run directory"),
     'lr': Key((float,), REQUIRED, 'learning rate of the LoRA adapters (and projector)'),
     'lambda_lr': Key((float,), None, 'learning rate of λ and the sub-norm (default: lr)'),
     'weight_decay': Key((float,), 0.0, 'AdamW weight decay'),
     'batch_size': Key((int,), 4, 'samples per process and micro-batch'),
     'grad_accum': Key((int,), 1, 'micro-batches per optimizer step'),
+    'global_batch_size': Key((int,), None, 'samples per optimizer step over every process: sets grad_accum from '
+                                           'batch_size and the number of processes'),
     'epochs': Key((int, float), 1, 'training epochs (when max_steps is null)'),
     'max_steps': Key((int,), None, 'optimizer steps (overrides epochs)'),
     'lr_scheduler': Key((str,), 'constant', "transformers' lr_scheduler_type: constant, linear, cosine, …"),
     'warmup_steps': Key((int,), 0, 'linear warm-up steps'),
+    'warmup_ratio': Key((float,), None, 'linear warm-up as a fraction of the steps (LLaVA: 0.03); instead of '
+                                        'warmup_steps'),
     'max_grad_norm': Key((float,), 1.0, 'gradient clipping norm (0: off)'),
     'precision': Key((str,), None, 'fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)', ('fp32', 'bf16')),
     'seed': Key((int,), 0, 'seed of the model init, data order and subsets'),
@@ -135,9 +172,12 @@ MODEL_PART = Section({k: VLM_RECIPE.keys[k] for k in ('model', 'attention')}, do
 
 
 def _attention(recipe: Mapping) -> Dict:
-    """The recipe with its `attention` stated (vanilla when not given). The retired `differential` key
-    (the decoder's settings, or null for vanilla) is refused, naming its replacement."""
+    """The recipe with its `attention` stated (vanilla when not given) and its data's type (vqav2 when not
+    given). The retired `differential` key (the decoder's settings, or null for vanilla) is refused, naming
+    its replacement."""
     recipe = dict(recipe)
+    if isinstance(recipe.get('data'), Mapping) and 'type' not in recipe['data']:
+        recipe['data'] = {'type': 'vqav2', **recipe['data']}
     if 'differential' in recipe:
         raise RecipeError(f'recipe key differential ({recipe["differential"]!r}) is retired: write '
                           f'attention: {{type: differential, variant: …}} for its settings, or attention: '

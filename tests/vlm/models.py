@@ -2,6 +2,7 @@
 that knows the VQA answer format, a PaliGemma checkpoint with its processor; and a VQAv2-layout set."""
 import json
 from pathlib import Path
+from typing import Dict
 
 import torch
 import transformers
@@ -123,3 +124,69 @@ def write_vqav2_split(root: Path, split: str, count: int, seed: int) -> None:
                                 'answers': [{'answer': answer, 'answer_id': k + 1} for k in range(10)]})
     (root / f'v2_OpenEnded_mscoco_{split}2014_questions.json').write_text(json.dumps({'questions': questions}))
     (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))
+
+
+CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+          "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen2.5's ChatML
+
+
+def write_chat_language_model(directory: Path, layers: int = 2, seed: int = 0) -> None:
+    """A tiny random Qwen2-style LM with a word-level tokenizer over the LLaVA-style sets' words and a
+    ChatML chat template (Qwen2.5's layout: no BOS, <|im_end|> ends a turn and is the EOS), saved."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = {'a', 'the', 'what', 'color', 'is', 'shape', 'shape?', 'it?', 'describe', 'image.', 'and', 'say',
+             'hello', 'hi', 'there', 'system', 'user', 'assistant', 'You', 'are', 'helpful', 'assistant.',
+             'USER:', 'ASSISTANT:', *COLOURS, *SHAPES}
+    specials = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<unk>']
+    vocab = {t: i for i, t in enumerate(specials + sorted(words))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token='<|im_end|>',
+                                                     pad_token='<|endoftext|>', unk_token='<unk>',
+                                                     additional_special_tokens=['<|im_start|>', '<|im_end|>'])
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, eos_token_id=vocab['<|im_end|>'],
+                                      pad_token_id=vocab['<|endoftext|>'], tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+
+
+def write_llava_sets(root: Path, count: int = 48, seed: int = 0) -> Dict[str, Path]:
+    """LLaVA-format JSON over images of one coloured shape (drawn as diffzoo.data.synthetic draws it):
+    `pretrain.json` (LLaVA's 558K layout: '<image>' and a caption), `qa.json` (single-round questions, as
+    eRAM-V's continued pre-training mix), `instruct.json` (two rounds per image, and text-only samples, as
+    the 665K mix); images under `root/images`."""
+    rng = torch.Generator().manual_seed(seed)
+    images = root / 'images'
+    images.mkdir(parents=True, exist_ok=True)
+    pretrain, qa, instruct = [], [], []
+    for i in range(count):
+        colour = list(COLOURS)[int(torch.randint(len(COLOURS), (1,), generator=rng))]
+        shape = SHAPES[int(torch.randint(2, (1,), generator=rng))]
+        im = Image.new('RGB', (64, 64), (245, 245, 245))
+        draw_object(ImageDraw.Draw(im), SceneObject(shape, colour, 'large', (32, 32), 20))
+        name = f'scenes/{i:05d}.jpg'
+        (images / name).parent.mkdir(exist_ok=True)
+        im.save(images / name, quality=95)
+
+        def turns(*pairs):
+            return [{'from': f, 'value': v} for f, v in pairs]
+        pretrain.append({'id': f'p{i}', 'image': name,
+                         'conversations': turns(('human', '<image>'), ('gpt', f'a {colour} {shape}'))})
+        question = ('what color is the shape?', colour) if i % 2 else ('what shape is it?', shape)
+        qa.append({'id': f'q{i}', 'image': name,
+                   'conversations': turns(('human', f'<image>\n{question[0]}'), ('gpt', question[1]))})
+        instruct.append({'id': f'i{i}', 'image': name, 'conversations': turns(
+            ('human', 'what color is the shape?\n<image>'), ('gpt', colour),
+            ('human', 'what shape is it?'), ('gpt', f'a {shape}'))})
+        if i % 4 == 0:
+            instruct.append({'id': f't{i}', 'conversations': turns(('human', 'say hello'), ('gpt', 'hi there'))})
+    paths = {}
+    for name, records in (('pretrain', pretrain), ('qa', qa), ('instruct', instruct)):
+        paths[name] = root / f'{name}.json'
+        paths[name].write_text(json.dumps(records))
+    return paths

@@ -10,16 +10,13 @@ from PIL import Image
 
 from diffzoo.vlm import build_vlm
 from diffzoo.vlm.conversations import ConversationCollator, encode, load_conversations
-from tests.vlm.models import lm_config
+from tests.vlm.models import CHATML, lm_config
 
 SYSTEM_WORDS = ['A', 'chat', 'between', 'a', 'curious', 'user', 'and', 'an', 'artificial', 'intelligence',
                 'assistant.', 'The', 'assistant', 'gives', 'helpful,', 'detailed,', 'and', 'polite', 'answers', 'to',
                 'the', "user's", 'questions.']
 CONVERSATION = (('human', '<image>\nwhat color is it?'), ('gpt', 'red'),
                 ('human', 'and the shape?'), ('gpt', 'a circle'))
-CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-          "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _tokenizer(specials=('<s>', '</s>', '<pad>', '<unk>'), extra=(), chat_template=None):
@@ -51,6 +48,13 @@ def test_vicuna_v1_scores_each_answer_and_its_eos_only():
                                           'USER:', 'and', 'the', 'shape?', 'ASSISTANT:', 'a*', 'circle*', '</s>*'])
     assert _marked(tok, ids, scored) == expected
     assert image_at == 1 + len(SYSTEM_WORDS) + 1  # "USER: <image>\nwhat …": right after USER:
+
+
+def test_plain_scores_the_caption_and_its_newline_after_the_image():
+    tok = _tokenizer()
+    ids, scored, image_at = encode((('human', '<image>'), ('gpt', 'a red circle')), tok, 'plain')
+    assert _marked(tok, ids, scored) == ['<s>', 'a*', 'red*', 'circle*']  # the newline: whitespace to this tokenizer
+    assert image_at == 1  # LLaVA's preprocess_plain: BOS, the image, the caption
 
 
 def test_chat_template_scores_each_assistant_turn_with_its_end_of_turn():

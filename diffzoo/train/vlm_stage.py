@@ -1,0 +1,244 @@
+"""One training stage of a LLaVA-style run (`python -m diffzoo.train.vlm` with a recipe that has `train:`).
+
+LLaVA-1.5, TinyLLaVA (DiffCLIP §5.1) and eRAM-V train a `build_vlm` model in stages, each on its own data
+with its own parts unfrozen: pre-training (the projector alone, on captions), eRAM-V's continued
+pre-training (vision tower and projector), instruction tuning (projector and language model). A stage
+recipe says what trains (`train:` — projector, vision, language_model: frozen | full | lora, differential,
+gradient_checkpointing) and where it starts (`init_from:` an earlier stage's output); the data is a
+LLaVA-format conversation set (`diffzoo.vlm.conversations`).
+
+What a stage holds — the parameters it trained and those it started from — goes to its checkpoints
+(`stage_model.safetensors` beside Trainer's optimizer, scheduler and RNG state; a rerun of the same
+command resumes from the newest complete one) and, when it ends, to `<run dir>/stage/`:
+`stage_model.safetensors` and `stage.json` (the model part of the recipe, which the next stage must
+match, and the names held). LoRA adapters are merged into the language model's weights there, so the
+next stage may train the language model in full or freeze it. Everything not held is rebuilt from
+the recipe's model (the pretrained tower and language model, a projector drawn from `seed`), so a frozen
+part is bit-identical before and after.
+
+The loop is the fine-tuning one (`diffzoo.train.vlm_trainer`: Trainer, λ at `lambda_lr`, logs, resume);
+`global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
+"""
+import json
+from pathlib import Path
+from typing import Dict, Optional, Set
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from transformers.trainer import TRAINER_STATE_NAME
+
+from diffzoo.recipes import RecipeError
+from diffzoo.vlm.conversations import ConversationCollator, load_conversations
+from diffzoo.vlm.differential import differential_parameters
+from diffzoo.vlm.factory import load_vlm
+from diffzoo.vlm.lora import projection_modules, trainable_parameters
+from diffzoo.vlm.model import VisionLanguageModel
+
+from .vlm_trainer import (RUN_RECIPE, SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, plot_loss, resume_point,
+                          training_arguments)
+
+STAGE_WEIGHTS = 'stage_model.safetensors'
+STAGE_CONFIG = 'stage.json'
+STAGE_DIR = 'stage'
+DATA_PROBLEMS = 'data_problems.json'
+
+
+def model_spec(recipe: Dict) -> Dict:
+    """What a stage's output must match to be loaded: the model and its differential settings."""
+    return {'model': recipe['model'], 'differential': recipe['differential']}
+
+
+def stage_output(init_from: str, output: str) -> Path:
+    """The `stage/` folder `init_from` names: a run directory, or a recipe name under `output`."""
+    for run_dir in (Path(init_from), Path(output) / init_from):
+        if (run_dir / STAGE_DIR / STAGE_CONFIG).is_file():
+            return run_dir / STAGE_DIR
+    raise RecipeError(f'init_from={init_from!r}: no finished stage at {init_from} or {Path(output) / init_from} (a '
+                      f'stage writes {STAGE_DIR}/{STAGE_CONFIG} when it ends); run that stage first, or name its '
+                      f'run directory')
+
+
+def _parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+def load_stage(model: nn.Module, directory: Path, spec: Dict) -> Set[int]:
+    """Copy a finished stage's tensors into `model` after checking that it was trained on the same model;
+    returns the ids of the parameters it filled (held from then on)."""
+    saved = json.loads((directory / STAGE_CONFIG).read_text())['spec']
+    there, here = saved['model'], spec['model']
+    differs = [f'model.{k}: {there.get(k)!r} there, {here.get(k)!r} here' for k in sorted(set(there) | set(here))
+               if there.get(k) != here.get(k)]
+    if saved['differential'] != spec['differential']:
+        differs.append(f'attention: {saved["differential"]!r} there, {spec["differential"]!r} here')
+    if differs:
+        raise RecipeError(f'{directory}: that stage trained another model ({"; ".join(differs)}); start from a stage '
+                          f'of the same model, or give this recipe its model')
+    tensors = load_file(str(directory / STAGE_WEIGHTS))
+    params, held = _parameters(model), set()
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if name not in params:
+                raise RecipeError(f'{directory}: {name} has no parameter in the model the recipe builds')
+            if params[name].shape != value.shape:
+                raise RecipeError(f'{directory}: {name} is {tuple(value.shape)}, the model\'s '
+                                  f'{tuple(params[name].shape)}')
+            params[name].copy_(value)
+            held.add(id(params[name]))
+    return held
+
+
+def prepare(vlm, recipe: Dict) -> None:
+    """Freeze all but what the stage trains (module docstring); LoRA as the `lora` section says."""
+    train, model = recipe['train'], vlm.model
+    if not isinstance(model, VisionLanguageModel):
+        raise RecipeError('train: stages apply to build_vlm models (model.type: build_vlm); a PaliGemma checkpoint '
+                          'trains with LoRA (train: null)')
+    model.requires_grad_(False)
+    if train['language_model'] == 'lora':
+        vlm.add_lora(**recipe['lora'], train_projector=train['projector'])
+        model = vlm.model
+    elif train['language_model'] == 'full':
+        model.language_model.requires_grad_(True)
+    for module in projection_modules(model).values():
+        module.requires_grad_(train['projector'])
+    model.vision.requires_grad_(train['vision'])
+    differential = train['differential']
+    if differential is None:
+        differential = train['language_model'] != 'frozen'
+    for p in differential_parameters(model.language_model):
+        p.requires_grad_(differential)
+    if train['gradient_checkpointing']:
+        lm = model.language_model
+        if hasattr(lm, 'activation_checkpointing_enable'):  # transformers ≥ 5.2x's name
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+        lm.config.use_cache = False
+
+
+class StageTrainer(VLMTrainer):
+    """`VLMTrainer` whose checkpoints hold what the stage holds (`held` ids plus what trains)."""
+
+    def __init__(self, *args, held: Set[int] = frozenset(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held = set(held)
+        self.cut_short: Set[str] = set()
+        self.left_out_long: Set[str] = set()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.cut_short.update(inputs.pop('cut_short', ()))
+        self.left_out_long.update(inputs.pop('left_out_long', ()))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def held_state(self) -> Dict[str, torch.Tensor]:
+        return {name: p.detach().cpu().contiguous() for name, p in self.model.named_parameters()
+                if p.requires_grad or id(p) in self.held}
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        if self.args.should_save:
+            directory = Path(output_dir or self.args.output_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(self.held_state(), str(directory / STAGE_WEIGHTS))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        tensors = load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS))
+        params = _parameters(self.model)
+        missing = sorted(set(tensors) - set(params))
+        if missing:
+            raise RecipeError(f'{resume_from_checkpoint}: {missing[0]} has no parameter in the model; resume with the '
+                              f'recipe that wrote it')
+        with torch.no_grad():
+            for name, value in tensors.items():
+                params[name].copy_(value)
+
+
+def finish(vlm, held: Set[int], recipe: Dict, directory: Path, name: str, steps: int) -> Path:
+    """The stage's output (module docstring): LoRA merged into the weights it adapted, then every held or
+    trained parameter under the model's own names, with the spec the next stage checks."""
+    model = vlm.model
+    lm = model.language_model
+    if hasattr(lm, 'merge_and_unload'):  # peft: the adapted weights become held
+        held |= {id(m.base_layer.weight) for m in lm.modules() if hasattr(m, 'base_layer') and hasattr(m, 'lora_A')}
+        model.language_model = lm.merge_and_unload()
+    state = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad or id(p) in held}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / STAGE_WEIGHTS))
+    config = {'stage': name, 'steps': steps, 'spec': model_spec(recipe), 'tensors': sorted(state)}
+    (directory / STAGE_CONFIG).write_text(json.dumps(config, indent=1) + '\n')
+    return directory
+
+
+def run_stage(recipe: Dict, name: str) -> Dict:
+    with _tensorboard_dir(Path(recipe['output']) / name):
+        return _run_stage(recipe, name)
+
+
+def _run_stage(recipe: Dict, name: str) -> Dict:
+    data = recipe['data']
+    if data['type'] != 'conversations':
+        raise RecipeError('train: a stage trains on conversations (data.type: conversations); VQAv2 fine-tuning is '
+                          'train: null')
+    run_dir = Path(recipe['output']) / name
+    start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
+    train_set, problems = load_conversations(data['json'], data['image_folder'])  # a missing path stops here
+    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
+    args = training_arguments(recipe, run_dir, cuda)
+    rank, world = args.process_index, args.world_size
+    samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
+    steps_per_epoch = len(train_set) // samples_per_step
+    if steps_per_epoch == 0:
+        raise RecipeError(f'{len(train_set)} conversations make no optimizer step of {samples_per_step} samples '
+                          f'({recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world} processes); lower '
+                          f'the batch or add data')
+    max_steps = recipe['max_steps'] or int(steps_per_epoch * recipe['epochs'])
+    checkpoint = resume_point(recipe, run_dir, args, weights=STAGE_WEIGHTS)
+
+    torch.manual_seed(recipe['seed'])  # the projector (and eRAM-V's post-MLP) a first stage starts from
+    vlm = load_vlm(recipe['model'], differential=recipe['differential'])
+    held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
+    prepare(vlm, recipe)
+    tok = vlm.tokenizer
+    if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
+        tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
+    counts = trainable_parameters(vlm.model)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
+        print(f'{name}: {len(train_set)} conversations ({problems.summary()}), {max_steps} steps of '
+              f'{recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world}; trainable {counts}'
+              + (f'; starts from {start}' if start else ''), flush=True)
+        if checkpoint is not None:
+            step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
+            print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
+    collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'])
+    trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
+                           callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'],
+                           held=held)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    skipped, cut, long = trainer.skipped_images, trainer.cut_short, trainer.left_out_long
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, (skipped, cut, long))
+        skipped = parts[0][0].merge([p[0] for p in parts[1:]])
+        cut = set().union(*(p[1] for p in parts))
+        long = set().union(*(p[2] for p in parts))
+    results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
+    if rank == 0:
+        output = finish(vlm, held, recipe, run_dir / STAGE_DIR, name, trainer.state.global_step)
+        report = {**problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(long),
+                  'cut_examples': sorted(cut)[:3]}
+        (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
+        (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
+        log = [json.loads(line) for line in (run_dir / 'log.jsonl').read_text().splitlines()]
+        results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
+                       data_problems=report, stage=str(output))
+        (run_dir / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
+        if log:
+            plot_loss(log, run_dir / 'loss.png')
+        print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → {results["final_loss"]:.4f}; '
+              f'{len(cut)} conversation(s) cut to {data["max_length"]} tokens, {len(long)} left out after the cut; '
+              f'{skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)
+    return results

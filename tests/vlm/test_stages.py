@@ -1,0 +1,129 @@
+"""LLaVA-style stages end to end: a tiny DiffCLIP tower and a tiny random Qwen2-style LM, LLaVA-format JSON
+over drawn scenes, stage 1 (projector, captions) → 2 (vision tower and projector, single-round QA) → 3
+(projector and the differential language model in full, multi-turn with text-only samples), each a real
+Trainer run of `python -m diffzoo.train.vlm` on real files, the loss falling in each; what each stage holds
+and leaves frozen, a chain's mismatched model refused, and a rerun resuming."""
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from diffzoo.train.vlm import main
+from tests.factory import call
+from tests.vlm.models import write_chat_language_model, write_llava_sets
+
+STAGES = {
+    'stage1': dict(data=dict(type='conversations', json='pretrain.json', format='plain'),
+                   train=dict(projector=True), lr=3e-3),
+    'stage2': dict(data=dict(type='conversations', json='qa.json', format='vicuna_v1'),
+                   train=dict(projector=True, vision=True), init_from='stage1', lr=1e-3),
+    'stage3': dict(data=dict(type='conversations', json='instruct.json', format='chat_template'),
+                   train=dict(projector=True, language_model='full', gradient_checkpointing=True),
+                   init_from='stage2', lr=3e-3),
+}
+
+
+INTEGRATIONS = {  # LLaVA-1.5's full-token model (penultimate features, MLP projector, causal) and eRAM-V's
+    'full': dict(select_layer=-2, projector='mlp2x_gelu', sequence_mask='causal'),
+    'eramv': dict(integration='eramv', anchors=4, inject_layers=[1, 2]),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(INTEGRATIONS))
+def chain(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f'stages-{request.param}')
+    write_chat_language_model(root / 'lm')
+    write_llava_sets(root, count=32)
+    model = dict(type='build_vlm', vision='diffclip-tiny', language_model=str(root / 'lm'),
+                 **INTEGRATIONS[request.param])
+    runs = {}
+    for name, stage in STAGES.items():
+        data = dict(stage['data'], json=str(root / stage['data']['json']), image_folder=str(root / 'images'),
+                    max_length=64)
+        recipe = dict(stage, model=model, attention=dict(type='differential', lambda_init=0.5), data=data,
+                      global_batch_size=8, batch_size=4, max_steps=8, warmup_ratio=0.03, lr_scheduler='cosine',
+                      log_every=1, save_every=4, report_to='none', device='cpu', output=str(root / 'runs'))
+        (root / f'{name}.yaml').write_text(yaml.safe_dump(recipe))
+        runs[name] = call(main, ['--recipe', root / f'{name}.yaml'], root)
+    return root, runs
+
+
+def _results(root, name):
+    return json.loads((root / 'runs' / name / 'results.json').read_text())
+
+
+def test_each_stage_trains_and_its_loss_falls(chain):
+    root, runs = chain
+    for name in STAGES:
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+        log = [json.loads(line) for line in (root / 'runs' / name / 'log.jsonl').read_text().splitlines()]
+        assert [r['step'] for r in log] == list(range(1, 9))
+        first, last = sum(r['loss'] for r in log[:2]) / 2, sum(r['loss'] for r in log[-2:]) / 2
+        assert last < first, (name, [round(r['loss'], 3) for r in log])
+    counts = {name: _results(root, name)['trainable_parameters'] for name in STAGES}
+    assert counts['stage1']['other'] == 0 and counts['stage1']['differential'] == 0  # the projector alone
+    assert counts['stage2']['other'] > 0  # + the vision tower (its own λ counted as differential)
+    assert counts['stage3']['differential'] > 0 and 0 < counts['stage3']['other'] < counts['stage2']['other']  # the LM
+    assert _results(root, 'stage3')['data_problems']['left_out'] == {}
+
+
+def test_a_stage_holds_what_it_trained_and_started_from_and_frozen_parts_stay_bit_identical(chain):
+    root, _ = chain
+    held = {name: load_file(str(root / 'runs' / name / 'stage' / 'stage_model.safetensors')) for name in STAGES}
+    parts = {name: {k.split('.')[0] for k in tensors} - {'post_mlp'} for name, tensors in held.items()}
+    assert parts == {'stage1': {'projector'}, 'stage2': {'projector', 'vision'},
+                     'stage3': {'projector', 'vision', 'language_model'}}  # eRAM-V's post-MLP with the projector
+    vision = [k for k in held['stage2'] if k.startswith('vision.')]
+    assert all(torch.equal(held['stage3'][k], held['stage2'][k]) for k in vision)  # frozen in stage 3
+    assert not all(torch.equal(held['stage2'][k], held['stage1'][k]) for k in held['stage1'])  # trained on
+    config = json.loads((root / 'runs' / 'stage3' / 'stage' / 'stage.json').read_text())
+    assert config['spec']['differential']['lambda_init'] == 0.5 and config['steps'] == 8
+
+
+def test_a_stage_of_another_model_is_refused_and_a_rerun_resumes(chain):
+    root, _ = chain
+    recipe = yaml.safe_load((root / 'stage2.yaml').read_text())
+    recipe['model'] = dict(recipe['model'], select_layer=-1)  # the last block's output: other features
+    (root / 'other.yaml').write_text(yaml.safe_dump(recipe))
+    refused = call(main, ['--recipe', root / 'other.yaml'], root)
+    assert refused.returncode == 2 and 'model.select_layer' in refused.stderr
+    resumed = call(main, ['--recipe', root / 'stage3.yaml', '--max_steps', '10'], root)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert 'resuming stage3 from step 8' in resumed.stdout
+    log = [json.loads(line) for line in (root / 'runs' / 'stage3' / 'log.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in log] == list(range(1, 11))
+
+
+CHAINS = {  # (recipe, what it trains, init_from, lr, global batch, per-GPU batch, format)
+    'diffclip-b16-qwen2.5-0.5b-pretrain': ({'projector'}, None, 1e-3, 192, 48, 'plain'),
+    'diffclip-b16-qwen2.5-0.5b-finetune': ({'projector', 'language_model'}, 'diffclip-b16-qwen2.5-0.5b-pretrain',
+                                           2e-5, 192, 48, 'chat_template'),
+    'clip-b16-baseline-qwen2.5-0.5b-pretrain': ({'projector'}, None, 1e-3, 192, 48, 'plain'),
+    'clip-b16-baseline-qwen2.5-0.5b-finetune': ({'projector', 'language_model'},
+                                                'clip-b16-baseline-qwen2.5-0.5b-pretrain', 2e-5, 192, 48, 'chat_template'),
+    'llava-1.5-7b-pretrain': ({'projector'}, None, 1e-3, 256, 32, 'plain'),
+    'llava-1.5-7b-finetune': ({'projector', 'language_model'}, 'llava-1.5-7b-pretrain', 2e-5, 128, 16, 'vicuna_v1'),
+    'eramv-vicuna-7b-pretrain': ({'projector'}, None, 1e-3, 256, 32, 'plain'),
+    'eramv-vicuna-7b-continue': ({'projector', 'vision'}, 'eramv-vicuna-7b-pretrain', 2e-5, 128, 16, 'vicuna_v1'),
+    'eramv-vicuna-7b-finetune': ({'projector', 'language_model'}, 'eramv-vicuna-7b-continue', 2e-5, 128, 16,
+                                 'vicuna_v1'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(CHAINS))
+def test_the_shipped_stage_recipes_carry_the_published_settings(name):
+    """DiffCLIP §5.1 (TinyLLaVA: 48 per GPU on 4 GPUs, lr 1e-3 then 2e-5, no weight decay, warm-up ratio 0.03,
+    cosine), LLaVA-1.5's two stages and eRAM-V's three (section 4, Appendix H; LLaVA-1.5's rates and batches)."""
+    from diffzoo.vlm.recipe import check, load_vlm_recipe
+    parts, init_from, lr, total, per_gpu, fmt = CHAINS[name]
+    recipe = check(load_vlm_recipe(name))
+    train = recipe['train']
+    trained = {k for k in ('projector', 'vision') if train[k]} | (
+        {'language_model'} if train['language_model'] != 'frozen' else set())
+    assert trained == parts and recipe['init_from'] == init_from and recipe['lr'] == lr
+    assert (recipe['global_batch_size'], recipe['batch_size'], recipe['data']['format']) == (total, per_gpu, fmt)
+    assert (recipe['weight_decay'], recipe['warmup_ratio'], recipe['lr_scheduler'], recipe['epochs']) == (
+        0.0, 0.03, 'cosine', 1)
+    assert recipe['model']['integration'] == ('eramv' if name.startswith('eramv') else 'full')
