@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers.trainer import TRAINER_STATE_NAME
 
 from diffzoo.recipes import RecipeError
@@ -119,10 +120,30 @@ def prepare(vlm, recipe: Dict) -> None:
         lm.config.use_cache = False
 
 
-class StageTrainer(VLMTrainer):
-    """`VLMTrainer` whose checkpoints hold what the stage holds (`held` ids plus what trains)."""
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor on the CPU: an FSDP2 shard (DTensor) gathered (a collective: every rank calls it)."""
+    p = p.detach()
+    return (p.full_tensor() if isinstance(p, DTensor) else p).cpu().contiguous()
 
-    def __init__(self, *args, held: Set[int] = frozenset(), **kwargs):
+
+def _copy_into(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a whole tensor into a parameter, into its shard when FSDP2 sharded it."""
+    value = value.to(device=p.device, dtype=p.dtype)
+    if isinstance(p, DTensor):
+        value = distribute_tensor(value, p.device_mesh, p.placements)
+    p.copy_(value)
+
+
+def held_names(model: nn.Module, held: Set[int]) -> Set[str]:
+    """The names of the parameters a stage holds besides what it trains (ids from `load_stage`)."""
+    return {name for name, p in model.named_parameters() if id(p) in held}
+
+
+class StageTrainer(VLMTrainer):
+    """`VLMTrainer` whose checkpoints hold what the stage holds (`held` names plus what trains); under FSDP its
+    state is Trainer's gathered one."""
+
+    def __init__(self, *args, held: Set[str] = frozenset(), **kwargs):
         super().__init__(*args, **kwargs)
         self.held = set(held)
         self.cut_short: Set[str] = set()
@@ -133,15 +154,18 @@ class StageTrainer(VLMTrainer):
         self.left_out_long.update(inputs.pop('left_out_long', ()))
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def held_state(self) -> Dict[str, torch.Tensor]:
-        return {name: p.detach().cpu().contiguous() for name, p in self.model.named_parameters()
-                if p.requires_grad or id(p) in self.held}
+    def held_state(self, state_dict: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad or n in self.held]
+        if state_dict is not None:  # FSDP: accelerate's full state dict, gathered on every rank
+            return {n: state_dict[n].detach().cpu().contiguous() for n in names}
+        params = _parameters(self.model)
+        return {n: _full(params[n]) for n in names}
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         if self.args.should_save:
             directory = Path(output_dir or self.args.output_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            save_file(self.held_state(), str(directory / STAGE_WEIGHTS))
+            save_file(self.held_state(state_dict), str(directory / STAGE_WEIGHTS))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         tensors = load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS))
@@ -152,22 +176,28 @@ class StageTrainer(VLMTrainer):
                               f'recipe that wrote it')
         with torch.no_grad():
             for name, value in tensors.items():
-                params[name].copy_(value)
+                _copy_into(params[name], value)
 
 
-def finish(vlm, held: Set[int], recipe: Dict, directory: Path, name: str, steps: int) -> Path:
+def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str, rank: int) -> Path:
     """The stage's output (module docstring): LoRA merged into the weights it adapted, then every held or
-    trained parameter under the model's own names, with the spec the next stage checks."""
-    model = vlm.model
-    lm = model.language_model
+    trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
+    (FSDP gathers the shards); rank 0 writes."""
+    model = trainer.model
+    params = _parameters(model)
+    keep = {id(p) for n, p in params.items() if p.requires_grad or n in trainer.held}
+    lm = vlm.model.language_model
     if hasattr(lm, 'merge_and_unload'):  # peft: the adapted weights become held
-        held |= {id(m.base_layer.weight) for m in lm.modules() if hasattr(m, 'base_layer') and hasattr(m, 'lora_A')}
-        model.language_model = lm.merge_and_unload()
-    state = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad or id(p) in held}
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(directory / STAGE_WEIGHTS))
-    config = {'stage': name, 'steps': steps, 'spec': model_spec(recipe), 'tensors': sorted(state)}
-    (directory / STAGE_CONFIG).write_text(json.dumps(config, indent=1) + '\n')
+        keep |= {id(m.base_layer.weight) for m in lm.modules() if hasattr(m, 'base_layer') and hasattr(m, 'lora_A')}
+        vlm.model.language_model = lm.merge_and_unload()
+        model = vlm.model
+    state = {n: _full(p) for n, p in model.named_parameters() if id(p) in keep and 'lora_' not in n}
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(directory / STAGE_WEIGHTS))
+        config = {'stage': name, 'steps': trainer.state.global_step, 'spec': model_spec(recipe),
+                  'tensors': sorted(state)}
+        (directory / STAGE_CONFIG).write_text(json.dumps(config, indent=1) + '\n')
     return directory
 
 
@@ -182,9 +212,15 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
         raise RecipeError('train: a stage trains on conversations (data.type: conversations); VQAv2 fine-tuning is '
                           'train: null')
     run_dir = Path(recipe['output']) / name
+    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
+    if recipe['fsdp'] is not None and not cuda:
+        raise RecipeError('fsdp: accelerate shards with FSDP on GPUs only (on CPUs it trains with DDP, every process '
+                          'holding the whole model); run on GPUs, or set fsdp: null')
+    if recipe['fsdp'] is not None and recipe['train']['language_model'] == 'lora':
+        raise RecipeError('fsdp with train.language_model: lora: LoRA trains a few adapters, which DDP holds; FSDP is '
+                          'for training a large language model in full (set fsdp: null)')
     start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
     train_set, problems = load_conversations(data['json'], data['image_folder'])  # a missing path stops here
-    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
     args = training_arguments(recipe, run_dir, cuda)
     rank, world = args.process_index, args.world_size
     samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
@@ -200,6 +236,7 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     vlm = load_vlm(recipe['model'], differential=recipe['differential'])
     held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
     prepare(vlm, recipe)
+    held = held_names(vlm.model, held)  # after LoRA wrapped the language model: the names training sees
     tok = vlm.tokenizer
     if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
@@ -217,6 +254,10 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
                            callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'],
                            held=held)
+    if rank == 0 and recipe['fsdp'] is not None:
+        print(f'FSDP{recipe["fsdp"]["version"]}: ' + (f'the model sharded over {world} processes' if
+              trainer.is_fsdp_enabled else f'not enabled by accelerate ({world} process(es): nothing to shard)'),
+              flush=True)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     skipped, cut, long = trainer.skipped_images, trainer.cut_short, trainer.left_out_long
     if world > 1:
@@ -226,8 +267,8 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
         cut = set().union(*(p[1] for p in parts))
         long = set().union(*(p[2] for p in parts))
     results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
+    output = finish(trainer, vlm, recipe, run_dir / STAGE_DIR, name, rank)
     if rank == 0:
-        output = finish(vlm, held, recipe, run_dir / STAGE_DIR, name, trainer.state.global_step)
         report = {**problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(long),
                   'cut_examples': sorted(cut)[:3]}
         (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')

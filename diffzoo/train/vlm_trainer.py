@@ -241,7 +241,9 @@ def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArgum
     precision = recipe['precision'] or ('bf16' if cuda else 'fp32')
     report = [r for r in recipe['report_to'].split(',') if r and r != 'none']
     world = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's; Trainer's world_size once it has started
-    return TrainingArguments(
+    fsdp = recipe.get('fsdp')
+    sharding = {} if fsdp is None else dict(fsdp='full_shard auto_wrap', fsdp_config=dict(fsdp))
+    return TrainingArguments(**sharding,
         output_dir=str(run_dir / 'checkpoints'), per_device_train_batch_size=recipe['batch_size'],
         gradient_accumulation_steps=accumulation(recipe, world), learning_rate=recipe['lr'],
         weight_decay=recipe['weight_decay'], num_train_epochs=recipe['epochs'],

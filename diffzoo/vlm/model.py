@@ -217,6 +217,8 @@ class VisionLanguageModel(nn.Module):
         self.hidden_size = config.hidden_size
         self.projector = build_projector(self.projector_type, vision.dim, self.hidden_size)  # V and V_A alike
         self.language_model = language_model
+        # FSDP's auto-wrap reads the classes to wrap from here, as from a transformers model: the decoder layers
+        self._no_split_modules = list(getattr(language_model, '_no_split_modules', None) or [])
         scales_inputs = (config.model_type in GEMMA_FAMILY
                          and not hasattr(language_model.get_input_embeddings(), 'embed_scale'))
         self.embed_scale = self.hidden_size ** -0.5 if scales_inputs else 1.0  # module docstring

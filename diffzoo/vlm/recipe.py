@@ -11,6 +11,8 @@
                   `train_projector` say (Differential PaliGemma's run)
     init_from:    a stage starts from an earlier stage's output: its recipe name (run directory under
                   `output`) or a run directory
+    fsdp:         {version, reshard_after_forward, cpu_offload, activation_checkpointing}: FSDP through
+                  Trainer/accelerate instead of DDP (a 7B language model's full fine-tuning); null: DDP
     lora:         {r, alpha, dropout, mlp}; train_projector (build_vlm models)
     optimisation: lr, lambda_lr, weight_decay, batch_size (per process), grad_accum or global_batch_size,
                   epochs, max_steps, lr_scheduler, warmup_steps or warmup_ratio, max_grad_norm, precision, seed
@@ -132,6 +134,13 @@ VLM_RECIPE = Section({
                                            'the language model trains)'),
         'gradient_checkpointing': Key((bool,), False, "recompute the language model's layers in backward"),
     }, doc='what a stage trains (null: LoRA fine-tuning as lora and train_projector say)', optional=True),
+    'fsdp': Section({
+        'version': Key((int,), 2, 'FSDP2 (2) or the legacy FSDP1 (1)', (1, 2)),
+        'reshard_after_forward': Key((bool,), True, 'free the gathered weights after each forward (ZeRO-3-like)'),
+        'cpu_offload': Key((bool,), False, 'keep parameters and gradients on the CPU between uses'),
+        'activation_checkpointing': Key((bool,), False, "FSDP's activation checkpointing of the wrapped layers"),
+    }, doc="shard a language model too large for DDP with FSDP through Trainer/accelerate (its decoder layers "
+           "wrapped); null: DDP", optional=True),
     'init_from': Key((str,), None, "an earlier stage's output to start from: its recipe name (the run directory "
                                    "under output) or a run directory"),
     'lr': Key((float,), REQUIRED, 'learning rate of the LoRA adapters (and projector)'),

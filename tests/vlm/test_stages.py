@@ -1,8 +1,9 @@
 """LLaVA-style stages end to end: a tiny DiffCLIP tower and a tiny random Qwen2-style LM, LLaVA-format JSON
 over drawn scenes, stage 1 (projector, captions) → 2 (vision tower and projector, single-round QA) → 3
 (projector and the differential language model in full, multi-turn with text-only samples), each a real
-Trainer run of `python -m diffzoo.train.vlm` on real files, the loss falling in each; what each stage holds
-and leaves frozen, a chain's mismatched model refused, and a rerun resuming."""
+Trainer run of `python -m diffzoo.train.vlm` on real files, the loss falling in each, then a LoRA stage 4
+whose adapters are merged into what it holds; what each stage holds and leaves frozen, a chain's mismatched
+model refused, and a rerun resuming."""
 import json
 
 import pytest
@@ -22,6 +23,8 @@ STAGES = {
     'stage3': dict(data=dict(type='conversations', json='instruct.json', format='chat_template'),
                    train=dict(projector=True, language_model='full', gradient_checkpointing=True),
                    init_from='stage2', lr=3e-3),
+    'stage4': dict(data=dict(type='conversations', json='instruct.json', format='chat_template'),
+                   train=dict(language_model='lora'), lora=dict(r=8, alpha=32), init_from='stage3', lr=1e-2),
 }
 
 
@@ -58,6 +61,8 @@ def test_each_stage_trains_and_its_loss_falls(chain):
     root, runs = chain
     for name in STAGES:
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+        if name == 'stage4':  # a LoRA stage after the chain: there for its merge (the next test), 8 steps
+            continue
         log = [json.loads(line) for line in (root / 'runs' / name / 'log.jsonl').read_text().splitlines()]
         assert [r['step'] for r in log] == list(range(1, 9))
         first, last = sum(r['loss'] for r in log[:2]) / 2, sum(r['loss'] for r in log[-2:]) / 2
@@ -66,6 +71,7 @@ def test_each_stage_trains_and_its_loss_falls(chain):
     assert counts['stage1']['other'] == 0 and counts['stage1']['differential'] == 0  # the projector alone
     assert counts['stage2']['other'] > 0  # + the vision tower (its own λ counted as differential)
     assert counts['stage3']['differential'] > 0 and 0 < counts['stage3']['other'] < counts['stage2']['other']  # the LM
+    assert counts['stage4']['lora'] > 0 and counts['stage4']['other'] == counts['stage4']['projector'] == 0
     assert _results(root, 'stage3')['data_problems']['left_out'] == {}
 
 
@@ -74,10 +80,16 @@ def test_a_stage_holds_what_it_trained_and_started_from_and_frozen_parts_stay_bi
     held = {name: load_file(str(root / 'runs' / name / 'stage' / 'stage_model.safetensors')) for name in STAGES}
     parts = {name: {k.split('.')[0] for k in tensors} - {'post_mlp'} for name, tensors in held.items()}
     assert parts == {'stage1': {'projector'}, 'stage2': {'projector', 'vision'},
-                     'stage3': {'projector', 'vision', 'language_model'}}  # eRAM-V's post-MLP with the projector
+                     'stage3': {'projector', 'vision', 'language_model'},
+                     'stage4': {'projector', 'vision', 'language_model'}}  # eRAM-V's post-MLP with the projector
     vision = [k for k in held['stage2'] if k.startswith('vision.')]
     assert all(torch.equal(held['stage3'][k], held['stage2'][k]) for k in vision)  # frozen in stage 3
     assert not all(torch.equal(held['stage2'][k], held['stage1'][k]) for k in held['stage1'])  # trained on
+    # LoRA merged: stage 4 holds stage 3's tensors under the same names, the adapted projections changed
+    assert set(held['stage4']) == set(held['stage3'])
+    adapted = [k for k in held['stage4'] if k.endswith(('q_proj.weight', 'v_proj.weight'))]
+    assert adapted and not any(torch.equal(held['stage4'][k], held['stage3'][k]) for k in adapted)
+    assert all(torch.equal(held['stage4'][k], held['stage3'][k]) for k in held['stage4'] if k.startswith('vision.'))
     config = json.loads((root / 'runs' / 'stage3' / 'stage' / 'stage.json').read_text())
     assert config['spec']['differential']['lambda_init'] == 0.5 and config['steps'] == 8
 
@@ -127,3 +139,13 @@ def test_the_shipped_stage_recipes_carry_the_published_settings(name):
     assert (recipe['weight_decay'], recipe['warmup_ratio'], recipe['lr_scheduler'], recipe['epochs']) == (
         0.0, 0.03, 'cosine', 1)
     assert recipe['model']['integration'] == ('eramv' if name.startswith('eramv') else 'full')
+    assert (recipe['fsdp'] is not None) == ('7b' in name and name.endswith('finetune'))  # a 7B LM in full
+
+
+def test_fsdp_is_refused_on_cpus_where_accelerate_would_train_unsharded(chain):
+    """accelerate enables FSDP for GPUs only (a CPU run would silently hold the whole model in every process):
+    said by name before anything trains. On a GPU, scripts/gpu_stages.py runs stage 3 under FSDP2."""
+    root, _ = chain
+    refused = call(main, ['--recipe', root / 'stage3.yaml', '--fsdp', '{version: 2}', '--output', root / 'fsdp'], root)
+    assert refused.returncode == 2 and 'accelerate shards with FSDP on GPUs only' in refused.stderr
+    assert not (root / 'fsdp').exists()
