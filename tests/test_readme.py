@@ -52,8 +52,9 @@ SKIPPED = {
         f'{WEIGHTS} (DiffCLIP, Qwen2.5-0.5B), {DATA} (LLaVA 558K), {GPU} (tests/vlm/test_stages.py runs a chain)',
     'python -m diffzoo.train.vlm --recipe diffclip-b16-qwen2.5-0.5b-finetune':
         f'{WEIGHTS}, {DATA} (LLaVA COCO instructions), {GPU}, the pretrain stage',
-    'torchrun --nproc-per-node 8 -m diffzoo.train.vlm --recipe eramv-vicuna-7b-continue':
-        f'8 GPUs, {WEIGHTS} (CLIP ViT-L/14-336, Vicuna-7B), {DATA} (the 707K QA mix), the pretrain stage',
+    'torchrun --nproc-per-node 8 -m diffzoo.train.vlm chain eramv-vicuna-7b-pretrain eramv-vicuna-7b-continue '
+    'eramv-vicuna-7b-finetune': f'8 GPUs, {WEIGHTS} (CLIP ViT-L/14-336, Vicuna-7B), {DATA} (558K, the 707K QA mix, '
+                                f'665K); tests/vlm/test_stages.py runs a chain',
     'python -m diffzoo.eval.vqa --predictions val_answers.json --annotations v2_mscoco_val2014_annotations.json':
         f'{DATA}: VQAv2 annotations',
     'python -m diffzoo.eval.needle build --source val2014 --out needle/2x2 --m 1 --n 2 --size 224':

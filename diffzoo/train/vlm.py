@@ -1,4 +1,5 @@
-"""`python -m diffzoo.train.vlm --recipe NAME|PATH [--key value …]`: LoRA fine-tuning of a VLM on VQAv2.
+"""`python -m diffzoo.train.vlm --recipe NAME|PATH [--key value …]`: LoRA fine-tuning of a VLM on VQAv2, or
+one LLaVA-style stage (a recipe with `train:`, `diffzoo.train.vlm_stage`); `chain STAGE …` runs stages in order.
 
 The recipe (`diffzoo.vlm.recipe`; shipped ones in recipes/vlm/, `python -m diffzoo.train.vlm recipes`
 lists them) names the model (`diffzoo.vlm.load_vlm`), its differential settings, LoRA, the data and
@@ -52,12 +53,32 @@ def _list_recipes() -> int:
     return 0
 
 
+def _chain(argv: List[str]) -> int:
+    """`chain RECIPE … [--key value …]`: each stage in order (the overrides apply to every one), stopping at the
+    first that fails; a stage already finished resumes at its last step and ends at once."""
+    split = next((i for i, a in enumerate(argv) if a.startswith('--')), len(argv))
+    names, overrides = argv[:split], argv[split:]
+    if not names:
+        print('error: chain needs the stage recipes in order, e.g. chain llava-1.5-7b-pretrain llava-1.5-7b-finetune',
+              file=sys.stderr)
+        return 2
+    for i, name in enumerate(names):
+        print(f'=== stage {i + 1} of {len(names)}: {name}', flush=True)
+        code = main(['--recipe', name, *overrides])
+        if code:
+            return code
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ['recipes']:  # as `python -m diffzoo.train recipes` lists the CLIP ones
         return _list_recipes()
+    if argv[:1] == ['chain']:
+        return _chain(argv[1:])
     p = parser()
-    p.usage = '%(prog)s --recipe NAME|PATH [--key value …]\n       %(prog)s recipes'
+    p.usage = ('%(prog)s --recipe NAME|PATH [--key value …]\n       %(prog)s chain STAGE … [--key value …]\n'
+               '       %(prog)s recipes')
     args, rest = p.parse_known_args(argv)
     try:
         if not args.recipe:

@@ -149,3 +149,14 @@ def test_fsdp_is_refused_on_cpus_where_accelerate_would_train_unsharded(chain):
     refused = call(main, ['--recipe', root / 'stage3.yaml', '--fsdp', '{version: 2}', '--output', root / 'fsdp'], root)
     assert refused.returncode == 2 and 'accelerate shards with FSDP on GPUs only' in refused.stderr
     assert not (root / 'fsdp').exists()
+
+
+def test_one_command_runs_a_chain_and_stops_at_the_first_failing_stage(chain):
+    root, _ = chain
+    done = call(main, ['chain', root / 'stage1.yaml', root / 'stage2.yaml', '--output', root / 'chained',
+                       '--max_steps', '2'], root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '=== stage 2 of 2' in done.stdout
+    assert json.loads((root / 'chained' / 'stage2' / 'stage' / 'stage.json').read_text())['steps'] == 2
+    stopped = call(main, ['chain', root / 'stage2.yaml', root / 'stage3.yaml', '--output', root / 'empty'], root)
+    assert stopped.returncode == 2 and "init_from='stage1'" in stopped.stderr and '=== stage 2' not in stopped.stdout
