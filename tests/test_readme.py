@@ -55,6 +55,8 @@ SKIPPED = {
     'torchrun --nproc-per-node 8 -m diffzoo.train.vlm chain eramv-vicuna-7b-pretrain eramv-vicuna-7b-continue '
     'eramv-vicuna-7b-finetune': f'8 GPUs, {WEIGHTS} (CLIP ViT-L/14-336, Vicuna-7B), {DATA} (558K, the 707K QA mix, '
                                 f'665K); tests/vlm/test_stages.py runs a chain',
+    'python -m diffzoo.data llava-qa /data/eramv_qa.json --image-root /data --vqav2 /data/vqav2 --gqa /data/gqa '
+    '--chartqa /data/chartqa': f'{DATA}s (VQAv2, GQA, ChartQA; tests/data/test_llava_qa.py converts all seven)',
     'python -m diffzoo.eval.vqa --predictions val_answers.json --annotations v2_mscoco_val2014_annotations.json':
         f'{DATA}: VQAv2 annotations',
     'python -m diffzoo.eval.needle build --source val2014 --out needle/2x2 --m 1 --n 2 --size 224':

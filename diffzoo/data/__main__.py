@@ -1,7 +1,8 @@
-"""python -m diffzoo.data {download,sizes,check,retry,synthetic} — see `python -m diffzoo.data -h`."""
+"""python -m diffzoo.data {download,sizes,check,retry,synthetic,llava-qa} — see `python -m diffzoo.data -h`."""
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from diffzoo.flags import FlagError, parse_pairs
@@ -103,6 +104,20 @@ def _cmd_synthetic(a, _) -> int:
     return 0
 
 
+def _cmd_llava_qa(a, _) -> int:
+    from .llava_qa import READERS, convert
+    sets = {name: getattr(a, name) for name in READERS if getattr(a, name)}
+    if not sets:
+        raise DataError(f'name at least one set: {", ".join("--" + n for n in READERS)}')
+    report = convert(sets, a.image_root, a.out, a.split, None if a.no_prompt else a.prompt)
+    print(f'{"set":<8} {"kept":>10} {"no image":>10} {"no answer":>10}')
+    for name, kept, missing, empty in report.rows():
+        print(f'{name:<8} {kept:>10,} {missing:>10,} {empty:>10,}')
+    print(f'{a.out}: {sum(report.kept.values()):,} conversations; image paths relative to {a.image_root} '
+          f'(the recipe\'s data.image_folder)')
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.data', description=__doc__)
     sub = p.add_subparsers(dest='command', required=True)
@@ -148,7 +163,26 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--fresh', action='store_true', help='write it again even if a finished one is there')
     g.set_defaults(run=_cmd_synthetic)
+
+    q = sub.add_parser('llava-qa', help="single-round QA sets (eRAM-V's Table 6) in their published layouts -> one "
+                                        'LLaVA-format JSON', description=_llava_qa_doc(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument('out', type=Path, help='the JSON to write')
+    q.add_argument('--image-root', type=Path, required=True,
+                   help="the folder the JSON's image paths are relative to (it holds every set's folder)")
+    for name in ('vqav2', 'okvqa', 'vizwiz', 'gqa', 'ocrvqa', 'docvqa', 'chartqa'):
+        q.add_argument(f'--{name}', type=Path, metavar='DIR', help=f'the {name} folder')
+    q.add_argument('--split', default='train')
+    q.add_argument('--prompt', default='Answer the question using a single word or phrase.',
+                   help="appended to each question (LLaVA-1.5's short-answer prompt)")
+    q.add_argument('--no-prompt', action='store_true', help='the question alone')
+    q.set_defaults(run=_cmd_llava_qa)
     return p
+
+
+def _llava_qa_doc() -> str:
+    from . import llava_qa
+    return llava_qa.__doc__
 
 
 def main(argv: Optional[List[str]] = None) -> int:
