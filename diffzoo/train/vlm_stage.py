@@ -250,7 +250,8 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
         if checkpoint is not None:
             step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
             print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
-    collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'])
+    collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
+                                    image_aspect=data['image_aspect'])
     trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
                            callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'],
                            held=held)

@@ -222,20 +222,48 @@ def encode(turns: Sequence[Tuple[str, str]], tokenizer, prompt_format: str) -> T
     return ids, scored, image_at
 
 
+ASPECTS = ('pad', 'crop')
+
+
+def transform_mean(transform: Callable) -> Tuple[float, ...]:
+    """The mean a torchvision transform normalises by (its Normalize step); CLIP's when it has none."""
+    for step in getattr(transform, 'transforms', ()):
+        if hasattr(step, 'mean') and hasattr(step, 'std'):
+            return tuple(float(m) for m in step.mean)
+    return (0.48145466, 0.4578275, 0.40821073)
+
+
+def pad_to_square(image: Image.Image, colour: Tuple[int, ...]) -> Image.Image:
+    """LLaVA-1.5's `expand2square`: the image centred on a square of `colour` (the normaliser's mean), so the
+    tower's resize and centre crop keep all of it."""
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    square = Image.new(image.mode, (side, side), colour)
+    square.paste(image, ((side - width) // 2, (side - height) // 2))
+    return square
+
+
 class ConversationCollator:
     """Conversations → a `VisionLanguageModel` batch: pixel_values, input_ids, attention_mask, image_at
     (B,), labels (the assistant's tokens; -100 elsewhere), right padding. `skipped_images` as
     `diffzoo.vlm.data`; `cut_short` / `left_out_long` list the ids cut to `max_length` and those left out
-    because the cut left nothing scored."""
+    because the cut left nothing scored. `image_aspect`: 'pad' (LLaVA-1.5's and TinyLLaVA's
+    image_aspect_ratio: padded to a square of the mean colour first) or 'crop' (the transform alone)."""
 
     def __init__(self, tokenizer, image_transform: Callable, prompt_format: str, max_length: int = 2048,
-                 image_size: Tuple[int, int] = (224, 224)):
+                 image_size: Tuple[int, int] = (224, 224), image_aspect: str = 'pad'):
         if prompt_format not in FORMATS:
             raise ValueError(f'prompt format {prompt_format!r}: expected one of {FORMATS}')
+        if image_aspect not in ASPECTS:
+            raise ValueError(f'image_aspect {image_aspect!r}: expected one of {ASPECTS}')
         if tokenizer.pad_token_id is None:
             raise ValueError('tokenizer: needs a pad token (set tokenizer.pad_token, e.g. to its eos or unk token)')
         self.tokenizer, self.transform, self.format = tokenizer, image_transform, prompt_format
         self.max_length, self.image_size = max_length, tuple(image_size)
+        self.pad_colour = (tuple(int(m * 255) for m in transform_mean(image_transform)) if image_aspect == 'pad'
+                           else None)
 
     def __call__(self, samples: Sequence[Conversation]) -> Dict:
         rows, images, kept, skipped, cut, long = [], [], [], [], [], []
@@ -247,6 +275,8 @@ class ConversationCollator:
                 except UNREADABLE:
                     skipped.append(sample.source)
                     continue
+                if self.pad_colour is not None:
+                    image = pad_to_square(image, self.pad_colour)
             ids, scored, image_at = encode(sample.turns, self.tokenizer, self.format)
             if len(ids) > self.max_length:
                 cut.append(sample.id)

@@ -4,7 +4,8 @@
     attention:    {type: vanilla} (the decoder as pretrained, the default) or
                   {type: differential, variant, lambda_init, layers, mlp} (differentialize's settings)
     data:         {type: vqav2, root, split, fraction, seed, val_split, val_fraction, max_length} (the
-                  default type) or {type: conversations, json, image_folder, format, max_length}
+                  default type) or {type: conversations, json, image_folder, format, max_length,
+                  image_aspect}
                   (LLaVA-format conversations, `diffzoo.vlm.conversations`)
     train:        a stage (`diffzoo.train.vlm_stage`): {projector, vision, language_model: frozen | full |
                   lora, differential, gradient_checkpointing}; null: LoRA fine-tuning as `lora` and
@@ -66,6 +67,8 @@ DATA = Typed({
         'format': Key((str,), REQUIRED, 'prompt format: plain (LLaVA pre-training), vicuna_v1 (LLaVA-1.5) or '
                                         "chat_template (the language model's own)", CONVERSATION_FORMATS),
         'max_length': Key((int,), 2048, 'longest conversation in text tokens (longer ones are cut, counted)'),
+        'image_aspect': Key((str,), 'pad', "pad (LLaVA-1.5's and TinyLLaVA's: to a square of the normaliser's mean "
+                                          "colour first) or crop (the tower's transform alone)", ('pad', 'crop')),
     }),
 }, doc='the training data, chosen by type (vqav2 when not given)')
 

@@ -172,3 +172,27 @@ def test_an_unreadable_image_and_a_sample_cut_to_nothing_are_left_out_and_named(
     short = ConversationCollator(tok, lambda im: torch.zeros(3, 8, 8), 'vicuna_v1', max_length=20)(kept[:1])
     assert short['cut_short'] == ['good'] and short['left_out_long'] == ['good']
     assert bool((short['labels'] == -100).all())  # the placeholder row scores nothing
+
+
+def test_images_are_padded_to_a_square_of_the_mean_colour_as_llava_does(tmp_path):
+    """LLaVA-1.5's expand2square (image_aspect_ratio 'pad'): a wide image centred on a square of the
+    normaliser's mean, so the tower's centre crop keeps all of it; 'crop' leaves the transform alone."""
+    from torchvision import transforms
+    from diffzoo.vlm.conversations import pad_to_square, transform_mean
+    wide = Image.new('RGB', (4, 2), (255, 0, 0))
+    square = pad_to_square(wide, (10, 20, 30))
+    assert square.size == (4, 4)
+    assert [square.getpixel((0, y)) for y in range(4)] == [(10, 20, 30), (255, 0, 0), (255, 0, 0), (10, 20, 30)]
+    transform = transforms.Compose([transforms.Resize(4, transforms.InterpolationMode.NEAREST), transforms.CenterCrop(4),
+                                    transforms.ToTensor(),
+                                    transforms.Normalize((0.5, 0.25, 0.0), (1, 1, 1))])
+    assert transform_mean(transform) == (0.5, 0.25, 0.0)
+    _image(tmp_path / 'images/img/0.jpg')
+    Image.new('RGB', (8, 4), 'blue').save(tmp_path / 'images/img/0.jpg')
+    (tmp_path / 'data.json').write_text(json.dumps([_record('wide')]))
+    kept, _ = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+    padded = ConversationCollator(_tokenizer(), transform, 'vicuna_v1')(kept)['pixel_values'][0]
+    cropped = ConversationCollator(_tokenizer(), transform, 'vicuna_v1', image_aspect='crop')(kept)['pixel_values'][0]
+    mean = torch.tensor([127, 63, 0]) / 255 - torch.tensor([0.5, 0.25, 0.0])  # the pad colour, normalised
+    torch.testing.assert_close(padded[:, 0, 0], mean, atol=0.02, rtol=0)  # the top row is padding
+    assert cropped[2, 0, 0] > 0.5  # all blue: the crop kept only the middle of the image
