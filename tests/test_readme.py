@@ -57,6 +57,9 @@ SKIPPED = {
                                 f'665K); tests/vlm/test_stages.py runs a chain',
     'python -m diffzoo.data llava-qa /data/eramv_qa.json --image-root /data --vqav2 /data/vqav2 --gqa /data/gqa '
     '--chartqa /data/chartqa': f'{DATA}s (VQAv2, GQA, ChartQA; tests/data/test_llava_qa.py converts all seven)',
+    'python -m diffzoo.eval.lmm --model diffclip-b16-qwen2.5-0.5b-finetune --stage '
+    'runs/vlm/diffclip-b16-qwen2.5-0.5b-finetune --task pope --task mme --data /data/bench --out bench/diffclip':
+        f'a trained stage and {DATA}s (POPE, MME); tests/eval/test_lmm.py runs every task on a model',
     'python -m diffzoo.eval.vqa --predictions val_answers.json --annotations v2_mscoco_val2014_annotations.json':
         f'{DATA}: VQAv2 annotations',
     'python -m diffzoo.eval.needle build --source val2014 --out needle/2x2 --m 1 --n 2 --size 224':

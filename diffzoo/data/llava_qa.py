@@ -37,7 +37,8 @@ class QA:
     id: str
     image: Path
     question: str
-    answer: str
+    answer: str  # the one trained on
+    answers: Tuple[str, ...] = ()  # every human answer, where the set has several (VQA accuracy)
 
 
 def _json(path: Path):
@@ -63,9 +64,10 @@ def _coco(root: Path, split: str, questions: str, annotations: str, consensus: b
         q = qs.get(a['question_id'])
         if q is None:
             continue
-        answer = a['multiple_choice_answer'] if consensus else _most_frequent([x['answer'] for x in a['answers']])
+        humans = tuple(x['answer'] for x in a['answers'])
+        answer = a['multiple_choice_answer'] if consensus else _most_frequent(list(humans))
         image = root / f'{split}2014' / f'COCO_{split}2014_{a["image_id"]:012d}.jpg'
-        yield QA(str(a['question_id']), image, q['question'], answer)
+        yield QA(str(a['question_id']), image, q['question'], answer, humans)
 
 
 def vqav2(root: Path, split: str) -> Iterator[QA]:

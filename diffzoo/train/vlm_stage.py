@@ -36,59 +36,12 @@ from diffzoo.vlm.differential import differential_parameters
 from diffzoo.vlm.factory import load_vlm
 from diffzoo.vlm.lora import projection_modules, trainable_parameters
 from diffzoo.vlm.model import VisionLanguageModel
+from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, parameters_by_name, load_stage, model_spec, stage_output
 
 from .vlm_trainer import (RUN_RECIPE, SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, plot_loss, resume_point,
                           training_arguments)
 
-STAGE_WEIGHTS = 'stage_model.safetensors'
-STAGE_CONFIG = 'stage.json'
-STAGE_DIR = 'stage'
 DATA_PROBLEMS = 'data_problems.json'
-
-
-def model_spec(recipe: Dict) -> Dict:
-    """What a stage's output must match to be loaded: the model and its differential settings."""
-    return {'model': recipe['model'], 'differential': recipe['differential']}
-
-
-def stage_output(init_from: str, output: str) -> Path:
-    """The `stage/` folder `init_from` names: a run directory, or a recipe name under `output`."""
-    for run_dir in (Path(init_from), Path(output) / init_from):
-        if (run_dir / STAGE_DIR / STAGE_CONFIG).is_file():
-            return run_dir / STAGE_DIR
-    raise RecipeError(f'init_from={init_from!r}: no finished stage at {init_from} or {Path(output) / init_from} (a '
-                      f'stage writes {STAGE_DIR}/{STAGE_CONFIG} when it ends); run that stage first, or name its '
-                      f'run directory')
-
-
-def _parameters(model: nn.Module) -> Dict[str, nn.Parameter]:
-    return dict(model.named_parameters())
-
-
-def load_stage(model: nn.Module, directory: Path, spec: Dict) -> Set[int]:
-    """Copy a finished stage's tensors into `model` after checking that it was trained on the same model;
-    returns the ids of the parameters it filled (held from then on)."""
-    saved = json.loads((directory / STAGE_CONFIG).read_text())['spec']
-    there, here = saved['model'], spec['model']
-    differs = [f'model.{k}: {there.get(k)!r} there, {here.get(k)!r} here' for k in sorted(set(there) | set(here))
-               if there.get(k) != here.get(k)]
-    if saved['differential'] != spec['differential']:
-        differs.append(f'attention: {saved["differential"]!r} there, {spec["differential"]!r} here')
-    if differs:
-        raise RecipeError(f'{directory}: that stage trained another model ({"; ".join(differs)}); start from a stage '
-                          f'of the same model, or give this recipe its model')
-    tensors = load_file(str(directory / STAGE_WEIGHTS))
-    params, held = _parameters(model), set()
-    with torch.no_grad():
-        for name, value in tensors.items():
-            if name not in params:
-                raise RecipeError(f'{directory}: {name} has no parameter in the model the recipe builds')
-            if params[name].shape != value.shape:
-                raise RecipeError(f'{directory}: {name} is {tuple(value.shape)}, the model\'s '
-                                  f'{tuple(params[name].shape)}')
-            params[name].copy_(value)
-            held.add(id(params[name]))
-    return held
 
 
 def prepare(vlm, recipe: Dict) -> None:
@@ -158,7 +111,7 @@ class StageTrainer(VLMTrainer):
         names = [n for n, p in self.model.named_parameters() if p.requires_grad or n in self.held]
         if state_dict is not None:  # FSDP: accelerate's full state dict, gathered on every rank
             return {n: state_dict[n].detach().cpu().contiguous() for n in names}
-        params = _parameters(self.model)
+        params = parameters_by_name(self.model)
         return {n: _full(params[n]) for n in names}
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
@@ -169,7 +122,7 @@ class StageTrainer(VLMTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         tensors = load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS))
-        params = _parameters(self.model)
+        params = parameters_by_name(self.model)
         missing = sorted(set(tensors) - set(params))
         if missing:
             raise RecipeError(f'{resume_from_checkpoint}: {missing[0]} has no parameter in the model; resume with the '
@@ -184,7 +137,7 @@ def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str,
     trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
     (FSDP gathers the shards); rank 0 writes."""
     model = trainer.model
-    params = _parameters(model)
+    params = parameters_by_name(model)
     keep = {id(p) for n, p in params.items() if p.requires_grad or n in trainer.held}
     lm = vlm.model.language_model
     if hasattr(lm, 'merge_and_unload'):  # peft: the adapted weights become held

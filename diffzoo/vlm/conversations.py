@@ -222,6 +222,16 @@ def encode(turns: Sequence[Tuple[str, str]], tokenizer, prompt_format: str) -> T
     return ids, scored, image_at
 
 
+def prompt(question: str, tokenizer, prompt_format: str, image: bool = True) -> Tuple[List[int], int]:
+    """(token ids, image_at) of one question as the format asks it, up to where the answer starts (vicuna_v1:
+    after 'ASSISTANT:'; a chat template: after its generation prompt): what a model trained on that format
+    is given to answer."""
+    turns = ((HUMAN, f'{IMAGE}\n{question}' if image else question), (GPT, ''))
+    ids, scored, image_at = encode(turns, tokenizer, prompt_format)
+    end = scored.index(True) if True in scored else len(ids)
+    return ids[:end], image_at if image_at <= end else -1
+
+
 ASPECTS = ('pad', 'crop')
 
 

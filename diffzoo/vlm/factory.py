@@ -29,11 +29,14 @@ import transformers
 
 from diffzoo.recipes import expand_env
 
+from .conversations import pad_to_square, transform_mean
+from .conversations import prompt as conversation_prompt
 from .data import PaliGemmaCollator, VLMCollator
 from .differential import differentialize
 from .lora import add_lora, load_adapter
 from .model import VisionLanguageModel, build_vlm
 from .recipe import MODEL, check_model, load_vlm_recipe
+from .stages import STAGE_CONFIG, STAGE_DIR, load_stage
 
 
 class VLM:
@@ -91,13 +94,18 @@ class VLM:
 
 
 class BuiltVLM(VLM):
-    """`build_vlm`'s `VisionLanguageModel`: [image tokens | prompt | answer], the tower's transform."""
+    """`build_vlm`'s `VisionLanguageModel`: [image tokens | prompt | answer], the tower's transform. With a
+    `prompt_format` (a conversation format, `diffzoo.vlm.conversations`: what a LLaVA-style stage trained
+    on) prompts are asked in that format, the image at its `<image>` place, padded to a square when
+    `image_aspect` is 'pad'."""
 
     type = 'build_vlm'
 
     def __init__(self, model: VisionLanguageModel, tokenizer, transform):
         super().__init__(model, tokenizer)
         self.transform = transform
+        self.prompt_format: Optional[str] = None
+        self.image_aspect = 'crop'
 
     def decoder_model(self) -> nn.Module:
         return self.model.language_model
@@ -107,6 +115,8 @@ class BuiltVLM(VLM):
 
     def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
         tok = self.tokenizer
+        if self.prompt_format is not None:
+            return self._conversation_prompts(images, prompts)
         rows = [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts]
         T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
@@ -117,10 +127,28 @@ class BuiltVLM(VLM):
         device = self.device
         return {'pixel_values': pixels.to(device), 'input_ids': ids.to(device), 'attention_mask': mask.to(device)}
 
+    def _conversation_prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
+        tok = self.tokenizer
+        rows = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        T = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), T), pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, (r, _) in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        if self.image_aspect == 'pad':
+            colour = tuple(int(m * 255) for m in transform_mean(self.transform))
+            images = [pad_to_square(im.convert('RGB'), colour) for im in images]
+        pixels = torch.stack([self.transform(im) for im in images])
+        device = self.device
+        return {'pixel_values': pixels.to(device), 'input_ids': ids.to(device), 'attention_mask': mask.to(device),
+                'image_at': torch.tensor([at for _, at in rows], device=device)}
+
     @torch.no_grad()
     def generate(self, batch: Mapping[str, torch.Tensor], max_new_tokens: int = 20) -> List[str]:
         out = self.model.generate(batch['pixel_values'], batch['input_ids'], batch.get('attention_mask'),
-                                    max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id)
+                                  max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
+                                  image_at=batch.get('image_at'))
         return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
 
 
@@ -191,11 +219,21 @@ def load_vlm(spec: Mapping, adapter: Union[str, Path, None] = None, differential
 
 
 def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None] = None,
-                    device: Union[str, torch.device] = 'cpu') -> VLM:
+                    device: Union[str, torch.device] = 'cpu', stage: Union[str, Path, None] = None) -> VLM:
     """The model a VLM recipe (name, path, or loaded mapping) trains, with `adapter` when given (as
-    saved) or made differential as the recipe says, in eval mode: what MMNeedle and the analysis run."""
-    spec = expand_env(check_model(load_vlm_recipe(recipe) if isinstance(recipe, str) else recipe))
-    vlm = load_vlm(spec['model'], adapter=adapter, differential=spec['differential'], device=device)
+    saved) or made differential as the recipe says, in eval mode: what MMNeedle, the benchmarks and the
+    analysis run. `stage`: a LLaVA-style stage's run directory (or its `stage/`), whose tensors are loaded
+    (`diffzoo.vlm.stages`); a recipe that trains on conversations asks its prompts in their format."""
+    raw = load_vlm_recipe(recipe) if isinstance(recipe, str) else dict(recipe)
+    spec = expand_env(check_model(raw))
+    vlm = load_vlm(spec['model'], adapter=adapter, differential=spec['differential'])
+    if stage is not None:
+        stage = Path(stage)
+        load_stage(vlm.model, stage if (stage / STAGE_CONFIG).is_file() else stage / STAGE_DIR, spec)
+    data = raw.get('data') or {}
+    if data.get('type') == 'conversations' and isinstance(vlm, BuiltVLM):
+        vlm.prompt_format, vlm.image_aspect = data['format'], data.get('image_aspect', 'pad')
+    vlm = vlm.to(device)
     vlm.model.eval()
     return vlm
 

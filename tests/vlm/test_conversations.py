@@ -196,3 +196,18 @@ def test_images_are_padded_to_a_square_of_the_mean_colour_as_llava_does(tmp_path
     mean = torch.tensor([127, 63, 0]) / 255 - torch.tensor([0.5, 0.25, 0.0])  # the pad colour, normalised
     torch.testing.assert_close(padded[:, 0, 0], mean, atol=0.02, rtol=0)  # the top row is padding
     assert cropped[2, 0, 0] > 0.5  # all blue: the crop kept only the middle of the image
+
+
+def test_a_question_is_asked_in_the_format_up_to_where_the_answer_starts():
+    from diffzoo.vlm.conversations import prompt
+    tok = _tokenizer()
+    ids, image_at = prompt('what color is it?', tok, 'vicuna_v1')
+    assert tok.convert_ids_to_tokens(ids) == ['<s>'] + SYSTEM_WORDS + ['USER:', 'what', 'color', 'is', 'it?',
+                                                                      'ASSISTANT:']
+    assert image_at == 1 + len(SYSTEM_WORDS) + 1
+    chat = _tokenizer(specials=('<|im_start|>', '<|im_end|>', '<pad>', '<unk>'), chat_template=CHATML)
+    ids, image_at = prompt('what color is it?', chat, 'chat_template')
+    assert chat.convert_ids_to_tokens(ids) == ['<|im_start|>', 'system', 'You', 'are', 'a', 'helpful', 'assistant.',
+                                               '<|im_end|>', '<|im_start|>', 'user', 'what', 'color', 'is', 'it?',
+                                               '<|im_end|>', '<|im_start|>', 'assistant']
+    assert image_at == 10

@@ -160,3 +160,37 @@ def test_one_command_runs_a_chain_and_stops_at_the_first_failing_stage(chain):
     assert json.loads((root / 'chained' / 'stage2' / 'stage' / 'stage.json').read_text())['steps'] == 2
     stopped = call(main, ['chain', root / 'stage2.yaml', root / 'stage3.yaml', '--output', root / 'empty'], root)
     assert stopped.returncode == 2 and "init_from='stage1'" in stopped.stderr and '=== stage 2' not in stopped.stdout
+
+
+def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_place(chain):
+    """vlm_from_recipe(recipe, stage=run dir): the stage's tensors in the model, prompts in the recipe's
+    format (chat template: up to the assistant's generation prompt), the image padded to a square and
+    spliced where <image> was; for the full-token model the first answer token is the argmax written out by
+    hand."""
+    from PIL import Image
+    from diffzoo.vlm.conversations import pad_to_square, prompt, transform_mean
+    from diffzoo.vlm.factory import vlm_from_recipe
+    root, _ = chain
+    recipe = yaml.safe_load((root / 'stage3.yaml').read_text())
+    vlm = vlm_from_recipe(recipe, stage=root / 'runs' / 'stage3')
+    held = load_file(str(root / 'runs' / 'stage3' / 'stage' / 'stage_model.safetensors'))
+    params = dict(vlm.model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in held.items())
+    assert vlm.prompt_format == 'chat_template' and vlm.image_aspect == 'pad'
+    image = Image.open(root / 'images' / 'scenes' / '00000.jpg').crop((0, 0, 64, 40))  # not square
+    batch = vlm.prompts([image], ['what color is the shape?'])
+    answer = vlm.generate(batch, max_new_tokens=3)
+    assert isinstance(answer[0], str)
+    ids, at = prompt('what color is the shape?', vlm.tokenizer, 'chat_template')
+    assert batch['input_ids'][0].tolist() == ids and batch['image_at'].tolist() == [at]
+    if vlm.model.integration != 'full':
+        return  # eRAM-V's anchors and injected features: the prompt and splice above are what this test checks
+    colour = tuple(int(m * 255) for m in transform_mean(vlm.transform))
+    pixels = vlm.transform(pad_to_square(image.convert('RGB'), colour))[None]
+    with torch.no_grad():
+        text = vlm.model.language_model.get_input_embeddings()(torch.tensor(ids))
+        seq = torch.cat([text[:at], vlm.model.image_embeddings(pixels)[0], text[at:]])
+        first = vlm.model.language_model(inputs_embeds=seq[None]).logits[0, -1].argmax()
+        out = vlm.model.generate(batch['pixel_values'], batch['input_ids'], batch['attention_mask'], max_new_tokens=1,
+                                 image_at=batch['image_at'])
+    assert out[0, 0] == first

@@ -1,0 +1,1 @@
+"""The VLM benchmarks of the papers (POPE, MME, ScienceQA-IMG, TextVQA, GQA, OK-VQA): official scoring (`metrics`)."""

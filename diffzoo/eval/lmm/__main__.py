@@ -1,0 +1,5 @@
+import sys
+
+from diffzoo.eval.lmm.cli import main
+
+sys.exit(main())
