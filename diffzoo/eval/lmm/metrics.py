@@ -3,8 +3,9 @@
     POPE          POPE's evaluate.py (as LLaVA-1.5's eval_pope.py): the answer's first sentence, commas
                   dropped, split on spaces; "no", "not" or "No" among the words → no, else yes. Per split:
                   accuracy, precision, recall, F1 (yes the positive class) and the share of yes predictions.
-    MME           MME's calculation.py: lower-cased, periods dropped; "yes"/"no" as is, else the first four
-                  characters holding "yes" (→ yes) or "no" (→ no), else other. Per subtask: accuracy over
+    MME           MME's calculation.py: "yes"/"no" as is, else the first four characters holding "yes" (→ yes)
+                  or "no" (→ no), else other; read after lower-casing, stripping and dropping periods, as
+                  lmms-eval does (its lone "y"/"n" rule is not MME's). Per subtask: accuracy over
                   questions and accuracy+ over images (both of an image's two questions right), each in
                   percent; its score is their sum; perception sums the 10 perception subtasks, cognition the 4.
     ScienceQA     LLaVA's eval_science_qa.py: the reply is an option letter, or starts with "X. ", or holds one
