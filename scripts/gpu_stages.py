@@ -47,7 +47,8 @@ def main(out: Path) -> None:
         launcher = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '1'] if extra else [sys.executable]
         start = time.time()
         done = subprocess.run([*launcher, '-m', 'diffzoo.train.vlm', '--recipe', str(root / f'{name}.yaml')], cwd=root,
-                              capture_output=True, text=True, timeout=150, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+                              capture_output=True, text=True, timeout=150,
+                              env={**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, (str(ROOT), os.environ.get('PYTHONPATH'))))})
         log = root / 'runs' / name / 'log.jsonl'
         report[name] = {
             'rc': done.returncode, 'seconds': round(time.time() - start, 1),

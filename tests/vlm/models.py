@@ -10,6 +10,8 @@ from PIL import Image, ImageDraw
 
 from diffzoo.data.synthetic import SceneObject, draw_object
 from diffzoo.vlm.data import PROMPT
+from diffzoo.vlm.conversations import VICUNA_V1_SYSTEM
+from diffzoo.vlm.tiny import CHATML, write_tiny_qwen2  # noqa: F401 (CHATML: the conversation tests')
 
 COLOURS = ('red', 'green', 'blue', 'yellow')  # drawn in diffzoo.data.synthetic's palette
 SHAPES = ('square', 'circle')
@@ -126,33 +128,14 @@ def write_vqav2_split(root: Path, split: str, count: int, seed: int) -> None:
     (root / f'v2_mscoco_{split}2014_annotations.json').write_text(json.dumps({'annotations': annotations}))
 
 
-CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-          "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen2.5's ChatML
-
-
 def write_chat_language_model(directory: Path, layers: int = 2, seed: int = 0) -> None:
-    """A tiny random Qwen2-style LM with a word-level tokenizer over the LLaVA-style sets' words and a
-    ChatML chat template (Qwen2.5's layout: no BOS, <|im_end|> ends a turn and is the EOS), saved."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = {'a', 'the', 'what', 'color', 'is', 'shape', 'shape?', 'it?', 'describe', 'image.', 'and', 'say',
-             'hello', 'hi', 'there', 'system', 'user', 'assistant', 'You', 'are', 'helpful', 'assistant.',
-             'USER:', 'ASSISTANT:', *COLOURS, *SHAPES}
-    specials = ['<|endoftext|>', '<|im_start|>', '<|im_end|>', '<unk>']
-    vocab = {t: i for i, t in enumerate(specials + sorted(words))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token='<|im_end|>',
-                                                     pad_token='<|endoftext|>', unk_token='<unk>',
-                                                     additional_special_tokens=['<|im_start|>', '<|im_end|>'])
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(directory)
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, eos_token_id=vocab['<|im_end|>'],
-                                      pad_token_id=vocab['<|endoftext|>'], tie_word_embeddings=True)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    """A tiny random Qwen2-style LM (`diffzoo.vlm.tiny`) whose tokenizer was trained on the LLaVA-style sets'
+    words (`write_llava_sets`) and the prompts asked of them."""
+    texts = [f'a {c} {s}' for c in COLOURS for s in SHAPES] + [
+        'what color is the shape? what shape is it? say hello hi there Yes No',
+        f'{VICUNA_V1_SYSTEM} USER: ASSISTANT:',
+        'Answer the question using a single word or phrase. Is there a in the image?']
+    write_tiny_qwen2(directory, texts * 4, layers=layers, seed=seed)
 
 
 def write_llava_sets(root: Path, count: int = 48, seed: int = 0) -> Dict[str, Path]:
