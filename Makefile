@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.diffzoo-installed
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-quick install clean
+.PHONY: demo demo-vlm test test-quick install clean
 
 install: $(STAMP)
 
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m diffzoo.demo
+
+demo-vlm: $(STAMP)
+	$(PY) -m diffzoo.demo_vlm
 
 test: $(STAMP)
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder

@@ -103,3 +103,28 @@ def test_unknown_model_is_refused_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert 'diffclip-tiny-typo' in proc.stderr and 'recipe' in proc.stderr
     assert not (tmp_path / 'out').exists()
+
+
+def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(first_run):
+    """`python -m diffzoo.demo_vlm` over the demo's towers (reused, not retrained): the same two stages on each,
+    recipes identical but for the tower, POPE's three splits on val scenes, a table with both towers."""
+    from diffzoo.demo_vlm import main as demo_vlm
+    out, _ = first_run
+    done = call(demo_vlm, ['--out', out, *SMALL, '--scenes', '48', '--pope-scenes', '12', '--steps', '3'], out.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert 'reusing' in done.stdout and 'epoch 1/1' not in done.stdout  # the towers are the demo's
+    report = json.loads((out / 'vlm' / 'results.json').read_text())
+    assert set(report['pope']) == set(MODELS)
+    for tower in MODELS:
+        assert set(report['pope'][tower]) == {'random', 'popular', 'adversarial'}
+    table = [line.split() for line in done.stdout.splitlines()
+             if line.split()[:1] in (['random'], ['adversarial']) and line.split()[1] in ('accuracy', 'precision',
+                                                                                          'recall', 'f1', 'yes_ratio')]
+    assert len(table) == 10 and all(len(row) == 4 for row in table)  # split, metric, one column per tower
+    import yaml
+    first, second = (yaml.safe_load((out / 'vlm' / 'recipes' / f'{t}-finetune.yaml').read_text()) for t in MODELS)
+    assert first['model'].pop('vision').startswith(MODELS[0]) and second['model'].pop('vision').startswith(MODELS[1])
+    assert {k: v for k, v in first.items() if k != 'init_from'} == {k: v for k, v in second.items() if k != 'init_from'}
+    pope = out / 'vlm' / 'data' / 'pope' / 'coco_pope_popular.json'
+    rows = [json.loads(line) for line in pope.read_text().splitlines()]
+    assert {r['label'] for r in rows} == {'yes', 'no'} and sum(r['label'] == 'yes' for r in rows) * 2 == len(rows)

@@ -214,3 +214,51 @@ def write_corpus(out_dir, config: CorpusConfig = CorpusConfig(), fresh: bool = F
 def class_names() -> Dict[str, List[str]]:
     """Zero-shot classification tasks of the corpus: the subject's shape and colour."""
     return {'shape': list(SHAPES), 'colour': list(COLOURS)}
+
+
+# POPE-style object-presence questions (Li et al., 2023), over the corpus's 18 object classes (colour + shape)
+POPE_SPLITS = ('random', 'popular', 'adversarial')
+
+
+def object_classes() -> List[str]:
+    """The object classes presence questions ask about: 'red circle', … (colour and shape; size aside)."""
+    return [f'{c} {s}' for c in COLOURS for s in SHAPES]
+
+
+def scene_objects(description: Dict) -> List[str]:
+    """The object classes a scene holds, in the order its caption names them."""
+    return list(dict.fromkeys(f'{o["colour"]} {o["shape"]}' for o in description['objects']))
+
+
+def presence_question(name: str) -> str:
+    return f'Is there a {name} in the image?'
+
+
+def class_frequency(descriptions: List[Dict]) -> Dict[str, int]:
+    """How many scenes hold each object class (POPE's 'popular' negatives are the most frequent absent ones)."""
+    counts = {name: 0 for name in object_classes()}
+    for d in descriptions:
+        for name in scene_objects(d):
+            counts[name] += 1
+    return counts
+
+
+def pope_negatives(description: Dict, split: str, rng: random.Random, frequency: Dict[str, int]) -> List[str]:
+    """As many absent object classes as the scene holds, chosen as POPE chooses them: `random` at random,
+    `popular` the most frequent in the corpus (`class_frequency`), `adversarial` the ones most easily
+    confused with the scene's own. POPE's adversarial negatives co-occur most often with the present
+    objects; in this corpus any two classes co-occur equally often by construction, so its analogue here
+    is a class sharing the colour or the shape of a present object (random among those)."""
+    present = scene_objects(description)
+    absent = [c for c in object_classes() if c not in present]
+    k = len(present)
+    if split == 'random':
+        return rng.sample(absent, k)
+    if split == 'popular':
+        return sorted(absent, key=lambda c: (-frequency[c], c))[:k]
+    if split == 'adversarial':
+        near = [c for c in absent if any(c.split()[0] == p.split()[0] or c.split()[1] == p.split()[1]
+                                         for p in present)]
+        return rng.sample(near, min(k, len(near))) + rng.sample([c for c in absent if c not in near],
+                                                                k - min(k, len(near)))
+    raise ValueError(f'POPE split {split!r}: one of {POPE_SPLITS}')

@@ -69,3 +69,23 @@ def test_an_empty_split_or_a_tiny_image_is_refused(tmp_path, capsys):
     assert '--val 0: the corpus needs at least 1' in capsys.readouterr().err
     assert data_main(['synthetic', str(tmp_path), '--image-size', '16']) == 2
     assert not (tmp_path / 'train').exists()
+
+
+def test_pope_negatives_are_absent_classes_chosen_as_each_split_says():
+    import random
+    from diffzoo.data.synthetic import (POPE_SPLITS, class_frequency, make_scene, object_classes, pope_negatives,
+                                        scene_objects)
+    descriptions = [make_scene(0, 'train', i)[1] for i in range(200)]
+    frequency = class_frequency(descriptions)
+    assert sum(frequency.values()) == sum(len(scene_objects(d)) for d in descriptions) and len(frequency) == 18
+    rng = random.Random(0)
+    for d in descriptions[:50]:
+        present = scene_objects(d)
+        negatives = {split: pope_negatives(d, split, rng, frequency) for split in POPE_SPLITS}
+        for split, names in negatives.items():
+            assert len(names) == len(present) == len(set(names)) and not set(names) & set(present), split
+            assert set(names) <= set(object_classes())
+        absent = sorted((c for c in object_classes() if c not in present), key=lambda c: (-frequency[c], c))
+        assert negatives['popular'] == absent[:len(present)]  # the most frequent absent classes
+        assert all(any(n.split()[0] == p.split()[0] or n.split()[1] == p.split()[1] for p in present)
+                   for n in negatives['adversarial'])  # sharing a colour or a shape with a present object
