@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 
 from diffzoo.recipes import RecipeError
@@ -132,6 +133,32 @@ class StageTrainer(VLMTrainer):
                 _copy_into(params[name], value)
 
 
+def gathered(trainer: StageTrainer):
+    """(unreadable images, ids cut to max_length, ids left out after the cut) over every process (a collective
+    under DDP: every rank calls it)."""
+    mine = (trainer.skipped_images, trainer.cut_short, trainer.left_out_long)
+    if trainer.args.world_size == 1:
+        return mine
+    parts = [None] * trainer.args.world_size
+    dist.all_gather_object(parts, mine)
+    return (parts[0][0].merge([p[0] for p in parts[1:]]), set().union(*(p[1] for p in parts)),
+            set().union(*(p[2] for p in parts)))
+
+
+class EpochReport(TrainerCallback):
+    """At the end of each epoch, what the data lost so far, over every process: conversations cut to the
+    maximum length (each counted once), those left out after the cut, unreadable images."""
+
+    def __init__(self, max_length: int):
+        self.max_length, self.trainer = max_length, None
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        skipped, cut, long = gathered(self.trainer)
+        if state.is_world_process_zero:
+            print(f'epoch {round(state.epoch)}: {len(cut)} conversation(s) cut to {self.max_length} tokens, '
+                  f'{len(long)} left out after the cut; {skipped.summary()}', flush=True)
+
+
 def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str, rank: int) -> Path:
     """The stage's output (module docstring): LoRA merged into the weights it adapted, then every held or
     trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
@@ -205,21 +232,17 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
             print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
     collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
                                     image_aspect=data['image_aspect'])
+    report = EpochReport(data['max_length'])
     trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
-                           callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'],
-                           held=held)
+                           callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step), report],
+                           lambda_lr=recipe['lambda_lr'], held=held)
+    report.trainer = trainer
     if rank == 0 and recipe['fsdp'] is not None:
         print(f'FSDP{recipe["fsdp"]["version"]}: ' + (f'the model sharded over {world} processes' if
               trainer.is_fsdp_enabled else f'not enabled by accelerate ({world} process(es): nothing to shard)'),
               flush=True)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    skipped, cut, long = trainer.skipped_images, trainer.cut_short, trainer.left_out_long
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, (skipped, cut, long))
-        skipped = parts[0][0].merge([p[0] for p in parts[1:]])
-        cut = set().union(*(p[1] for p in parts))
-        long = set().union(*(p[2] for p in parts))
+    skipped, cut, long = gathered(trainer)
     results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
     output = finish(trainer, vlm, recipe, run_dir / STAGE_DIR, name, rank)
     if rank == 0:

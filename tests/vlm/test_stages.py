@@ -194,3 +194,17 @@ def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_
         out = vlm.model.generate(batch['pixel_values'], batch['input_ids'], batch['attention_mask'], max_new_tokens=1,
                                  image_at=batch['image_at'])
     assert out[0, 0] == first
+
+
+def test_each_epoch_ends_with_what_the_data_lost_each_conversation_counted_once(chain):
+    root, runs = chain
+    assert 'epoch 1: 0 conversation(s) cut to 64 tokens, 0 left out after the cut' in runs['stage1'].stdout
+    assert 'epoch 2: ' in runs['stage1'].stdout  # 8 steps of 8 over 32 captions: two epochs
+    cut = call(main, ['--recipe', root / 'stage1.yaml', '--data.max_length', '3', '--output', root / 'cut',
+                      '--max_steps', '8'], root)
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    # every caption is longer than 3 tokens: all 32 cut in epoch 1, still 32 (not 64) after epoch 2
+    assert 'epoch 1: 32 conversation(s) cut to 3 tokens' in cut.stdout
+    assert 'epoch 2: 32 conversation(s) cut to 3 tokens' in cut.stdout
+    problems = json.loads((root / 'cut' / 'stage1' / 'data_problems.json').read_text())
+    assert problems['cut_to_max_length'] == 32 and problems['left_out_after_cut'] == 0
