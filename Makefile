@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev,train,eval,vlm]' $(TORCH)
+	$(PY) -m pip install --quiet -e '.[dev,train,eval,vlm,lmms]' $(TORCH)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,63 @@
+"""diffzoo's VLMs as an lmms-eval model: `lmms-eval --model diffzoo --model_args recipe=R[,stage=RUN][,adapter=DIR]
+[,device=cuda][,batch_size=8] --tasks pope,mme,…` (with the `lmms` extra: pip install 'diffzoo[lmms]').
+
+lmms-eval finds it through the entry point group `lmms_eval.models` (pyproject.toml), as a simple model: each
+request brings its prompt (lmms-eval's, from the task's YAML), its generation settings and the document's
+images; `generate_until` answers greedily in batches through the model's own prompt format
+(`diffzoo.vlm.factory.vlm_from_recipe`), cut at the task's `until` strings. Log-likelihood requests (multiple
+choice by likelihood) and multi-round generation are refused by name.
+"""
+from typing import List
+
+from lmms_eval.api.instance import Instance
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+from tqdm import tqdm
+
+
+def _cut(text: str, until) -> str:
+    """The reply up to the first of the task's stop strings."""
+    for stop in ([until] if isinstance(until, str) else until or []):
+        if stop:
+            text = text.split(stop)[0]
+    return text
+
+
+class DiffzooLMM(lmms):
+    """A VLM recipe's model (`recipe=`, with `stage=` or `adapter=`) answering lmms-eval's requests."""
+
+    is_simple = True
+
+    def __init__(self, recipe: str, stage: str = None, adapter: str = None, device: str = 'cpu', batch_size=8,
+                 **_):
+        super().__init__()
+        from diffzoo.vlm.factory import vlm_from_recipe
+        self.vlm = vlm_from_recipe(recipe, adapter, device, stage=stage)
+        self.batch_size_per_gpu = int(batch_size)
+
+    def generate_until(self, requests: List[Instance]) -> List[str]:
+        replies = []
+        for i in tqdm(range(0, len(requests), self.batch_size_per_gpu), desc='diffzoo', disable=not requests):
+            chunk = requests[i:i + self.batch_size_per_gpu]
+            prompts, images, settings = [], [], []
+            for request in chunk:
+                context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
+                visuals = doc_to_visual(self.task_dict[task][split][doc_id])
+                if len(visuals) != 1:
+                    raise ValueError(f'{task} document {doc_id} brings {len(visuals)} images; diffzoo\'s VLMs read one')
+                prompts.append(context)
+                images.append(visuals[0].convert('RGB'))
+                settings.append(gen_kwargs)
+            max_new = max(int(s.get('max_new_tokens', 16)) for s in settings)
+            answers = self.vlm.answer(images, prompts, max_new)
+            replies += [_cut(a, s.get('until')) for a, s in zip(answers, settings)]
+        return replies
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError('diffzoo answers generation tasks (generate_until); choose a task that generates')
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError('diffzoo answers one round per request (generate_until)')
+
+
+MANIFEST = ModelManifest(model_id='diffzoo', simple_class_path='diffzoo.eval.lmm.lmms_eval_model.DiffzooLMM')
