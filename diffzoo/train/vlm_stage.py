@@ -147,7 +147,8 @@ def gathered(trainer: StageTrainer):
 
 class EpochReport(TrainerCallback):
     """At the end of each epoch, what the data lost so far, over every process: conversations cut to the
-    maximum length (each counted once), those left out after the cut, unreadable images."""
+    maximum length (each counted once), those left out after the cut, unreadable images. A resumed run counts
+    from where it resumed (the counts are not in the checkpoints)."""
 
     def __init__(self, max_length: int):
         self.max_length, self.trainer = max_length, None
@@ -215,8 +216,15 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     torch.manual_seed(recipe['seed'])  # the projector (and eRAM-V's post-MLP) a first stage starts from
     vlm = load_vlm(recipe['model'], differential=recipe['differential'])
     held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
+    if vlm.model.sequence_mask != 'causal':
+        raise RecipeError(f'model.sequence_mask: {vlm.model.sequence_mask}: a conversation stage trains causally, '
+                          f'as LLaVA does (prefix_lm would let the answers see themselves); set model.sequence_mask: '
+                          f'causal')
     prepare(vlm, recipe)
-    held = held_names(vlm.model, held)  # after LoRA wrapped the language model: the names training sees
+    # held: what the earlier stage gave, and λ and the sub-norm, which differentialize draws at random (kept
+    # even when frozen, so the next stage and evaluation see the same); names after LoRA wrapped the LM
+    held |= {id(p) for p in differential_parameters(vlm.model.language_model)}
+    held = held_names(vlm.model, held)
     tok = vlm.tokenizer
     if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
@@ -245,6 +253,8 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     skipped, cut, long = gathered(trainer)
     results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
     output = finish(trainer, vlm, recipe, run_dir / STAGE_DIR, name, rank)
+    if world > 1:  # the next stage of a chain reads what rank 0 wrote
+        dist.barrier()
     if rank == 0:
         report = {**problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(long),
                   'cut_examples': sorted(cut)[:3]}

@@ -242,7 +242,10 @@ def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArgum
     report = [r for r in recipe['report_to'].split(',') if r and r != 'none']
     world = int(os.environ.get('WORLD_SIZE', '1'))  # torchrun's; Trainer's world_size once it has started
     fsdp = recipe.get('fsdp')
-    sharding = {} if fsdp is None else dict(fsdp='full_shard auto_wrap', fsdp_config=dict(fsdp))
+    # a full state dict: Trainer then saves through `_save`, which writes what a stage holds (accelerate's default
+    # for FSDP2, a sharded one, would bypass it)
+    sharding = {} if fsdp is None else dict(fsdp='full_shard auto_wrap',
+                                            fsdp_config=dict(fsdp, state_dict_type='FULL_STATE_DICT'))
     return TrainingArguments(**sharding,
         output_dir=str(run_dir / 'checkpoints'), per_device_train_batch_size=recipe['batch_size'],
         gradient_accumulation_steps=accumulation(recipe, world), learning_rate=recipe['lr'],

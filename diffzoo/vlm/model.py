@@ -190,6 +190,10 @@ def prefix_lm_mask(attention_mask: torch.Tensor, prefix_mask: torch.Tensor, dtyp
 class VisionLanguageModel(nn.Module):
     """vision → projector → causal LM with a prefix-LM mask (module docstring)."""
 
+    # forward's loss is the mean over a micro-batch's scored tokens and takes no num_items_in_batch: Trainer
+    # must divide it by the accumulation steps itself (and not multiply it by the number of processes)
+    accepts_loss_kwargs = False
+
     def __init__(self, vision: VisionTokens, language_model: nn.Module, integration: str = 'full',
                  select_layer=None, projector: Optional[str] = None, sequence_mask: Optional[str] = None,
                  anchors: Optional[int] = None,
@@ -270,13 +274,16 @@ class VisionLanguageModel(nn.Module):
             anchors = torch.cat([self.post_mlp(self.projector(cls[:, None])), anchors], 1)  # (B, 1 + k, D)
         return anchors * self.embed_scale, features, index
 
-    def _injected(self, features, text_at) -> dict:
-        """The language model's extra forward keyword: eRAM-V's injected keys/values ({} without)."""
+    def _injected(self, features, text_at, has_image=None) -> dict:
+        """The language model's extra forward keyword: eRAM-V's injected keys/values ({} without). A row
+        without an image (`has_image` False: a text-only conversation's blank picture) reads none."""
         if features is None:
             return {}
         queries = text_at  # (B, L): the positions that read the features
         if self.injected_queries == 'all':  # Eq. 8: the whole multimodal sequence reads the features
             queries = torch.ones_like(text_at)
+        if has_image is not None:
+            queries = queries & has_image[:, None]
         decoder = find_decoder(self.language_model)
         return {INJECTED: InjectedFeatures.from_features(decoder, self.inject_indices, features, queries)}
 
@@ -326,8 +333,9 @@ class VisionLanguageModel(nn.Module):
         prefix_mask = attention_mask if prefix_mask is None else prefix_mask
         embeds, mask, positions, valid, features, text_at, text_to = self._inputs(
             pixel_values, input_ids, attention_mask, prefix_mask, image_at)
+        has_image = None if image_at is None else image_at >= 0
         out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                  **self._injected(features, text_at), **kwargs)
+                                  **self._injected(features, text_at, has_image), **kwargs)
         if labels is not None:
             if image_at is None:  # [image | text]: the text's first token (BOS) is not predicted from the image
                 labels = torch.cat([labels.new_full((labels.shape[0], 1), -100), labels[:, 1:]], 1)
@@ -345,7 +353,7 @@ class VisionLanguageModel(nn.Module):
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         embeds, mask, positions, valid, features, text_at, _ = self._inputs(pixel_values, input_ids, attention_mask,
                                                                             attention_mask, image_at)
-        injected = self._injected(features, text_at)
+        injected = self._injected(features, text_at, None if image_at is None else image_at >= 0)
         return self._generate(embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache,
                               injected)
 

@@ -52,7 +52,7 @@ def test_scienceqa_reads_the_option_letter_as_llavas_script():
     rows = [{'prediction': p, 'answer': a, 'options': 3}
             for p, a in zip(('B', 'C. the moon', 'The answer is A.', 'I think B', 'D'), 'BCBBA')]
     assert metrics.scienceqa(rows) == pytest.approx({'accuracy': 2 / 5, 'questions': 5, 'failed': 2})
-    # LLaVA's script draws a random option for a failed reply: over many draws, a third of them are right
+    # ScienceQA's own scripts draw a random option for a failed reply: over many draws, a third are right
     guesses = metrics.scienceqa([{'prediction': '?', 'answer': 'A', 'options': 3}] * 3000, failed='random')
     assert guesses['failed'] == 3000 and abs(guesses['accuracy'] - 1 / 3) < 0.03
 

@@ -78,7 +78,12 @@ def test_each_stage_trains_and_its_loss_falls(chain):
 def test_a_stage_holds_what_it_trained_and_started_from_and_frozen_parts_stay_bit_identical(chain):
     root, _ = chain
     held = {name: load_file(str(root / 'runs' / name / 'stage' / 'stage_model.safetensors')) for name in STAGES}
-    parts = {name: {k.split('.')[0] for k in tensors} - {'post_mlp'} for name, tensors in held.items()}
+    # λ and the sub-norm, drawn at random by differentialize, are held from the first stage on, frozen or not
+    lam = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')
+    assert all(k.endswith(lam) for k in held['stage1'] if k.startswith('language_model.'))
+    assert any(k.startswith('language_model.') for k in held['stage1'])
+    parts = {name: {k.split('.')[0] for k in tensors if not (k.startswith('language_model.') and k.endswith(lam))}
+             - {'post_mlp'} for name, tensors in held.items()}
     assert parts == {'stage1': {'projector'}, 'stage2': {'projector', 'vision'},
                      'stage3': {'projector', 'vision', 'language_model'},
                      'stage4': {'projector', 'vision', 'language_model'}}  # eRAM-V's post-MLP with the projector
@@ -208,3 +213,28 @@ def test_each_epoch_ends_with_what_the_data_lost_each_conversation_counted_once(
     assert 'epoch 2: 32 conversation(s) cut to 3 tokens' in cut.stdout
     problems = json.loads((root / 'cut' / 'stage1' / 'data_problems.json').read_text())
     assert problems['cut_to_max_length'] == 32 and problems['left_out_after_cut'] == 0
+
+
+def test_the_logged_loss_is_a_micro_batch_mean_whatever_the_accumulation(chain):
+    """Trainer divides the loss by the accumulation steps itself (the model's loss takes no item count): one
+    step of 8 captions logs the same loss as batch 8 and as 2 × 4 accumulated (at lr 0), not twice it."""
+    root, _ = chain
+    losses = {}
+    for batch in (8, 4):
+        out = root / f'accumulate-{batch}'
+        done = call(main, ['--recipe', root / 'stage1.yaml', '--lr', '0', '--max_steps', '1', '--batch_size', batch,
+                           '--global_batch_size', '8', '--output', out], root)
+        assert done.returncode == 0, done.stderr[-2000:]
+        losses[batch] = json.loads((out / 'stage1' / 'log.jsonl').read_text().splitlines()[0])['loss']
+    assert 0.8 < losses[4] / losses[8] < 1.25, losses
+
+
+def test_a_conversation_stage_refuses_the_prefix_lm_mask(chain):
+    root, _ = chain
+    recipe = yaml.safe_load((root / 'stage1.yaml').read_text())
+    if recipe['model'].get('integration') == 'eramv':
+        return  # eRAM-V attends causally by default; the full-token model's default is PaliGemma's prefix-LM
+    recipe['model'] = dict(recipe['model'], sequence_mask='prefix_lm')
+    (root / 'prefix.yaml').write_text(yaml.safe_dump(recipe))
+    refused = call(main, ['--recipe', root / 'prefix.yaml', '--output', root / 'prefix'], root)
+    assert refused.returncode == 2 and 'trains causally' in refused.stderr

@@ -9,8 +9,9 @@
                   questions and accuracy+ over images (both of an image's two questions right), each in
                   percent; its score is their sum; perception sums the 10 perception subtasks, cognition the 4.
     ScienceQA     LLaVA's eval_science_qa.py: the reply is an option letter, or starts with "X. ", or holds one
-                  "The answer is X."; anything else fails and counts as wrong (lmms-eval) or, as LLaVA's
-                  script does, as a random option (failed='random'). Accuracy over the questions.
+                  "The answer is X."; anything else (a letter beyond the options included) fails and counts as
+                  wrong, as LLaVA's get_pred_idx and lmms-eval count it; failed='random' draws an option instead,
+                  as ScienceQA's own scripts do. Accuracy over the questions.
     GQA           exact match after lower-casing, dropping punctuation and surrounding spaces (lmms-eval's
                   exact_match with ignore_case and ignore_punctuation).
     TextVQA/OKVQA the VQA accuracy with the official answer normalisation (`diffzoo.eval.vqa.vqa_accuracy`).
@@ -127,10 +128,10 @@ def scienceqa_letter(text: str, letters: Sequence[str]) -> str:
 
 def scienceqa(rows: Sequence[Mapping], failed: str = 'wrong', seed: int = 0) -> Dict[str, float]:
     """Rows {prediction, answer (a letter), options (the number of choices)} → accuracy (fraction) and how
-    many replies gave no letter. Such a reply counts as wrong (lmms-eval), or with failed='random' as a
-    random choice among the options (LLaVA's get_pred_idx; seeded here, unseeded there)."""
+    many replies gave no letter. Such a reply counts as wrong (LLaVA, lmms-eval), or with failed='random' as
+    a random choice among the options (ScienceQA's scripts; seeded here)."""
     if failed not in ('wrong', 'random'):
-        raise ValueError(f'failed={failed!r}: wrong (lmms-eval) or random (LLaVA)')
+        raise ValueError(f'failed={failed!r}: wrong (LLaVA, lmms-eval) or random (ScienceQA\'s scripts)')
     rng = random.Random(seed)
     right, failures = [], 0
     for r in rows:

@@ -89,6 +89,8 @@ def read_mme(root: Path) -> List[Sample]:
         for txt in sorted(qa_dir.glob('*.txt')):
             image = next((p for p in sorted(image_dir.glob(txt.stem + '.*')) if p.suffix != '.txt'), None)
             for j, line in enumerate(l for l in txt.read_text().splitlines() if l.strip()):
+                if '\t' not in line:
+                    raise DataError(f'{txt}: line {line!r} is not "question<TAB>Yes|No" as MME\'s files are')
                 question, label = line.rsplit('\t', 1)
                 question = question.strip().replace(MME_SUFFIX, '')
                 samples.append(Sample(f'{task}/{txt.stem}/{j}', image if image else image_dir / f'{txt.stem}.jpg',
