@@ -1,6 +1,6 @@
 """`make demo-vlm`: DiffCLIP's Table 3 in miniature — a small VLM on each of the demo's two towers, POPE side by side.
 
-    python -m diffzoo.demo_vlm [--out demo] [--scenes 2400] [--pope-scenes 300] [--steps 400]
+    python -m diffzoo.demo_vlm [--out demo] [--scenes 2400] [--pope-scenes 300] [--steps 1000]
 
 1. towers  the demo's CLIP and DiffCLIP (`python -m diffzoo.demo`'s runs under OUT; trained first when absent).
 2. data    from the demo's synthetic corpus: LLaVA-format captions (stage 1) and object-presence
@@ -107,7 +107,7 @@ def stage_recipes(tower: str, checkpoint: Path, lm: Path, paths: Dict[str, Path]
                      'train': {'projector': True}, 'lr': 1e-3},
         'finetune': {'data': {'type': 'conversations', 'json': str(paths['conversations']), 'format': 'chat_template',
                               'image_folder': str(paths['images']), 'max_length': 160},
-                     'train': {'projector': True, 'language_model': 'full'}, 'lr': 1e-3,
+                     'train': {'projector': True, 'language_model': 'full'}, 'lr': 3e-3,
                      'init_from': f'{tower}-pretrain'},
     }
     files = []
@@ -126,7 +126,7 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument('--out', default='demo', help="the demo's output directory (default ./demo)")
     parser.add_argument('--scenes', type=int, default=2400, help='train scenes the VLMs learn from')
     parser.add_argument('--pope-scenes', type=int, default=300, help='val scenes POPE asks about')
-    parser.add_argument('--steps', type=int, default=400, help='optimizer steps per stage (batch 16)')
+    parser.add_argument('--steps', type=int, default=1000, help='optimizer steps per stage (batch 16)')
     parser.add_argument('--train', type=int, default=4000, help="the towers' training scenes (as the demo)")
     parser.add_argument('--val', type=int, default=500)
     parser.add_argument('--epochs', type=int, default=4, help="the towers' epochs (as the demo)")
