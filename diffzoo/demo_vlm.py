@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-SHORT = 'Answer the question using a single word or phrase.'
+from diffzoo.data.llava_qa import SHORT_ANSWER as SHORT  # LLaVA-1.5's short-answer prompt, as POPE asks
 
 
 def _conversation(question: str, answer: str, image: bool = True) -> List[Dict]:

@@ -164,8 +164,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument('--fresh', action='store_true', help='write it again even if a finished one is there')
     g.set_defaults(run=_cmd_synthetic)
 
+    from . import llava_qa  # plain Python: the --help of every command still answers without torch
     q = sub.add_parser('llava-qa', help="single-round QA sets (eRAM-V's Table 6) in their published layouts -> one "
-                                        'LLaVA-format JSON', description=_llava_qa_doc(),
+                                        'LLaVA-format JSON', description=llava_qa.__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument('out', type=Path, help='the JSON to write')
     q.add_argument('--image-root', type=Path, required=True,
@@ -173,16 +174,11 @@ def parser() -> argparse.ArgumentParser:
     for name in ('vqav2', 'okvqa', 'vizwiz', 'gqa', 'ocrvqa', 'docvqa', 'chartqa'):
         q.add_argument(f'--{name}', type=Path, metavar='DIR', help=f'the {name} folder')
     q.add_argument('--split', default='train')
-    q.add_argument('--prompt', default='Answer the question using a single word or phrase.',
+    q.add_argument('--prompt', default=llava_qa.SHORT_ANSWER,
                    help="appended to each question (LLaVA-1.5's short-answer prompt)")
     q.add_argument('--no-prompt', action='store_true', help='the question alone')
     q.set_defaults(run=_cmd_llava_qa)
     return p
-
-
-def _llava_qa_doc() -> str:
-    from . import llava_qa
-    return llava_qa.__doc__
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -48,8 +48,8 @@ def _json(path: Path):
     return json.loads(path.read_text())
 
 
-def _first(*paths: Path) -> Path:
-    """The first of `paths` that exists (else the first, which `_json` names)."""
+def first_file(*paths: Path) -> Path:
+    """The first of `paths` that is a file (else the first, for the error that names it)."""
     return next((p for p in paths if p.is_file()), paths[0])
 
 
@@ -81,7 +81,7 @@ def okvqa(root: Path, split: str) -> Iterator[QA]:
 
 
 def vizwiz(root: Path, split: str) -> Iterator[QA]:
-    for i, r in enumerate(_json(_first(root / 'Annotations' / f'{split}.json', root / f'{split}.json'))):
+    for i, r in enumerate(_json(first_file(root / 'Annotations' / f'{split}.json', root / f'{split}.json'))):
         yield QA(r.get('image', str(i)), root / split / r['image'], r['question'],
                  _most_frequent([a['answer'] for a in r.get('answers', [])]))
 
@@ -101,13 +101,13 @@ def ocrvqa(root: Path, split: str) -> Iterator[QA]:
         if r.get('split') != OCRVQA_SPLITS[split]:
             continue
         ext = Path(r.get('imageURL', '')).suffix or '.jpg'
-        image = _first(root / 'images' / f'{book}{ext}', root / 'images' / f'{book}.jpg')
+        image = first_file(root / 'images' / f'{book}{ext}', root / 'images' / f'{book}.jpg')
         for j, (q, a) in enumerate(zip(r['questions'], r['answers'])):
             yield QA(f'{book}-{j}', image, q, a)
 
 
 def docvqa(root: Path, split: str) -> Iterator[QA]:
-    for r in _json(_first(root / f'{split}_v1.0_withQT.json', root / f'{split}_v1.0.json'))['data']:
+    for r in _json(first_file(root / f'{split}_v1.0_withQT.json', root / f'{split}_v1.0.json'))['data']:
         yield QA(str(r['questionId']), root / r['image'], r['question'], (r.get('answers') or [''])[0])
 
 

@@ -115,34 +115,27 @@ class BuiltVLM(VLM):
 
     def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
         tok = self.tokenizer
-        if self.prompt_format is not None:
-            return self._conversation_prompts(images, prompts)
-        rows = [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts]
-        T = max(len(r) for r in rows)
-        ids = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):  # right padding, as the collator pads
-            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-        pixels = torch.stack([self.transform(im) for im in images])
-        device = self.device
-        return {'pixel_values': pixels.to(device), 'input_ids': ids.to(device), 'attention_mask': mask.to(device)}
-
-    def _conversation_prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
-        tok = self.tokenizer
-        rows = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]
+        image_at = None
+        if self.prompt_format is None:  # PaliGemma's layout: [image | BOS prompt]
+            rows = [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts]
+        else:  # the conversation format's question, the image where <image> goes
+            asked = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]
+            rows, image_at = [ids for ids, _ in asked], [at for _, at in asked]
+            if self.image_aspect == 'pad':
+                colour = tuple(int(m * 255) for m in transform_mean(self.transform))
+                images = [pad_to_square(im.convert('RGB'), colour) for im in images]
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        T = max(len(ids) for ids, _ in rows)
+        T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), pad, dtype=torch.long)
         mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, (r, _) in enumerate(rows):
+        for i, r in enumerate(rows):  # right padding, as the collators pad
             ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-        if self.image_aspect == 'pad':
-            colour = tuple(int(m * 255) for m in transform_mean(self.transform))
-            images = [pad_to_square(im.convert('RGB'), colour) for im in images]
         pixels = torch.stack([self.transform(im) for im in images])
         device = self.device
-        return {'pixel_values': pixels.to(device), 'input_ids': ids.to(device), 'attention_mask': mask.to(device),
-                'image_at': torch.tensor([at for _, at in rows], device=device)}
+        batch = {'pixel_values': pixels.to(device), 'input_ids': ids.to(device), 'attention_mask': mask.to(device)}
+        if image_at is not None:
+            batch['image_at'] = torch.tensor(image_at, device=device)
+        return batch
 
     @torch.no_grad()
     def generate(self, batch: Mapping[str, torch.Tensor], max_new_tokens: int = 20) -> List[str]:

@@ -17,9 +17,6 @@ from diffzoo.data.shards import DataError
 
 from .tasks import TASKS, rows_for_scoring
 
-UNREADABLE = (OSError, SyntaxError)
-
-
 def parser() -> argparse.ArgumentParser:
     from . import tasks
     p = argparse.ArgumentParser(prog='python -m diffzoo.eval.lmm', description=__doc__ + '\n' + tasks.__doc__,
@@ -63,6 +60,8 @@ def answer(vlm, samples, batch_size: int, max_new_tokens: int, label: str):
     """Replies to every sample whose image decodes, in order; the samples left out (unreadable images)."""
     from PIL import Image
     from tqdm import tqdm
+
+    from diffzoo.vlm.data import UNREADABLE
     replies, left_out = {}, []
     with tqdm(total=len(samples), desc=label, unit='q', file=sys.stdout, dynamic_ncols=True) as bar:
         for i in range(0, len(samples), batch_size):

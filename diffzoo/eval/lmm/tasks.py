@@ -29,7 +29,7 @@ from diffzoo.data.shards import DataError
 
 from . import metrics
 
-SHORT = 'Answer the question using a single word or phrase.'
+SHORT = llava_qa.SHORT_ANSWER  # LLaVA-1.5's short-answer prompt
 OKVQA_PROMPT = "When the provided information is insufficient, respond with 'Unanswerable'.\n" + SHORT
 LETTER_PROMPT = "Answer with the option's letter from the given choices directly."
 MME_SUFFIX = ' Please answer yes or no.'
@@ -60,14 +60,11 @@ def _required(path: Path) -> Path:
     return path
 
 
-def _first(*paths: Path) -> Path:
-    return next((p for p in paths if p.exists()), paths[0])
-
-
 def read_pope(root: Path) -> List[Sample]:
     samples = []
     for split in POPE_SPLITS:
-        path = _required(_first(root / 'coco' / f'coco_pope_{split}.json', root / f'coco_pope_{split}.json'))
+        name = f'coco_pope_{split}.json'
+        path = _required(llava_qa.first_file(root / 'coco' / name, root / name))
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
@@ -108,7 +105,7 @@ def read_scienceqa(root: Path) -> List[Sample]:
             continue  # ScienceQA-IMG: the questions with an image
         options = '\n'.join(f'{chr(65 + i)}. {c}' for i, c in enumerate(p['choices']))
         context = f'Context: {p["hint"]}\n' if p.get('hint') else ''
-        image = _first(root / 'images' / 'test' / pid / p['image'], root / 'test' / pid / p['image'])
+        image = llava_qa.first_file(root / 'images' / 'test' / pid / p['image'], root / 'test' / pid / p['image'])
         samples.append(Sample(pid, image, f'{context}{p["question"]}\n{options}\n{LETTER_PROMPT}',
                               {'answer': chr(65 + p['answer']), 'options': len(p['choices'])}))
     return samples
