@@ -8,10 +8,13 @@
            absent ones chosen as POPE's random, popular and adversarial splits choose them,
            `diffzoo.data.synthetic.pope_negatives`); POPE's files (coco_pope_<split>.json, val2014/) from the
            val scenes, none of them trained on.
-3. stages  the same tiny random Qwen2-style language model (a word-level tokenizer over the data's words, a
-           ChatML chat template) on each tower, as DiffCLIP §5.1 trains its VLMs: stage 1 the projector alone
-           on captions, stage 2 projector and language model on the conversations (`python -m
-           diffzoo.train.vlm` stages, one recipe per stage and tower, identical but for the tower).
+3. stages  the same tiny random Qwen2-style language model (a byte-level BPE tokenizer trained on the data's
+           texts, a ChatML chat template) on each tower, in DiffCLIP §5.1's two stages with the vision tower
+           frozen: stage 1 on captions, stage 2 projector and language model on the conversations (`python -m
+           diffzoo.train.vlm` stages, one recipe per stage and tower, identical but for the tower). §5.1's
+           stage 1 trains the projector alone because its Qwen2.5 is pretrained; this language model starts
+           random, and a projector trained into a random, frozen one learns nothing (its caption loss stays
+           at ln(vocabulary)), so here stage 1 trains the language model with the projector.
 4. POPE    both VLMs on the same questions (`python -m diffzoo.eval.lmm --task pope`): accuracy, precision,
            recall, F1 and yes-ratio per split, side by side, with the stages' loss curves.
 
@@ -104,7 +107,7 @@ def stage_recipes(tower: str, checkpoint: Path, lm: Path, paths: Dict[str, Path]
     stages = {
         'pretrain': {'data': {'type': 'conversations', 'json': str(paths['captions']), 'format': 'plain',
                               'image_folder': str(paths['images']), 'max_length': 64},
-                     'train': {'projector': True}, 'lr': 1e-3},
+                     'train': {'projector': True, 'language_model': 'full'}, 'lr': 3e-3},
         'finetune': {'data': {'type': 'conversations', 'json': str(paths['conversations']), 'format': 'chat_template',
                               'image_folder': str(paths['images']), 'max_length': 160},
                      'train': {'projector': True, 'language_model': 'full'}, 'lr': 3e-3,
@@ -156,7 +159,7 @@ def main(argv: List[str] = None) -> int:
     lm = write_language_model(vlm / 'lm', texts + [SHORT, 'Is there a in the image?'])
     results = {}
     for tower, checkpoint in towers.items():
-        print(f'[3/4] stages on {tower}: projector on captions, then projector and LM on conversations', flush=True)
+        print(f'[3/4] stages on {tower}: projector and LM on captions, then on conversations', flush=True)
         recipes = stage_recipes(tower, checkpoint, lm, paths, vlm, args.steps)
         code = train_vlm(['chain', *map(str, recipes)])
         if code:
