@@ -15,7 +15,8 @@ transformers' Auto classes the `diffzoo_differential` model type of saved differ
   module is itself importing one of them (its own import not finished), registration waits for the
   outermost diffzoo module importing to finish, since it imports diffzoo modules itself.
 
-The public names below (`DifferentialAttention`, `capture_attention_maps`, `diff_attn_layer`, the
+The public names below (`DifferentialAttention`, `capture_attention_maps`, `diff_attn_layer`,
+`differentialize` (any timm / open_clip model made differential, `diffzoo.differential`), the
 `layers` and `models` packages) are imported on first use (PEP 562).
 """
 import importlib.abc
@@ -25,10 +26,12 @@ import threading
 from diffzoo._lazy import lazy_exports
 
 __version__ = '0.1.0'
-__all__ = ['DifferentialAttention', 'capture_attention_maps', 'diff_attn_layer', 'layers', 'models', '__version__']
+__all__ = ['DifferentialAttention', 'capture_attention_maps', 'diff_attn_layer', 'differentialize', 'layers', 'models',
+           '__version__']
 
 __getattr__, __dir__ = lazy_exports(__name__, {  # name -> submodule (None: a submodule itself)
     'DifferentialAttention': 'layers', 'capture_attention_maps': 'layers', 'diff_attn_layer': 'layers',
+    'differentialize': 'differential',
     'layers': None, 'models': None})
 
 _LIBRARIES = ('timm', 'open_clip', 'transformers')  # in this order: open_clip's diffclip towers are timm models

@@ -5,12 +5,17 @@ wrappers around module-level functions, each checked before it is wrapped so tha
 open_clip's internals fails here, by name, instead of somewhere deep in a forward pass:
 
 - `open_clip.model._build_text_tower` (and CoCa's own reference to it): a `text_cfg` holding a
-  `diffzoo` key ({"variant": …, "lambda_init": …}) builds `DiffTextTransformer`; anything else
-  goes to open_clip unchanged.
+  `diffzoo` key ({"variant": …, "lambda_init": …}) builds `DiffTextTransformer`; with `"convert": true`
+  it builds open_clip's own tower and converts it (`diffzoo.differentialize`, its settings in the key);
+  anything else goes to open_clip unchanged.
+- `open_clip.model._build_vision_tower` (and CoCa's reference): a `vision_cfg` holding a `diffzoo` key
+  builds open_clip's tower (native or timm) and converts it with `diffzoo.differentialize`.
+- `create_model(name, …, diffzoo={"vision": {…}, "text": {…}})`: those keys put into the named config.
 - `open_clip.factory.load_state_dict`: reads pickles with `weights_only=True` plus the globals
   official DiffCLIP files need, and converts the official DiffCLIP layout to open_clip keys.
-- `open_clip.factory.load_checkpoint`: a checkpoint for another architecture fails with the first
-  missing/unexpected keys instead of torch's full list; the non-persistent buffers that a scripted
+- `open_clip.factory.load_checkpoint`: a converted model's checkpoint (layers saved with their conversion
+  settings) converts those blocks of the model first, so it reloads under the plain model name;
+  a checkpoint for another architecture fails with the first missing/unexpected keys instead of torch's full list; the non-persistent buffers that a scripted
   model's checkpoint (open_clip_train's `--torchscript`) also holds are not unexpected.
 - `open_clip.pretrained._PRETRAINED`: DiffCLIP's pretrained tags (`cc3m`, `cc12m`).
 - `open_clip.factory.create_model` (and the `open_clip.create_model` it is exported as): a
@@ -39,6 +44,8 @@ from diffzoo.checkpoint import (
     CheckpointError, first_keys, is_official_diffclip, official_diffclip_to_open_clip, preprocess_record,
     read_state_dict,
 )
+from diffzoo.differential import differentialize, prepare_for
+from diffzoo.layers.pretrained import RECORD
 from .pretrained import PRETRAINED
 from .text_tower import DiffTextTransformer
 
@@ -73,16 +80,41 @@ def wrap_function(module, name: str, params, make_wrapper) -> None:
     setattr(module, name, wrapper)
 
 
+CONVERT_KEYS = ('variant', 'lambda_init', 'blocks', 'head_pairing', 'lambda_proj_init')  # differentialize's
+
+
+def _conversion(where: str, settings) -> dict:
+    """`differentialize` keywords from a config's `diffzoo` entry (`convert` dropped), unknown keys refused."""
+    settings = {k: v for k, v in dict(settings).items() if k != 'convert'}
+    unknown = set(settings) - set(CONVERT_KEYS)
+    if unknown:
+        raise ValueError(f'{where}.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; expected some of {CONVERT_KEYS}')
+    return settings
+
+
+def _vision_tower_builder(original):
+    def _build_vision_tower(embed_dim, vision_cfg, quick_gelu=False, cast_dtype=None):
+        if not isinstance(vision_cfg, dict) or DIFFZOO_KEY not in vision_cfg:
+            return original(embed_dim, vision_cfg, quick_gelu, cast_dtype)
+        vision_cfg = dict(vision_cfg)
+        settings = _conversion('vision_cfg', vision_cfg.pop(DIFFZOO_KEY))
+        return differentialize(original(embed_dim, vision_cfg, quick_gelu, cast_dtype), **settings)
+    return _build_vision_tower
+
+
 def _text_tower_builder(original):
     def _build_text_tower(embed_dim, text_cfg, quick_gelu=False, cast_dtype=None):
         if not isinstance(text_cfg, dict) or DIFFZOO_KEY not in text_cfg:
             return original(embed_dim, text_cfg, quick_gelu, cast_dtype)
         text_cfg = dict(text_cfg)
         diff = dict(text_cfg.pop(DIFFZOO_KEY))
-        unknown = set(diff) - {'variant', 'lambda_init'}
+        if diff.get('convert'):  # open_clip's own tower, converted (its pretrained weights carry over)
+            settings = _conversion('text_cfg', diff)
+            return differentialize(original(embed_dim, text_cfg, quick_gelu, cast_dtype), **settings)
+        unknown = set(diff) - {'variant', 'lambda_init', 'convert'}
         if unknown:
-            raise ValueError(f'text_cfg.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; '
-                             f'expected "variant" and "lambda_init"')
+            raise ValueError(f'text_cfg.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; expected "variant" and '
+                             f'"lambda_init" (DiffCLIP\'s text tower), or "convert": true with {CONVERT_KEYS}')
         cfg = CLIPTextCfg(**text_cfg)
         if cfg.hf_model_name:
             raise ValueError(f'text_cfg.{DIFFZOO_KEY} applies to open_clip\'s own text transformer, '
@@ -116,10 +148,23 @@ def _state_dict_loader(original):
     return load_state_dict
 
 
+def _prepared(model, checkpoint_path, device) -> bool:
+    """Convert the blocks a converted model's checkpoint holds converted (with its saved settings) that `model`
+    does not; True when it converted any."""
+    return prepare_for(model, open_clip.factory.load_state_dict(checkpoint_path, device=device)) > 0
+
+
 def _checkpoint_loader(original):
     def load_checkpoint(model, checkpoint_path, strict=True, weights_only=True, device='cpu'):
+        def load():
+            return original(model, checkpoint_path, strict=False, weights_only=weights_only, device=device)
         try:
-            result = original(model, checkpoint_path, strict=False, weights_only=weights_only, device=device)
+            try:
+                result = load()
+            except (RuntimeError, AssertionError):  # e.g. v2's wider qkv in a plain model
+                if not _prepared(model, checkpoint_path, device):
+                    raise
+                result = load()
         except (RuntimeError, AssertionError) as e:  # shape mismatches are raised even when not strict
             lines = [ln.strip() for ln in str(e).splitlines() if 'size mismatch' in ln or 'changed' in ln]
             if not lines:
@@ -128,6 +173,9 @@ def _checkpoint_loader(original):
                 f'{checkpoint_path} is not a checkpoint for this {type(model).__name__}: '
                 f'{"; ".join(lines[:3])}{" …" if len(lines) > 3 else ""}. Pass the model name it was '
                 f'trained as') from None
+        if result is not None and any(k.endswith('.attn.' + RECORD) for k in result.unexpected_keys) \
+                and _prepared(model, checkpoint_path, device):
+            result = load()  # a converted model's checkpoint into the plain model
         if strict and result is not None:
             unexpected = [k for k in result.unexpected_keys if k not in unsaved_buffers(model)]
             if result.missing_keys or unexpected:
@@ -172,10 +220,30 @@ def _apply_preprocess_record(model, pretrained, forced) -> None:
     set_model_preprocess_cfg(model, {**current, **record, **forced})
 
 
+def with_conversion(model_name: str, conversion, kwargs: dict) -> dict:
+    """`create_model`'s keywords with `diffzoo={'vision': {...}, 'text': {...}}` turned into the named config's
+    `vision_cfg` / `text_cfg` holding those `diffzoo` entries (open_clip replaces a whole *_cfg it is given)."""
+    if not isinstance(conversion, dict) or not set(conversion) <= {'vision', 'text'} or not conversion:
+        raise ValueError(f'{DIFFZOO_KEY}={conversion!r}: expected {{"vision": {{...}}, "text": {{...}}}} with '
+                         f'differentialize\'s settings {CONVERT_KEYS} for either tower')
+    config = open_clip.get_model_config(model_name)
+    if config is None:
+        raise ValueError(f'{DIFFZOO_KEY}=…: {model_name!r} is not a model config open_clip knows '
+                         f'(open_clip.list_models()); write the diffzoo key into a config JSON instead')
+    for tower, key in (('vision', 'vision_cfg'), ('text', 'text_cfg')):
+        if tower in conversion:
+            cfg = dict(kwargs.get(key) or config.get(key) or {})
+            cfg[DIFFZOO_KEY] = {**_conversion(key, conversion[tower]), **({'convert': True} if tower == 'text' else {})}
+            kwargs[key] = cfg
+    return kwargs
+
+
 def _model_creator(original):
     def create_model(model_name, pretrained=None, *args, **kwargs):
         if isinstance(model_name, str) and model_name.startswith(HF_HUB) and model_name[len(HF_HUB):] in OFFICIAL_REPOS:
             model_name, pretrained = OFFICIAL_REPOS[model_name[len(HF_HUB):]]  # the repo's tag
+        if DIFFZOO_KEY in kwargs:
+            kwargs = with_conversion(model_name, kwargs.pop(DIFFZOO_KEY), dict(kwargs))
         model = original(model_name, pretrained, *args, **kwargs)
         _apply_preprocess_record(model, pretrained, kwargs.get('force_preprocess_cfg'))
         return model
@@ -194,6 +262,11 @@ def install() -> None:
           _text_tower_builder)
     expect_function(open_clip.coca_model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'))
     open_clip.coca_model._build_text_tower = open_clip.model._build_text_tower  # CoCa's own reference
+    wrap_function(open_clip.model, '_build_vision_tower', ('embed_dim', 'vision_cfg', 'quick_gelu', 'cast_dtype'),
+                  _vision_tower_builder)
+    expect_function(open_clip.coca_model, '_build_vision_tower',
+                    ('embed_dim', 'vision_cfg', 'quick_gelu', 'cast_dtype'))
+    open_clip.coca_model._build_vision_tower = open_clip.model._build_vision_tower
     wrap_function(open_clip.factory, 'load_state_dict', ('checkpoint_path', 'device', 'weights_only'),
           _state_dict_loader)
     wrap_function(open_clip.factory, 'load_checkpoint', ('model', 'checkpoint_path', 'strict', 'weights_only'),

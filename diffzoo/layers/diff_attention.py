@@ -308,6 +308,10 @@ class DifferentialAttention(DiffAttention):
             attn_mask: Optional[torch.Tensor] = None,
             is_causal: bool = False,
     ) -> torch.Tensor:
+        return self.attend(x, attn_mask, is_causal)
+
+    def attend(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+        """The layer's output (B, N, C); `forward` of this class and of subclasses with other signatures."""
         B, N, C = x.shape
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)
