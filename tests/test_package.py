@@ -16,7 +16,7 @@ def test_wheel_carries_configs_recipes_and_dataset_cards(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     configs = {Path(n).name for n in names if n.startswith('diffzoo/model_configs/')}
     assert configs == {p.name for p in (ROOT / 'model_configs').glob('*.json')}
-    assert len(configs) == 16
+    assert len(configs) == 17 and 'ViT-B-16-diffzoo-duplicate.json' in configs
     recipes = {n[len('diffzoo/recipes/'):] for n in names if n.startswith('diffzoo/recipes/')}
     assert recipes == {p.relative_to(ROOT / 'recipes').as_posix() for p in (ROOT / 'recipes').rglob('*.yaml')}
     assert 'vlm/paligemma-3b-vqav2-diff.yaml' in recipes

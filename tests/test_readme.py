@@ -78,6 +78,9 @@ SKIPPED = {
     'python -m diffzoo.bench --device cuda --split-kernel triton --model diffclip-b16 diffclip-b16@two_calls '
     'clip-b16-baseline': GPU,
     'python -m diffzoo.bench.tune --write': GPU,
+    'LAION_VIT_B16=/models/open_clip_pytorch_model.bin CC3M_SHARDS=/data/cc3m scripts/train.sh '
+    'vit-b16-laion2b-diff-duplicate-cc3m': f'{GPU}, {WEIGHTS} (LAION ViT-B-16) and {DATA} (CC3M); '
+                                           f'tests/train/test_recipe.py resolves the recipe',
 }
 
 # Python blocks, by the README section they stand in: (code run before the block, {text: replacement}), or a reason
@@ -88,6 +91,8 @@ PYTHON = {
              "torch.save(timm.create_model('vit_diff_base_patch16_224', num_classes=512).state_dict(), "
              "'checkpoint_best.pt')\n",
              {'pretrained=True': 'pretrained=False'}),  # DiffCLIP's weights are downloaded: random init
+    'Any timm or open_clip model, made differential': (
+        '', {"pretrained=True": 'pretrained=False', "pretrained='laion2b_s34b_b88k'": 'pretrained=None'}),
     'Vision-language models: Differential PaliGemma':
         f'{WEIGHTS}: PaliGemma-3B, a DiffCLIP checkpoint and a language model folder',
     'Saving and reloading a differential model or its adapter': (

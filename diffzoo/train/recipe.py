@@ -10,6 +10,8 @@ A recipe key is either one of open_clip_train's own flags, spelt with underscore
   the dataset size (`sizes.json` or `train_num_samples`), the global batch and the workers,
   exactly as open_clip_train computes them.
 - `distributed_loss`: `auto` adds `--local-loss --gather-with-grad` when the world size is > 1.
+- `lambda_lr`: λ and the sub-norm in AdamW groups of their own at this learning rate, under the same
+  schedule (`diffzoo.train.lambda_lr`); default: `lr`, as open_clip_train trains them.
 - `base`: another recipe this one extends (a shipped name or a path relative to this file).
 
 `train_data` is a shard directory (all its `*.tar`), a brace pattern or a `::` list; `${VAR}`
@@ -41,6 +43,7 @@ DIFFZOO_KEYS = {
     'max_batch_per_gpu': 'largest per-GPU batch; above it, gradient accumulation',
     'warmup_epochs': 'warm-up length in epochs (turned into open_clip steps)',
     'distributed_loss': 'auto | true | false: --local-loss --gather-with-grad on > 1 process',
+    'lambda_lr': 'learning rate of λ and the sub-norm, their own AdamW groups (default: lr)',
 }
 # open_clip flags that diffzoo computes; a recipe gives the diffzoo key instead.
 DERIVED = {'batch_size': 'global_batch_size', 'accum_freq': 'global_batch_size',
@@ -87,8 +90,9 @@ DIFFZOO_SCHEMA = {
     'max_batch_per_gpu': Key((int,), None, DIFFZOO_KEYS['max_batch_per_gpu']),
     'warmup_epochs': Key((int, float), None, DIFFZOO_KEYS['warmup_epochs']),
     'distributed_loss': Key((str, bool), 'auto', DIFFZOO_KEYS['distributed_loss'], ('auto', True, False)),
+    'lambda_lr': Key((int, float), None, DIFFZOO_KEYS['lambda_lr']),
 }
-POSITIVE = ('global_batch_size', 'max_batch_per_gpu', 'lr', 'epochs', 'batch_size')  # > 0
+POSITIVE = ('global_batch_size', 'max_batch_per_gpu', 'lr', 'epochs', 'batch_size', 'lambda_lr')  # > 0
 NON_NEGATIVE = ('warmup_epochs', 'workers', 'wd')  # ≥ 0
 
 

@@ -126,7 +126,8 @@ def run(argv: List[str], doc: str = '') -> int:
             if restored:
                 print(f'warning: {restored}', file=sys.stderr, flush=True)
 
-    with seams.installed():
+    lambda_lr = plan.recipe.get('lambda_lr') if plan is not None else None
+    with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr):
         try:
             result = open_clip_train.main.main(argv)
         except DataError as exc:  # from a data-loader worker, whose traceback torch wraps into the message

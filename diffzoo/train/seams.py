@@ -25,6 +25,9 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   the newest intact `epoch_K.pt` beside an unreadable one and says which, and never picks a `tmp.pt`.
 - `open_clip_train.main.torch`: the same torch, but its `save` (checkpoints only, in that module) writes a
   file whole or not at all, checking the disk's free space first (`diffzoo.train.saving`).
+- with a recipe's `lambda_lr`: `open_clip_train.main.create_model_and_transforms` and `.optim` and
+  `open_clip_train.scheduler.assign_learning_rate`, so λ and the sub-norm train in their own AdamW groups
+  at lambda_lr under the same schedule (`diffzoo.train.lambda_lr`).
 - torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back; the
   root logger's handlers that its set-up adds (console, RUN_DIR/out.log) are closed and removed after
   the run, so a second run in the same process (`diffzoo.train.launch.main(argv)` from Python) logs
@@ -36,14 +39,16 @@ import os
 import shutil
 import tempfile
 import warnings
+from typing import Optional
 
 import open_clip_train.data
 import open_clip_train.main
+import open_clip_train.scheduler
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from diffzoo.clip.seams import expect_function
-from . import data_events, data_report
+from . import data_events, data_report, lambda_lr
 from .metrics import LambdaLog, drop_records_after
 from .resume import latest_checkpoint, load_resume_checkpoint
 from .saving import TorchForCheckpoints
@@ -93,9 +98,10 @@ def _epoch_wrapper(original, events_dir: str):
 
 
 @contextlib.contextmanager
-def installed():
-    """Patch open_clip_train for one run and restore it afterwards."""
-    data_mod, main_mod = open_clip_train.data, open_clip_train.main
+def installed(lambda_lr_scale: Optional[float] = None):
+    """Patch open_clip_train for one run and restore it afterwards; `lambda_lr_scale`: λ and the sub-norm
+    train at this multiple of the schedule's lr (`diffzoo.train.lambda_lr`)."""
+    data_mod, main_mod, scheduler_mod = open_clip_train.data, open_clip_train.main, open_clip_train.scheduler
     originals = {
         (data_mod, 'filter_no_caption_or_no_image'): expect_function(data_mod, 'filter_no_caption_or_no_image',
                                                                      ('sample',)),
@@ -110,6 +116,12 @@ def installed():
             main_mod, 'train_one_epoch',
             ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
     }
+    if lambda_lr_scale is not None:
+        originals[(scheduler_mod, 'assign_learning_rate')] = expect_function(
+            scheduler_mod, 'assign_learning_rate', ('optimizer', 'new_lr'))
+        originals[(main_mod, 'create_model_and_transforms')] = expect_function(
+            main_mod, 'create_model_and_transforms', ('model_name', 'pretrained'))
+    main_optim = main_mod.optim
     if not callable(getattr(getattr(data_mod, 'wds', None), 'shuffle', None)):
         raise RuntimeError('open_clip_train.data no longer uses webdataset as `wds` with a `shuffle` stage; '
                            'diffzoo.train.seams needs updating for this open_clip_train version')
@@ -140,12 +152,19 @@ def installed():
         main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
         parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
         main_mod.torch = TorchForCheckpoints(torch)
+        if lambda_lr_scale is not None:
+            noted = set()
+            main_mod.create_model_and_transforms = lambda_lr.model_creator(
+                originals[(main_mod, 'create_model_and_transforms')], noted)
+            main_mod.optim = lambda_lr.OptimWithLambdaGroups(main_optim, noted, lambda_lr_scale)
+            scheduler_mod.assign_learning_rate = lambda_lr.assign_learning_rate
         yield
     finally:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
         parallel.DistributedDataParallel = ddp
         main_mod.torch = main_torch
+        main_mod.optim = main_optim
         data_mod.wds = webdataset_module
         if previous_env is None:
             os.environ.pop(data_events.ENV, None)

@@ -117,3 +117,18 @@ def test_a_directory_named_like_a_tag_is_refused_naming_both_readings(corpus, tm
     assert main(['--model', 'diffclip-b16,./cc3m', *common]) == 2  # read as a run: it has no checkpoints
     err = capsys.readouterr().err
     assert 'is both' not in err and 'cc3m' in err and 'checkpoint' in err
+
+
+def test_a_converted_model_evaluates_under_its_plain_name(corpus, tmp_path):
+    """A checkpoint of a model converted with diffzoo.differentialize (through create_model's diffzoo=)
+    evaluates as `--model clip-tiny-baseline,RUN`: the loader converts the plain model with the saved settings."""
+    run_dir = tmp_path / 'runs' / 'converted'
+    (run_dir / 'checkpoints').mkdir(parents=True)
+    torch.manual_seed(0)
+    model = open_clip.create_model('clip-tiny-baseline', diffzoo={'vision': {'variant': 'split'},
+                                                                  'text': {'variant': 'duplicate'}})
+    torch.save({'epoch': 1, 'state_dict': model.state_dict()}, run_dir / 'checkpoints' / 'epoch_1.pt')
+    assert main(['--model', f'clip-tiny-baseline,{run_dir}', '--dataset', 'synthetic', '--dataset-root', str(corpus),
+                 '--workers', '0']) == 0
+    rows = read_json(run_dir / 'eval' / 'results.json')
+    assert {r.task for r in rows} == {'zeroshot_classification', 'zeroshot_retrieval'}

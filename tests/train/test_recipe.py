@@ -165,3 +165,19 @@ def test_a_recipe_file_can_extend_a_shipped_one(tmp_path, shards):
     plan = resolve(load_recipe(str(tmp_path / 'mine.yaml')), 'mine', 1)
     assert _value(plan.argv, '--lr') == '0.0002' and _value(plan.argv, '--model') == 'diffclip-tiny'
     assert _value(plan.argv, '--train-data') == f'{shards}/{{00000..00015}}.tar'
+
+
+def test_the_converted_clip_recipe_fine_tunes_from_a_local_pretrained_file(shards, monkeypatch, tmp_path):
+    """vit-b16-laion2b-diff-duplicate-cc3m: the converting config, the local LAION file, λ at its own rate."""
+    monkeypatch.setenv('CC3M_SHARDS', str(shards))
+    monkeypatch.setenv('LAION_VIT_B16', str(tmp_path / 'open_clip_pytorch_model.bin'))
+    plan = resolve(dict(load_recipe('vit-b16-laion2b-diff-duplicate-cc3m'), workers=1),
+                   'vit-b16-laion2b-diff-duplicate-cc3m', 4)
+    argv = plan.argv
+    assert _value(argv, '--model') == 'ViT-B-16-diffzoo-duplicate' and 'ViT-B-16-diffzoo-duplicate' in open_clip.list_models()
+    assert _value(argv, '--pretrained') == str(tmp_path / 'open_clip_pytorch_model.bin')
+    assert _value(argv, '--lr') == '1e-05' and '--lambda-lr' not in argv and plan.recipe['lambda_lr'] == 1e-3
+    config = open_clip.get_model_config('ViT-B-16-diffzoo-duplicate')
+    assert config['vision_cfg']['diffzoo']['variant'] == config['text_cfg']['diffzoo']['variant'] == 'duplicate'
+    assert {k: v for k, v in config['vision_cfg'].items() if k != 'diffzoo'} == \
+        open_clip.get_model_config('ViT-B-16')['vision_cfg']

@@ -62,3 +62,27 @@ def test_a_changed_open_clip_train_fails_loudly_and_changes_nothing(monkeypatch,
         with seams.installed():
             raise AssertionError('not reached')
     assert _current() == before
+
+
+def test_lambda_lr_puts_lambda_and_sub_norm_in_their_own_groups_under_the_schedule():
+    """With a recipe's lambda_lr, open_clip_train's own AdamW call and cosine schedule (as main makes them)
+    give λ and the sub-norm lambda_lr × the schedule's factor and every other parameter lr × that factor."""
+    import open_clip_train.main as main_mod
+    from open_clip_train.scheduler import cosine_lr
+
+    from diffzoo.train import seams
+    with seams.installed(lambda_lr_scale=100.0):
+        model = main_mod.create_model_and_transforms('diffclip-tiny')[0]
+        named = list(model.named_parameters())
+        decay = [p for n, p in named if p.ndim >= 2]
+        no_decay = [p for n, p in named if p.ndim < 2]
+        optimizer = main_mod.optim.AdamW([{'params': no_decay, 'weight_decay': 0.}, {'params': decay, 'weight_decay': 0.2}],
+                                         lr=1e-4)
+        schedule = cosine_lr(optimizer, 1e-4, 10, 100)
+        schedule(4)  # in warm-up: 5/10 of the base rate
+    by_id = {id(p): g for g in optimizer.param_groups for p in g['params']}
+    differential = {n for n, _ in named if '.lambda_' in n or '.sub_norm.' in n}
+    assert differential and all(by_id[id(p)]['lr'] == pytest.approx(5e-3) for n, p in named if n in differential)
+    assert all(by_id[id(p)]['lr'] == pytest.approx(5e-5) for n, p in named if n not in differential)
+    assert sum(len(g['params']) for g in optimizer.param_groups) == len(named)
+    assert main_mod.optim is torch.optim  # restored after the run

@@ -1,0 +1,61 @@
+"""λ and the sub-norm at their own learning rate inside open_clip_train (`lambda_lr` in a recipe).
+
+open_clip_train builds one AdamW over two groups (no weight decay for gains and biases, `--wd` for the
+rest) and its schedulers set every group's lr to the schedule's value. For one run, `python -m
+diffzoo.train` puts three things in their place as `open_clip_train.main` and its scheduler see them:
+`create_model_and_transforms` notes the model's differential parameters (λ_q1 … λ_k2, v2's W_λ and the
+sub-norm weights, by name), `optim.AdamW` moves them into groups of their own (same weight decay as
+where they were) carrying `lr_scale` = lambda_lr / lr, and `assign_learning_rate` sets each group's lr to
+the schedule's value × its `lr_scale` (1 for the others), so warm-up and decay apply to both rates.
+"""
+import functools
+from typing import Iterable, Set
+
+import torch
+
+DIFFERENTIAL_NAMES = ('.lambda_q1', '.lambda_k1', '.lambda_q2', '.lambda_k2', '.lambda_proj.', '.sub_norm.')
+
+
+def differential_parameter_ids(model: torch.nn.Module) -> Set[int]:
+    return {id(p) for n, p in model.named_parameters() if any(s in f'.{n}' for s in DIFFERENTIAL_NAMES)}
+
+
+def model_creator(original, noted: Set[int]):
+    @functools.wraps(original)
+    def create_model_and_transforms(*args, **kwargs):
+        result = original(*args, **kwargs)
+        noted.update(differential_parameter_ids(result[0]))
+        return result
+    return create_model_and_transforms
+
+
+def split_groups(groups: Iterable[dict], noted: Set[int], lr_scale: float) -> list:
+    """open_clip_train's parameter groups with the noted parameters moved to groups of their own."""
+    out = []
+    for group in groups:
+        params = list(group['params'])
+        rest = [p for p in params if id(p) not in noted]
+        moved = [p for p in params if id(p) in noted]
+        if rest:
+            out.append({**group, 'params': rest})
+        if moved:
+            out.append({**group, 'params': moved, 'lr_scale': lr_scale})
+    return out
+
+
+class OptimWithLambdaGroups:
+    """`torch.optim` whose AdamW puts the noted parameters in their own groups (`split_groups`)."""
+
+    def __init__(self, optim, noted: Set[int], lr_scale: float):
+        self._optim, self._noted, self._lr_scale = optim, noted, lr_scale
+
+    def __getattr__(self, name):
+        return getattr(self._optim, name)
+
+    def AdamW(self, params, *args, **kwargs):  # noqa: N802  (torch's name)
+        return self._optim.AdamW(split_groups(params, self._noted, self._lr_scale), *args, **kwargs)
+
+
+def assign_learning_rate(optimizer, new_lr):
+    for group in optimizer.param_groups:
+        group['lr'] = new_lr * group.get('lr_scale', 1.0)
