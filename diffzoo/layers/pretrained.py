@@ -140,9 +140,12 @@ class PretrainedDifferentialAttention(DifferentialAttention):
                 'lambda_proj_init': self.lambda_proj_init, 'depth': self.depth}
 
     def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor(list(json.dumps(self.record(), sort_keys=True).encode()), dtype=torch.uint8)
+        # on the CPU whatever device the model is built on (a meta-device build still records its settings)
+        return torch.tensor(list(json.dumps(self.record(), sort_keys=True).encode()), dtype=torch.uint8, device='cpu')
 
     def set_extra_state(self, state) -> None:
+        if isinstance(state, torch.Tensor) and state.is_meta:  # a meta-device copy holds no settings to compare
+            return
         saved = read_record(state)
         mine = self.record()
         differs = {k: (saved.get(k), mine[k]) for k in ('source', 'pretrained_heads', 'variant', 'head_pairing')

@@ -263,3 +263,34 @@ def test_the_same_seed_trains_on_the_same_batches(tmp_path):
     assert len(losses['a']) == 8
     assert losses['a'] == losses['b']
     assert losses['a'] != losses['c']
+
+
+def test_fine_tuning_a_converted_clip_from_a_pretrained_file_with_lambda_at_its_own_rate(tmp_path):
+    """A config that converts both towers, a plain pretrained file, `lambda_lr` 5000× `lr`: the run starts from
+    the file's weights converted, moves the sub-norms (initially 1) far more than the pretrained weights, and its
+    checkpoint reloads under the plain model name."""
+    import open_clip
+    import torch
+    config = open_clip.get_model_config('clip-tiny-baseline')
+    config['vision_cfg']['diffzoo'] = {'variant': 'duplicate'}
+    config['text_cfg']['diffzoo'] = {'convert': True, 'variant': 'split'}
+    (tmp_path / 'configs').mkdir()
+    (tmp_path / 'configs' / 'vit-tiny-converted-test.json').write_text(json.dumps(config))
+    open_clip.add_model_config(str(tmp_path / 'configs'))
+    torch.manual_seed(0)
+    pretrained = open_clip.create_model('clip-tiny-baseline').state_dict()
+    torch.save(pretrained, tmp_path / 'pretrained.pt')
+    write_shards(tmp_path / 'shards', 2, 16)
+    result = train(['--recipe', 'clip-tiny-baseline', '--model', 'vit-tiny-converted-test', '--pretrained',
+                    str(tmp_path / 'pretrained.pt'), '--train_data', 'shards', '--epochs', '1',
+                    '--global_batch_size', '8', '--lr', '1e-5', '--lambda_lr', '5e-2', '--warmup_epochs', '0',
+                    '--name', 'converted'], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checkpoint = tmp_path / 'runs' / 'converted' / 'checkpoints' / 'epoch_1.pt'
+    tuned = open_clip.create_model('clip-tiny-baseline', pretrained=str(checkpoint))  # the plain name
+    state = tuned.state_dict()
+    norms = [state[k] for k in state if k.endswith('sub_norm.weight')]
+    assert norms and min((n - 1).abs().max().item() for n in norms) > 0.05
+    weights = [(state[k] - pretrained[k]).abs().max().item() for k in pretrained
+               if k.endswith(('mlp.c_fc.weight', 'mlp.fc1.weight'))]
+    assert weights and max(weights) < 1e-3  # 4 steps at lr 1e-5
