@@ -2,6 +2,7 @@
 in order for the command's parsed arguments."""
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from diffzoo.train.metrics import plot_lambda, read_lambda_log
 METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('image_to_text', 'text_to_image')
                                                        for k in (1, 5, 10)))
 PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
+PROGRESS_EVERY = 10  # seconds between progress lines when the output is not a terminal (a pipe, a CI log)
 ATTENTION_IMAGES = 3
 
 
@@ -63,9 +65,11 @@ def train(model: str, out: Path, args) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / 'train.log'
     start, interactive = time.time(), sys.stdout.isatty()
-    with open(log_path, 'a') as log:
+    shown = start  # when a progress line last went to a pipe or log (not a terminal): one every PROGRESS_EVERY s
+    with open(log_path, 'a', buffering=1) as log:  # line-buffered: the file follows the training as it goes
         log.write('$ ' + ' '.join(cmd) + '\n')
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env={**os.environ, 'PYTHONUNBUFFERED': '1'})
         for line in proc.stdout:
             log.write(line)
             match = PROGRESS.search(line)
@@ -75,7 +79,8 @@ def train(model: str, out: Path, args) -> Path:
                           f'loss {float(loss):.3f}  {time.time() - start:5.0f}s')
                 if interactive:
                     print('\r' + status, end='', flush=True)
-                elif done == total:
+                elif done == total or time.time() - shown >= PROGRESS_EVERY:
+                    shown = time.time()
                     print(status, flush=True)
         code = proc.wait()
     if interactive:

@@ -36,7 +36,7 @@ import timm.layers
 import timm.models.eva
 import torch
 import torch.nn as nn
-from open_clip.transformer import ResidualAttentionBlock
+from open_clip.transformer import ResidualAttentionBlock, TextTransformer
 
 from diffzoo.checkpoint import model_state_dict, read_state_dict
 from diffzoo.clip.text_tower import DiffResidualAttentionBlock
@@ -97,14 +97,16 @@ def _refuse(model: nn.Module, where: str, block: nn.Module) -> None:
 def _check(model: nn.Module, where: str, block: nn.Module, kind: str, variant: str) -> None:
     attn = block.attn
     if kind == 'open_clip':
-        dim, heads, out = attn.embed_dim, attn.num_heads, attn.out_proj.out_features
-        if not attn._qkv_same_embed_dim or attn.bias_k is not None:
-            _refuse(model, where, block)
+        heads = attn.num_heads
+        if not attn._qkv_same_embed_dim or attn.bias_k is not None or not attn.batch_first:
+            raise NotConvertible(f'{type(model).__name__}.{where}.attn: an nn.MultiheadAttention with separate k/v '
+                                 f'widths, bias_k or batch_first=False is not converted (open_clip\'s own towers are '
+                                 f'batch first)')
     else:
         dim, heads = attn.proj.in_features, attn.num_heads
         out = attn.proj.out_features
         in_dim = attn.qkv.in_features if getattr(attn, 'qkv', None) is not None else attn.q_proj.in_features
-        if getattr(attn, 'gate', None) is not None or attn.head_dim * heads != dim or in_dim != dim or out != dim:
+        if getattr(attn, 'gate', None) is not None or in_dim != dim or out != dim:
             raise NotConvertible(f'{type(model).__name__}.{where}.attn: a gated attention or one whose heads are not '
                                  f'dim / num_heads wide is not converted (dim {in_dim}, heads {heads} × {attn.head_dim}'
                                  f', out {out})')
@@ -188,6 +190,11 @@ def differentialize(model: nn.Module, variant: str = 'duplicate', lambda_init: U
                              f'`attn`) found; differentialize takes timm ViT-style models and open_clip towers')
     chosen_all = None if blocks is None else sorted({int(i) for i in blocks})
     plans = []
+    for text in (m for m in model.modules() if isinstance(m, TextTransformer)):
+        if text.cls_emb is not None or getattr(text, 'use_pad_mask', False):  # a (B·H, L, L) mask for H heads
+            raise NotConvertible(f'{type(model).__name__}: an open_clip text tower with a class token or a padding '
+                                 f'mask hands its blocks a mask per pretrained head, which a converted layer does not '
+                                 f'take; convert the vision tower alone (model.visual)')
     for name, stack in stacks:
         chosen = list(range(len(stack))) if chosen_all is None else chosen_all
         bad = [i for i in chosen if not 0 <= i < len(stack)]
@@ -199,7 +206,8 @@ def differentialize(model: nn.Module, variant: str = 'duplicate', lambda_init: U
                 raise ValueError(f'{name}.{i} is differential already; differentialize once')
             if kind is None:
                 _refuse(model, f'{name}.{i}', stack[i])
-            if kind == 'timm_eva' and getattr(model, 'rope', None) is not None:
+            owner = dict(model.named_modules())[name.rpartition('.')[0]]  # the model whose stack it is
+            if kind == 'timm_eva' and getattr(owner, 'rope', None) is not None:
                 raise NotConvertible(f'{type(model).__name__}: EVA with a rotary position embedding (EVA-02 style) '
                                      f'applies RoPE inside EvaAttention, which DifferentialAttention does not; '
                                      f'only EVA models without RoPE convert')

@@ -125,11 +125,13 @@ def expand_env(recipe: Mapping) -> Dict:
     return {k: expand(k, v) for k, v in recipe.items()}
 
 
-def unknown_keys_error(unknown: Sequence[str], valid: Mapping[str, str], where: str = '') -> RecipeError:
-    """The error for keys a recipe does not know: each with close matches, then the valid keys."""
+def unknown_keys_error(unknown: Sequence[str], valid: Mapping[str, str], where: str = '',
+                       also: Sequence[str] = ()) -> RecipeError:
+    """The error for keys a recipe does not know: each with close matches (among `valid` and `also`, keys
+    valid but not listed, e.g. open_clip_train's flags), then the valid keys."""
     lines = []
     for key in unknown:
-        close = [where + c for c in difflib.get_close_matches(key, sorted(valid), n=3)]
+        close = [where + c for c in difflib.get_close_matches(key, sorted(set(valid) | set(also)), n=3)]
         lines.append(f'  {where}{key}' + (f' (did you mean {", ".join(close)}?)' if close else ''))
     listed = '\n'.join(f'  {where}{k:<20} {doc}' for k, doc in valid.items())
     return RecipeError('unknown recipe keys:\n' + '\n'.join(lines) + f'\nvalid keys are:\n{listed}')

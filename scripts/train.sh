@@ -8,15 +8,20 @@
 # Many nodes: the same command on every node, with NNODES and either
 #             NODE_RANK, MASTER_ADDR, MASTER_PORT   (static: MASTER_ADDR is node 0), or
 #             RDZV_ENDPOINT=host:port [RDZV_ID=job] (c10d rendezvous, nodes in any order).
-# SLURM: scripts/slurm/train.sbatch. PYTHON chooses the interpreter (default: python on PATH).
+# SLURM: scripts/slurm/train.sbatch. PYTHON chooses the interpreter (default: the project's .venv, which
+# `make demo` / `make test` build, when no virtual environment is active; else python on PATH).
 # Re-running the same command resumes the run from its last checkpoint.
 set -euo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 recipe="$1"
 shift
+venv="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python"
+if [ -z "${PYTHON:-}" ] && [ -z "${VIRTUAL_ENV:-}" ] && [ -x "$venv" ]; then
+    PYTHON="$venv"
+fi
 PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 
 if [ -z "${NPROC_PER_NODE:-}" ]; then

@@ -53,6 +53,8 @@ def reference(source, x, layer, variant, pairing):
     d = C // H
     q, k, v = (F.linear(x, w, b)).split(C, -1)
     q, k, v = (t.reshape(B, N, H, d).transpose(1, 2) for t in (q, k, v))  # (B, H, N, d)
+    if not isinstance(source, torch.nn.MultiheadAttention):
+        q, k = source.q_norm.double()(q), source.k_norm.double()(k)  # the source's own query/key norms
     P = torch.softmax(q @ k.transpose(-2, -1) / d ** 0.5, -1)  # (B, H, N, N): the source's maps
     lam = layer.compute_lambda(x.to(layer.qkv.weight.dtype)).double()
     Z = torch.zeros(B, N, C, dtype=torch.float64)
@@ -70,18 +72,29 @@ def reference(source, x, layer, variant, pairing):
         Z[..., a * d:(a + 1) * d] = o[..., :d]
         if variant == 'split':
             Z[..., c * d:(c + 1) * d] = o[..., d:]
+    if not isinstance(source, torch.nn.MultiheadAttention):
+        Z = source.norm.double()(Z)  # the source's scale norm, on its own channel order
     return F.linear(Z, wo, bo)
 
 
 @pytest.mark.parametrize('variant,pairing', VARIANTS)
-@pytest.mark.parametrize('source', ['timm', 'eva', 'open_clip'])
+@pytest.mark.parametrize('source', ['timm', 'timm_norms', 'eva', 'open_clip'])
 @pytest.mark.parametrize('fused', [True, False])
 def test_converted_layer_is_the_source_heads_as_the_docstring_lays_them_out(source, variant, pairing, fused):
     if source == 'open_clip':
         model = open_clip_model().visual.double()
         original = model.transformer.resblocks[0].attn
     else:
-        model = timm_family('vit' if source == 'timm' else 'eva').double()
+        if source == 'timm_norms':  # query/key norms and a scale norm (sub-LN) in the source layer
+            torch.manual_seed(0)
+            model = timm.create_model('vit_tiny_patch16_224', pretrained=False, qk_norm=True, scale_attn_norm=True,
+                                      **TINY).double()
+            with torch.no_grad():  # norms that are not the identity at init
+                for name, p in model.named_parameters():
+                    if 'norm' in name and '.attn.' in name:
+                        p.normal_(1 if name.endswith('weight') else 0, 0.3)
+        else:
+            model = timm_family('vit' if source == 'timm' else 'eva').double()
         original = model.blocks[0].attn
     saved = {k: v.clone() for k, v in original.state_dict().items()}
     diffzoo.differentialize(model, variant=variant, head_pairing=pairing if variant == 'split' else None,
@@ -151,17 +164,15 @@ def test_open_clip_towers_convert_causal_mask_kept(variant):
     model.eval()
     with torch.no_grad():
         # causal: changing a later token leaves the earlier positions' features as they were
-        tokens = model.token_embedding(text)
         later = text.clone()
         later[:, 10:] = (later[:, 10:] + 1) % 100
         run = lambda t: model.transformer(model.token_embedding(t) + model.positional_embedding,  # noqa: E731
                                           attn_mask=model.attn_mask)
         torch.testing.assert_close(run(text)[:, :10], run(later)[:, :10])
         assert not torch.allclose(run(text)[:, 10:], run(later)[:, 10:])
-        assert tokens.shape == (2, 16, 64)
         scripted = torch.jit.script(model)
         torch.testing.assert_close(scripted.encode_text(text), model.encode_text(text), rtol=1e-5, atol=1e-5)
-        assert model.encode_image(image).shape == plain.encode_image(image).shape
+        assert not torch.allclose(model.encode_image(image), plain.encode_image(image))  # λ and the sub-norm act
 
 
 def test_refuses_what_it_cannot_convert_by_name():
@@ -181,6 +192,29 @@ def test_refuses_what_it_cannot_convert_by_name():
         diffzoo.differentialize(model)
     with pytest.raises(ValueError, match='blocks=\\[7\\]'):
         diffzoo.differentialize(timm_family('vit'), blocks=[7])
+
+
+def test_refuses_rope_inside_a_wrapper_a_sequence_first_stack_and_a_per_head_text_mask():
+    class Wrapper(torch.nn.Module):  # EVA-02 style as a tower's trunk
+        def __init__(self):
+            super().__init__()
+            self.trunk = Eva(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, use_rot_pos_emb=True)
+    with pytest.raises(NotConvertible, match='RoPE'):
+        diffzoo.differentialize(Wrapper())
+    with pytest.raises(NotConvertible, match='batch_first=False'):
+        diffzoo.differentialize(open_clip.transformer.Transformer(64, 2, 4, batch_first=False))
+    with pytest.raises(NotConvertible, match='class token or a padding'):
+        diffzoo.differentialize(open_clip.model.CustomTextCLIP(embed_dim=32, vision_cfg=OPEN_CLIP_VISION,
+                                                               text_cfg=dict(OPEN_CLIP_TEXT, embed_cls=True)))
+
+
+def test_a_checkpoint_restores_the_lambda_init_it_was_trained_with():
+    trained = diffzoo.differentialize(timm_family('vit'), lambda_init=0.2)
+    other = diffzoo.differentialize(timm_family('vit'), lambda_init=0.8)
+    other.load_state_dict(trained.state_dict())
+    assert [m.lambda_init for m in other.modules() if isinstance(m, PretrainedDifferentialAttention)] == [0.2, 0.2]
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(other.eval()(x), trained.eval()(x))
 
 
 def _gated_block():
@@ -286,3 +320,6 @@ def test_open_clip_config_and_create_model_convert_pretrained_weights(tmp_path):
                        torch.load(tmp_path / f'{plain_name}.pt')['visual.transformer.resblocks.0.attn.in_proj_weight'])
     with pytest.raises(ValueError, match='unknown key'):
         open_clip.create_model(plain_name, diffzoo={'vision': {'variant': 'split', 'lr': 1}})
+    # open_clip's own overrides still apply beside diffzoo=
+    forced = open_clip.create_model(plain_name, diffzoo={'vision': {}}, force_image_size=48, force_context_length=8)
+    assert forced.visual.image_size == (48, 48) and forced.context_length == 8 and len(settings_of(forced)) == 2

@@ -24,6 +24,7 @@ open_clip's internals fails here, by name, instead of somewhere deep in a forwar
   keeps open_clip's defaults and warns once, naming them; `hf-hub:<an official DiffCLIP repo>`
   (whose repos hold no open_clip config) is read as the matching tag (`diffclip-b16`, `cc3m`).
 """
+import contextvars
 import functools
 import inspect
 import os
@@ -94,20 +95,22 @@ def _conversion(where: str, settings) -> dict:
 
 def _vision_tower_builder(original):
     def _build_vision_tower(embed_dim, vision_cfg, quick_gelu=False, cast_dtype=None):
-        if not isinstance(vision_cfg, dict) or DIFFZOO_KEY not in vision_cfg:
+        pending = _PENDING.get().get('vision')
+        if not isinstance(vision_cfg, dict) or (DIFFZOO_KEY not in vision_cfg and pending is None):
             return original(embed_dim, vision_cfg, quick_gelu, cast_dtype)
         vision_cfg = dict(vision_cfg)
-        settings = _conversion('vision_cfg', vision_cfg.pop(DIFFZOO_KEY))
+        settings = _conversion('vision_cfg', vision_cfg.pop(DIFFZOO_KEY, None) or pending)
         return differentialize(original(embed_dim, vision_cfg, quick_gelu, cast_dtype), **settings)
     return _build_vision_tower
 
 
 def _text_tower_builder(original):
     def _build_text_tower(embed_dim, text_cfg, quick_gelu=False, cast_dtype=None):
-        if not isinstance(text_cfg, dict) or DIFFZOO_KEY not in text_cfg:
+        pending = _PENDING.get().get('text')
+        if not isinstance(text_cfg, dict) or (DIFFZOO_KEY not in text_cfg and pending is None):
             return original(embed_dim, text_cfg, quick_gelu, cast_dtype)
         text_cfg = dict(text_cfg)
-        diff = dict(text_cfg.pop(DIFFZOO_KEY))
+        diff = dict(text_cfg.pop(DIFFZOO_KEY, None) or {**pending, 'convert': True})
         if diff.get('convert'):  # open_clip's own tower, converted (its pretrained weights carry over)
             settings = _conversion('text_cfg', diff)
             return differentialize(original(embed_dim, text_cfg, quick_gelu, cast_dtype), **settings)
@@ -220,22 +223,17 @@ def _apply_preprocess_record(model, pretrained, forced) -> None:
     set_model_preprocess_cfg(model, {**current, **record, **forced})
 
 
-def with_conversion(model_name: str, conversion, kwargs: dict) -> dict:
-    """`create_model`'s keywords with `diffzoo={'vision': {...}, 'text': {...}}` turned into the named config's
-    `vision_cfg` / `text_cfg` holding those `diffzoo` entries (open_clip replaces a whole *_cfg it is given)."""
-    if not isinstance(conversion, dict) or not set(conversion) <= {'vision', 'text'} or not conversion:
+# create_model(…, diffzoo={...}): the settings the tower builders read while that call builds its model (open_clip
+# replaces a whole vision_cfg / text_cfg passed as a keyword, after its force_* options, so they do not go there)
+_PENDING: contextvars.ContextVar = contextvars.ContextVar('diffzoo_pending_conversion', default={})
+
+
+def pending_conversion(conversion) -> dict:
+    """`create_model`'s `diffzoo=` checked: {'vision': settings, 'text': settings} with differentialize's keys."""
+    if not isinstance(conversion, dict) or not conversion or not set(conversion) <= {'vision', 'text'}:
         raise ValueError(f'{DIFFZOO_KEY}={conversion!r}: expected {{"vision": {{...}}, "text": {{...}}}} with '
                          f'differentialize\'s settings {CONVERT_KEYS} for either tower')
-    config = open_clip.get_model_config(model_name)
-    if config is None:
-        raise ValueError(f'{DIFFZOO_KEY}=…: {model_name!r} is not a model config open_clip knows '
-                         f'(open_clip.list_models()); write the diffzoo key into a config JSON instead')
-    for tower, key in (('vision', 'vision_cfg'), ('text', 'text_cfg')):
-        if tower in conversion:
-            cfg = dict(kwargs.get(key) or config.get(key) or {})
-            cfg[DIFFZOO_KEY] = {**_conversion(key, conversion[tower]), **({'convert': True} if tower == 'text' else {})}
-            kwargs[key] = cfg
-    return kwargs
+    return {tower: _conversion(f'{DIFFZOO_KEY}.{tower}', settings) for tower, settings in conversion.items()}
 
 
 def _model_creator(original):
@@ -243,8 +241,13 @@ def _model_creator(original):
         if isinstance(model_name, str) and model_name.startswith(HF_HUB) and model_name[len(HF_HUB):] in OFFICIAL_REPOS:
             model_name, pretrained = OFFICIAL_REPOS[model_name[len(HF_HUB):]]  # the repo's tag
         if DIFFZOO_KEY in kwargs:
-            kwargs = with_conversion(model_name, kwargs.pop(DIFFZOO_KEY), dict(kwargs))
-        model = original(model_name, pretrained, *args, **kwargs)
+            token = _PENDING.set(pending_conversion(kwargs.pop(DIFFZOO_KEY)))
+            try:
+                model = original(model_name, pretrained, *args, **kwargs)
+            finally:
+                _PENDING.reset(token)
+        else:
+            model = original(model_name, pretrained, *args, **kwargs)
         _apply_preprocess_record(model, pretrained, kwargs.get('force_preprocess_cfg'))
         return model
     return create_model

@@ -30,6 +30,7 @@ How each variant lays out the pretrained heads j < H (Q_j, K_j, V_j rows of widt
 and are the layer's own initial values. Only split with pairing "adjacent" and duplicate keep the qkv tensor
 bit for bit; every variant keeps the query/key norms and the scale norm of the source as they are.
 """
+import copy
 import json
 from typing import Dict, Optional
 
@@ -148,11 +149,14 @@ class PretrainedDifferentialAttention(DifferentialAttention):
             return
         saved = read_record(state)
         mine = self.record()
-        differs = {k: (saved.get(k), mine[k]) for k in ('source', 'pretrained_heads', 'variant', 'head_pairing')
-                   if saved.get(k) != mine[k]}
+        differs = {k: (saved.get(k), mine[k]) for k in ('source', 'pretrained_heads', 'variant', 'head_pairing',
+                                                       'depth') if saved.get(k) != mine[k]}
         if differs:
             raise ValueError(f'a differential layer converted with {differs} (saved, here): load it into a model '
                              f'converted with the saved settings (diffzoo.differential.load_converted does)')
+        if saved.get('lambda_init', mine['lambda_init']) != mine['lambda_init']:  # the trained layer's λ_init
+            self.lambda_init_policy = saved['lambda_init']
+            self.set_lambda_init(self.depth)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A pretrained layer's keys (no λ among them) are converted to this layout first (module docstring)."""
@@ -161,6 +165,12 @@ class PretrainedDifferentialAttention(DifferentialAttention):
             mapped = map_heads(tensors['qkv.weight'], tensors['qkv.bias'], tensors['proj.weight'], self.variant,
                                self.pretrained_heads, self.head_pairing)
             mapped['proj.bias'] = tensors['proj.bias']
+            order = head_order(self.variant, self.pretrained_heads, self.head_pairing)
+            if order is not None and self.variant == 'split':  # the scale norm's channels follow W_O's columns
+                d = mapped['proj.weight'].shape[1] // self.pretrained_heads
+                for name in ('norm.weight', 'norm.bias'):
+                    if prefix + name in state_dict:
+                        state_dict[prefix + name] = _rows(state_dict[prefix + name], order, d)
             state_dict.update({prefix + k: v for k, v in mapped.items() if v is not None})
             own = self.state_dict()
             for name, value in own.items():  # λ, W_λ and the sub-norm: the layer's own initial values
@@ -191,8 +201,8 @@ def read_record(state) -> Dict:
 
 
 def copy_modules(target: nn.Module, source: nn.Module, names=('q_norm', 'k_norm', 'norm')) -> None:
-    """Put the source layer's own norm modules (their class and weights) into the converted layer."""
+    """Put copies of the source layer's own norm modules (their class and weights) into the converted layer."""
     for name in names:
         module = getattr(source, name, None)
         if isinstance(module, nn.Module):
-            setattr(target, name, module)
+            setattr(target, name, copy.deepcopy(module))

@@ -7,13 +7,16 @@ diffzoo.train` puts three things in their place as `open_clip_train.main` and it
 sub-norm weights, by name), `optim.AdamW` moves them into groups of their own (same weight decay as
 where they were) carrying `lr_scale` = lambda_lr / lr, and `assign_learning_rate` sets each group's lr to
 the schedule's value × its `lr_scale` (1 for the others), so warm-up and decay apply to both rates.
+A resumed run keeps the groups' `lr_scale` from its checkpoint (the optimizer state holds them), so changing
+lambda_lr takes a new run.
 """
 import functools
 from typing import Iterable, Set
 
 import torch
 
-DIFFERENTIAL_NAMES = ('.lambda_q1', '.lambda_k1', '.lambda_q2', '.lambda_k2', '.lambda_proj.', '.sub_norm.')
+DIFFERENTIAL_NAMES = ('.lambda_q1', '.lambda_k1', '.lambda_q2', '.lambda_k2', '.lambda_a', '.lambda_b',
+                      '.lambda_proj.', '.sub_norm.')
 
 
 def differential_parameter_ids(model: torch.nn.Module) -> Set[int]:
@@ -53,6 +56,9 @@ class OptimWithLambdaGroups:
         return getattr(self._optim, name)
 
     def AdamW(self, params, *args, **kwargs):  # noqa: N802  (torch's name)
+        if not self._noted:
+            raise ValueError('lambda_lr: the model has no differential parameters (λ, W_λ, sub-norm) to give their '
+                             'own learning rate; leave lambda_lr out or train a differential model')
         return self._optim.AdamW(split_groups(params, self._noted, self._lr_scale), *args, **kwargs)
 
 

@@ -134,7 +134,7 @@ def check_keys(recipe: Dict) -> None:
     known = set(valid_keys())
     unknown = [k for k in recipe if k not in known]
     if unknown:
-        error = unknown_keys_error(unknown, DIFFZOO_KEYS)
+        error = unknown_keys_error(unknown, DIFFZOO_KEYS, also=list(open_clip_defaults()))
         raise RecipeError(f'{error}\nand every open_clip_train flag with underscores for dashes '
                           f'(python -m open_clip_train.main --help)')
     derived = [k for k in recipe if k in DERIVED]
@@ -223,9 +223,13 @@ def dataset_size(shards: List[str]) -> int:
 
 def check_shard_count(shards: int, workers: int, world_size: int) -> None:
     """Without resampling webdataset gives every data worker of every process shards of its own."""
-    if shards < max(1, workers) * world_size:
-        raise RecipeError(f'{shards} shards cannot feed {workers} data workers on each of {world_size} '
-                          f'processes; pass --workers {max(1, shards // world_size)} or --dataset-resampled')
+    readers = max(1, workers) * world_size
+    if shards < readers:
+        fixes = [f'pass --workers {shards // world_size}'] if shards >= world_size else [
+            f'write at least {world_size} shards (one per process)', f'run {shards} process(es)']
+        raise RecipeError(f'{shards} shards cannot feed {workers} data workers on each of {world_size} processes '
+                          f'(webdataset gives each of the {readers} readers shards of its own); '
+                          f'{", or ".join(fixes + ["pass --dataset-resampled"])}')
 
 
 def _least_per_worker(sizes: List[int], workers: int, world_size: int) -> int:

@@ -82,7 +82,7 @@ def _lr_at(s: Dict, sched: Dict, step: int) -> Optional[float]:
     return cosine_lr(optimizer, base, warmup, total)(step)
 
 
-def _resumed_epoch(checkpoints: str) -> Optional[int]:
+def resumed_epoch(checkpoints: str) -> Optional[int]:
     """The epoch the run resumes from (its latest checkpoint's), read without reading the weights."""
     path = latest_checkpoint(checkpoints)
     if path is None:
@@ -132,7 +132,7 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
         return run_dir
     old = {**config, **stored}  # a record from before world_size was kept: the same world size
     before, after = _schedule(old, num_samples), _schedule(config, num_samples)
-    epoch = _resumed_epoch(checkpoints)
+    epoch = resumed_epoch(checkpoints)
     notes, how = [], 'kept the schedule'
     if before != after:
         where = f'the schedule was {_describe(before)}; now {_describe(after)}'

@@ -20,7 +20,7 @@ from .recipe import (
     open_clip_defaults, parse_overrides, resolve, shard_sizes,
 )
 from .resume import epoch_checkpoints, restore_latest
-from .run_record import check_run_dir, pop_accept
+from .run_record import check_run_dir, pop_accept, resumed_epoch
 from .saving import NoSpaceError, checkpoint_bytes, free_bytes, no_space_message
 
 ERRORS = (RecipeError, DataError, CheckpointError, FileNotFoundError)  # bad inputs: `main` prints them, exits 2
@@ -118,6 +118,12 @@ def run(argv: List[str], doc: str = '') -> int:
             raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags\n' + doc)
     args, samples = preflight(argv, world_size)
     run_dir = check_run_dir(args, rank, world_size, samples, accept)
+    done = resumed_epoch(os.path.join(run_dir, 'checkpoints')) if run_dir and args.resume == 'latest' else None
+    if done is not None and done >= args.epochs:  # open_clip_train would load it, log, and train nothing
+        if rank == 0:
+            print(f'{run_dir}: finished, epoch {done} of {args.epochs}; nothing to train. To train longer, run the '
+                  f'same command with --epochs N (N > {done}): it resumes from epoch {done}.', flush=True)
+        return 0
     if rank == 0:
         check_space(args, run_dir)
         print_plan(plan, source, argv, run_dir)
@@ -127,6 +133,9 @@ def run(argv: List[str], doc: str = '') -> int:
                 print(f'warning: {restored}', file=sys.stderr, flush=True)
 
     lambda_lr = plan.recipe.get('lambda_lr') if plan is not None else None
+    if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
+        raise RecipeError(f'lambda_lr: gives λ its own AdamW groups, and --opt {args.opt} builds another optimizer '
+                          f'(timm\'s); leave one of them out')
     with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr):
         try:
             result = open_clip_train.main.main(argv)

@@ -28,6 +28,8 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
 - with a recipe's `lambda_lr`: `open_clip_train.main.create_model_and_transforms` and `.optim` and
   `open_clip_train.scheduler.assign_learning_rate`, so λ and the sub-norm train in their own AdamW groups
   at lambda_lr under the same schedule (`diffzoo.train.lambda_lr`).
+- `open_clip_train.main.setup_logging`: its console handler shows one line where open_clip_train logs the
+  model's structure and every parameter (they stay in RUN_DIR/out.log).
 - torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back; the
   root logger's handlers that its set-up adds (console, RUN_DIR/out.log) are closed and removed after
   the run, so a second run in the same process (`diffzoo.train.launch.main(argv)` from Python) logs
@@ -55,6 +57,42 @@ from .saving import TorchForCheckpoints
 from .shuffle import WebdatasetSeededShuffle, reseed
 
 DATA_REPORT_FILE = data_events.REPORT_FILE
+
+
+class ModelDumpFilter(logging.Filter):
+    """On the console only: open_clip_train's model structure and parameter list (hundreds of lines before the
+    first step) become one line naming the log file that keeps them."""
+
+    def __init__(self, log_file):
+        super().__init__()
+        self.log_file, self.skipping = log_file, None  # None, 'model' (the next record) or 'params'
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message == 'Model:':
+            self.skipping = 'model'
+            record.msg, record.args = f'model structure and settings: in {self.log_file or "the run log"}', None
+            return True
+        if self.skipping == 'model':
+            self.skipping = None
+            return False
+        if message == 'Params:':
+            self.skipping = 'params'
+            return False
+        if self.skipping == 'params' and message.startswith('  '):
+            return False
+        self.skipping = None
+        return True
+
+
+def _quiet_console(original):
+    def setup_logging(log_file, level, include_host=False):
+        before = list(logging.root.handlers)
+        original(log_file, level, include_host)
+        for handler in logging.root.handlers:
+            if handler not in before and type(handler) is logging.StreamHandler:
+                handler.addFilter(ModelDumpFilter(log_file))
+    return setup_logging
 
 
 class CpuAwareDistributedDataParallel(DistributedDataParallel):
@@ -112,6 +150,7 @@ def installed(lambda_lr_scale: Optional[float] = None):
                                                        ('args', 'preprocess_img', 'is_train', 'epoch')),
         (main_mod, 'pt_load'): expect_function(main_mod, 'pt_load', ('file_path', 'map_location')),
         (main_mod, 'get_latest_checkpoint'): expect_function(main_mod, 'get_latest_checkpoint', ('path', 'remote')),
+        (main_mod, 'setup_logging'): expect_function(main_mod, 'setup_logging', ('log_file', 'level', 'include_host')),
         (main_mod, 'train_one_epoch'): expect_function(
             main_mod, 'train_one_epoch',
             ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
@@ -149,6 +188,7 @@ def installed(lambda_lr_scale: Optional[float] = None):
         data_mod.get_wds_dataset = seeded.bind(originals[(data_mod, 'get_wds_dataset')])
         main_mod.pt_load = load_resume_checkpoint
         main_mod.get_latest_checkpoint = latest_checkpoint
+        main_mod.setup_logging = _quiet_console(originals[(main_mod, 'setup_logging')])
         main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
         parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
         main_mod.torch = TorchForCheckpoints(torch)

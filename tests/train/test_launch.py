@@ -103,14 +103,18 @@ def test_a_run_directory_with_other_settings_is_refused(damaged_run):
     assert '--name NEW' in result.stderr
 
 
-def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(damaged_run):
+def test_rerunning_a_finished_run_says_so_and_how_to_extend_it(damaged_run):
     root, cmd, _ = damaged_run
     checkpoint = root / 'runs' / 'diffclip-tiny' / 'checkpoints' / 'epoch_1.pt'
     before = checkpoint.stat().st_mtime_ns
+    log_before = (root / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
     result = train(cmd[len(TRAIN):], cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
-    log = (root / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
-    assert "=> resuming checkpoint" in log and '(epoch 1)' in log
+    assert result.stdout.strip().splitlines()[-1] == (
+        f'{os.path.join("runs", "diffclip-tiny")}: finished, epoch 1 of 1; nothing to train. To train longer, run '
+        f'the same command with --epochs N (N > 1): it resumes from epoch 1.')
+    assert len(result.stdout.splitlines()) < 5  # not open_clip_train's log of a run that trains nothing
+    assert (root / 'runs' / 'diffclip-tiny' / 'out.log').read_text() == log_before
     assert checkpoint.stat().st_mtime_ns == before
 
 

@@ -129,8 +129,14 @@ def test_data_errors_come_before_any_model(tmp_path, shards):
         resolve(dict(base, train_data=str(shards)), 'x', 1)
     plan = resolve(dict(base, train_data=str(shards), train_num_samples=32), 'x', 1)
     assert plan.derived['samples'] == 32
-    with pytest.raises(RecipeError, match='cannot feed 4 data workers on each of 8 processes'):
+    with pytest.raises(RecipeError, match='16 shards cannot feed 4 data workers on each of 8 processes.*pass --workers 2'):
         resolve(dict(base, train_data=str(shards), train_num_samples=32, workers=4, global_batch_size=64), 'x', 8)
+    # fewer shards than processes: the fix is more shards or fewer processes, not fewer workers
+    with pytest.raises(RecipeError) as refused:
+        resolve(dict(base, train_data=str(shards), train_num_samples=64, workers=1, global_batch_size=64), 'x', 32)
+    assert '--workers' not in str(refused.value)
+    assert 'write at least 32 shards (one per process), or run 16 process(es), or pass --dataset-resampled' in str(
+        refused.value)
 
 
 def test_nan_from_yaml_is_refused(tmp_path, shards):
@@ -181,3 +187,10 @@ def test_the_converted_clip_recipe_fine_tunes_from_a_local_pretrained_file(shard
     assert config['vision_cfg']['diffzoo']['variant'] == config['text_cfg']['diffzoo']['variant'] == 'duplicate'
     assert {k: v for k, v in config['vision_cfg'].items() if k != 'diffzoo'} == \
         open_clip.get_model_config('ViT-B-16')['vision_cfg']
+
+
+def test_a_misspelt_open_clip_flag_gets_a_suggestion_as_diffzoo_keys_do(shards):
+    with pytest.raises(RecipeError, match=r'  epoch \(did you mean epochs\?\)'):
+        resolve(dict(load_recipe('diffclip-tiny'), train_data=str(shards), epoch=2), 'x', 1)
+    with pytest.raises(RecipeError, match=r'global_batch \(did you mean global_batch_size\?\)'):
+        resolve(dict(load_recipe('diffclip-tiny'), train_data=str(shards), global_batch=8), 'x', 1)
