@@ -72,6 +72,10 @@ def test_resolved_configuration_is_printed_first(damaged_run):
     assert out.startswith('diffzoo.train: recipe diffclip-tiny')
     assert 'derived for 1 process(es): shards 5, samples 48' in out
     assert 'open_clip_train --model diffclip-tiny' in out
+    # open_clip_train's model and parameter dump: one line on the console, whole in out.log
+    log = (damaged_run[0] / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
+    assert 'Params:' in log and 'model structure and settings: in runs/diffclip-tiny/out.log' in out + result.stderr
+    assert 'Params:' not in out + result.stderr and len((out + result.stderr).splitlines()) < len(log.splitlines()) / 2
 
 
 def test_lambda_log_and_plot(damaged_run):

@@ -94,3 +94,14 @@ def test_usage_without_a_recipe(tmp_path):
 
 def test_slurm_script_parses():
     subprocess.run(['bash', '-n', str(ROOT / 'scripts' / 'slurm' / 'train.sbatch')], check=True)
+
+
+@pytest.mark.skipif(not (ROOT / '.venv' / 'bin' / 'python').exists(), reason='no project .venv (make builds it)')
+def test_the_project_venv_is_used_when_no_environment_is_active(tmp_path):
+    """After `make demo` / `make test`, the README's scripts/train.sh works from a shell without the venv."""
+    env = {k: v for k, v in python_env(NPROC_PER_NODE=1).items() if k not in ('PYTHON', 'VIRTUAL_ENV')}
+    env['PATH'] = '/usr/bin:/bin'  # no python with torch on it
+    result = subprocess.run(['bash', TRAIN_SH, 'diffclip-tiny', '--train_data', 'missing'], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert 'No module named' not in result.stderr
+    assert result.returncode != 0 and 'matches no shard' in result.stdout + result.stderr
