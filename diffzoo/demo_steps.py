@@ -124,7 +124,7 @@ def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
         smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
                   for i in range(len(losses))]
         ax.plot(steps, losses, color=colour, alpha=0.2, linewidth=0.8)
-        ax.plot(steps, smooth, color=colour, label=f'{name} (mean of {window} steps)')
+        ax.plot(steps, smooth, color=colour, label=name if window == 1 else f'{name} (mean of {window} steps)')
     ax.set_xlabel('optimizer step')
     ax.set_ylabel('contrastive loss')
     ax.grid(alpha=0.3)
@@ -182,7 +182,8 @@ def run(args) -> int:
     make_data(out, args)
     timings['data_s'] = time.time() - start
 
-    print(f'[2/4] training {args.baseline} and {args.model}, {args.epochs} epochs each, same recipe', flush=True)
+    print(f'[2/4] training {args.baseline} and {args.model}, {args.epochs} epoch{"s" * (args.epochs != 1)} each, '
+          f'same recipe', flush=True)
     try:
         checkpoints = {name: train(name, out, args) for name in (args.baseline, args.model)}
     except TrainingFailed as exc:

@@ -52,15 +52,20 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
 
     rows = [(b, q) for b in range(len(pil_images)) for q in range(n_queries)]
     cols = 1 + len(per_query)
-    fig = Figure(figsize=(2.4 * cols, 2.4 * len(rows) + 0.3))
+    fig = Figure(figsize=(2.4 * cols + 0.8, 2.4 * len(rows) + 0.3), layout='constrained')
     axes = fig.subplots(len(rows), cols, squeeze=False)
+    shown = None
     crops = [_square(image) for image in pil_images]
     for r, (b, q) in enumerate(rows):
         axes[r, 0].imshow(crops[b])
         axes[r, 0].set_ylabel(f'image {b}' + (f'\n"{labels[b][q]}"' if labels[b][q] is not None else ''))
         for c, (name, m) in enumerate(per_query.items(), start=1):
             axes[r, c].imshow(crops[b])
-            axes[r, c].imshow(_display(m[b, q]).numpy(), cmap='jet', alpha=0.5, vmin=0, vmax=1)
+            heat = _display(m[b, q])
+            shown = axes[r, c].imshow(heat.numpy(), cmap='jet', alpha=0.5, vmin=0, vmax=1)
+            # how flat the map is: a near-uniform map fills the panel with one colour, this says so
+            axes[r, c].text(2, DISPLAY_PX - 4, f'min {heat.min().item():.0%} of max', fontsize=7, color='white',
+                            va='bottom', bbox=dict(facecolor='black', alpha=0.5, pad=1, linewidth=0))
         for ax in axes[r]:
             ax.set_xticks([])
             ax.set_yticks([])
@@ -69,7 +74,7 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
     kind = 'gradient-weighted attention relevance per query' if labels[0][0] is not None \
         else 'CLS attention to patches, mean over heads (clipped at 0)'
     fig.suptitle(kind, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    fig.colorbar(shown, ax=axes[:, 1:].ravel().tolist(), shrink=0.8, label="share of each map's own maximum")
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100)

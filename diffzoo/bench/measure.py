@@ -17,6 +17,8 @@ import os
 import platform
 import re
 import statistics
+import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -101,6 +103,27 @@ def _cpu_allocation_peak(prof) -> int:
     return peak
 
 
+@contextlib.contextmanager
+def without_profiler_notes(prefix: bytes = b'USDT:'):
+    """Drop the lines torch's native profiler writes to file descriptor 2 at every start and stop ("USDT: …
+    profiler_start"); anything else written there meanwhile reaches stderr afterwards, in order."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(prefix)]
+            if kept:
+                sys.stderr.write(b''.join(kept).decode(errors='replace'))
+                sys.stderr.flush()
+
+
 class Probe:
     """One profiled call: transient peak memory, SDPA backends and attention kernels.
 
@@ -123,14 +146,16 @@ class Probe:
         if self.device.type == 'cuda':
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
-        self._prof.__enter__()
+        with without_profiler_notes():
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
         synchronize(self.device)
         if self.device.type == 'cuda':
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
-        self._prof.__exit__(*exc)
+        with without_profiler_notes():
+            self._prof.__exit__(*exc)
         if exc[0] is not None:
             return False
         if self.device.type == 'cpu':

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .measure import synchronize
+from .measure import synchronize, without_profiler_notes
 from .whole_model import build, train_step
 
 ATTENTION = re.compile(r'flash|fmha|sdpa|attention|attn|scaled_dot_product', re.IGNORECASE)
@@ -54,7 +54,7 @@ def profile_model(name: str, batch: int, precision: str, warmup: int, device: to
         train_step(s, precision)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     synchronize(device)
-    with profile(activities=activities) as prof:
+    with without_profiler_notes(), profile(activities=activities) as prof:
         train_step(s, precision)
         synchronize(device)
     times = _kernel_times(prof, device)

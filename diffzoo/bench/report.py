@@ -203,9 +203,14 @@ def render(results: Dict) -> str:
         rows = [[r['model'], f'{r["attention_ms"]:,.2f}', _ratio(r['vs_baseline']['attention_time']),
                  f'{r["gemm_ms"]:,.2f}', f'{r["other_ms"]:,.2f}', f'{r["vs_baseline"]["other_ms_more"]:+,.2f}',
                  f'{r["total_ms"]:,.2f}'] for r in prof['rows']]
-        out.append(_table(['model', 'attention', 'x', 'gemm', 'other', 'other +', 'total'], rows))
+        out.append(_table(['model', 'attention', 'x', 'gemm', 'other', 'other vs base', 'total'], rows))
+        out.append('  other vs base: the model\'s other time minus the baseline\'s, in ms; below 0 where the model '
+                   'spends less outside attention and GEMMs (work its fused attention op does inside)')
     targets = results.get('targets')
-    if targets:
+    if targets and cfg.get('smoke'):
+        out.append('\nTargets: not judged in --smoke (tiny models, one short read each: the ratios say nothing '
+                   'about the targets; run without --smoke on the device)')
+    elif targets:
         out.append('\nTargets')
         for t in targets:
             unit = t.get('unit', 'x')

@@ -75,6 +75,11 @@ def plot_vs_epoch(rows: Sequence[Row], path) -> Optional[Path]:
         ax.set_title(dataset)
         ax.set_xlabel('epoch')
         ax.set_ylabel('%')
+        epochs = sorted({r.epoch for r in rows if r.dataset == dataset})
+        ax.set_xticks(epochs)  # whole epochs only
+        if len(epochs) == 1:  # one checkpoint: a readable 0–100 % axis instead of matplotlib's ±4 % around it
+            ax.set_xlim(epochs[0] - 1, epochs[0] + 1)
+            ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -179,7 +179,9 @@ def plot_lambda(run_dir: str, out: Optional[str] = None) -> str:
         ax.set_ylabel('λ')
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+    fig.suptitle(f'{os.path.basename(os.path.normpath(run_dir))}\n'
+                 f'λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init: at step 0 it is λ_init plus the difference that the '
+                 f'random λ vectors give, not λ_init itself', fontsize=9)
     fig.tight_layout()
     out = out or os.path.join(run_dir, 'lambda.png')
     fig.savefig(out, dpi=120)

@@ -96,7 +96,7 @@ def resumed_epoch(checkpoints: str) -> Optional[int]:
 
 def _describe(sched: Dict) -> str:
     steps = f'{sched["steps_per_epoch"]} steps per epoch, ' if sched['steps_per_epoch'] else ''
-    return f'global batch {sched["global_batch"]}, {steps}warm-up {sched["warmup"]} steps, {sched["epochs"]} epochs'
+    return f'global batch {sched["global_batch"]}, {steps}warm-up {sched["warmup"]} steps, {sched["epochs"]} epoch{"s" * (sched["epochs"] != 1)}'
 
 
 def _lr_words(lr: Optional[float]) -> str:

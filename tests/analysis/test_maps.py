@@ -192,7 +192,7 @@ def test_plot_overlays_grid_and_shape_checks(tmp_path):
     maps = {name: torch.rand(2, 2, 8, 8) - 0.2 for name in MODELS}  # (B, Q, gh, gw), some negative
     png = plots.plot_overlays(pil, maps, tmp_path / 'sub' / 'q.png', queries=['circle', 'square'])
     with Image.open(png) as img:
-        assert img.size == (720, 990)  # 3 columns × 4 rows (2 images × 2 queries) of 240 px, + title
+        assert img.size == (800, 990)  # 3 columns × 4 rows (2 images × 2 queries) of 240 px, + title, + colour bar
     with pytest.raises(ValueError, match=r"maps\['diffclip-tiny'\] covers 2 images .* expected 3 images"):
         plots.plot_overlays(pil + pil[:1], maps, tmp_path / 'x.png')
     with pytest.raises(ValueError, match=r"queries \['circle'\] do not label 2 queries per image for 2 images"):
@@ -200,7 +200,7 @@ def test_plot_overlays_grid_and_shape_checks(tmp_path):
     per_image = [['red circle', 'blue square'], ['green square', 'red triangle']]
     png = plots.plot_overlays(pil, maps, tmp_path / 'per_image.png', queries=per_image)
     with Image.open(png) as img:
-        assert img.size == (720, 990)
+        assert img.size == (800, 990)
     with pytest.raises(ValueError, match='do not label 2 queries per image'):
         plots.plot_overlays(pil, maps, tmp_path / 'x.png', queries=per_image[:1])
 
@@ -231,7 +231,7 @@ def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
     assert [line.split()[0] for line in lines[summary + 1:summary + 3]] == list(MODELS)
     assert all(0 < float(line.split()[1]) <= math.log(N_TOKENS) + 1e-3 for line in lines[summary + 1:summary + 3])
     with Image.open(out) as img:
-        assert img.size == (720, 510)  # image + 2 model columns, 2 image rows
+        assert img.size == (800, 510)  # image + 2 model columns + colour bar, 2 image rows
         pixels = np.asarray(img.convert('RGB')).astype(float)
     panel = pixels[60:250, 260:470]  # the first overlay: heat map colours, not the plain scene
     assert pixels.std() > 20 and panel.std() > 20 and (panel[..., 2] - panel[..., 0]).std() > 10
