@@ -1,7 +1,8 @@
-"""The README's examples, run: every `python -m diffzoo…` command it names answers --help, the shell commands
-that run offline in seconds run for real, and its Python blocks run (with the substitutions listed below, on
-CPU, nothing downloaded). An example that needs weights, a dataset or a GPU is in SKIPPED with the reason; a
-new example that is in neither list fails the test until it is placed."""
+"""The examples of README.md and docs/*.md, run: every `python -m diffzoo…` command they name answers --help
+and takes every flag they give it, the shell commands that run offline run for real (the quick start as a
+whole), and their Python blocks run (with the substitutions listed below, on CPU, nothing downloaded). An
+example that needs weights, a dataset or a GPU is in SKIPPED with the reason; a new example that is in
+neither list fails the test until it is placed."""
 import contextlib
 import os
 import re
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / 'README.md').read_text()
+PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+TEXTS = {page.relative_to(ROOT).as_posix(): page.read_text() for page in PAGES}
+README = '\n'.join(TEXTS.values())  # every page, for what is searched across them
 
 # shell commands run as written (from a scratch directory)
 RUN = {
@@ -20,6 +23,7 @@ RUN = {
     'python -m diffzoo.train.vlm recipes': 'paligemma-3b-vqav2-diff',
 }
 WEIGHTS, DATA, GPU = 'needs pretrained weights', 'needs a dataset', 'needs a GPU'
+QUICK = 'the quick start, run as a whole by test_the_quick_start_runs_as_written'
 SKIPPED = {
     'make demo': 'trains two models for minutes (tests/test_demo.py runs the demo on a small corpus)',
     'make test': 'the whole test suite',
@@ -78,6 +82,11 @@ SKIPPED = {
     'python -m diffzoo.bench --device cuda --split-kernel triton --model diffclip-b16 diffclip-b16@two_calls '
     'clip-b16-baseline': GPU,
     'python -m diffzoo.bench.tune --write': GPU,
+    'source .venv/bin/activate': 'activates the environment make built (the quick start test runs the rest in it)',
+    'python -m diffzoo.demo --train 400 --epochs 1 --out quick': QUICK,
+    'scripts/train.sh diffclip-tiny --train_data quick/data/train --epochs 2 --name first': QUICK,
+    'python -m diffzoo.eval --run-dir runs/first --dataset synthetic --dataset-root quick/data': QUICK,
+    'python -m diffzoo.train plot-lambda runs/first': QUICK,
     'LAION_VIT_B16=/models/open_clip_pytorch_model.bin CC3M_SHARDS=/data/cc3m scripts/train.sh '
     'vit-b16-laion2b-diff-duplicate-cc3m': f'{GPU}, {WEIGHTS} (LAION ViT-B-16) and {DATA} (CC3M); '
                                            f'tests/train/test_recipe.py resolves the recipe',
@@ -85,6 +94,7 @@ SKIPPED = {
 
 # Python blocks, by the README section they stand in: (code run before the block, {text: replacement}), or a reason
 PYTHON = {
+    'In Python': ('', {"pretrained='cc12m'": 'pretrained=None', 'pretrained=True': 'pretrained=False'}),
     'open_clip': ("from PIL import Image\nimage = Image.new('RGB', (320, 240), 'gray')\n",
                   {"pretrained='cc12m'": 'pretrained=None'}),  # the cc12m weights are downloaded: random init
     'timm': ("import timm, torch, diffzoo\n"  # checkpoint_path= reads a local file: a timm B/16 with a 512-class head
@@ -110,13 +120,15 @@ PYTHON = {
 
 
 def _blocks(language):
-    """(section heading, code) of each ```language block, in README order."""
-    found, heading = [], None
-    for match in re.finditer(r'^(#+) ([^\n]*)$|^```' + language + r'\n(.*?)^```', README, re.M | re.S):
-        if match.group(1):
-            heading = match.group(2).strip()
-        else:
-            found.append((heading, match.group(3)))
+    """(section heading, code) of each ```language block, page by page (README first), in page order."""
+    found = []
+    for text in TEXTS.values():
+        heading = None
+        for match in re.finditer(r'^(#+) ([^\n]*)$|^```' + language + r'\n(.*?)^```', text, re.M | re.S):
+            if match.group(1):
+                heading = match.group(2).strip()
+            else:
+                found.append((heading, match.group(3)))
     return found
 
 
@@ -179,3 +191,68 @@ def test_python_block_runs(heading, tmp_path):
         code = code.replace(text, replacement)
     with contextlib.chdir(tmp_path):  # in this process (diffzoo imported, HF_HUB_OFFLINE set by conftest)
         exec(compile(prelude + code, f'README.md: {heading}', 'exec'), {'__name__': '__readme__'})
+
+
+def _documented_flags():
+    """{(module, subcommand or None): flags} for every `python -m diffzoo.X [SUB] … --flag` and
+    `scripts/train.sh RECIPE … --flag` in the pages (flags after a lone -- are open_clip_train's own)."""
+    found = {}
+    for command in _commands():
+        argv = [a for a in command.split() if not re.match(r'^[A-Z_0-9]+=', a)]  # VAR=value prefixes
+        argv = argv[:argv.index('--')] if '--' in argv else argv
+        if argv and argv[0].endswith('train.sh'):
+            module, rest = 'diffzoo.train', argv[2:]
+        elif '-m' in argv and argv[argv.index('-m') + 1].startswith('diffzoo'):
+            module, rest = argv[argv.index('-m') + 1], argv[argv.index('-m') + 2:]
+        else:
+            continue
+        sub = rest[0] if rest and not rest[0].startswith('-') and module != 'diffzoo.train' else None
+        if module == 'diffzoo.train' and rest and rest[0] in ('plot-lambda', 'recipes'):
+            sub = rest[0]
+        flags = {a.split('=')[0] for a in rest if a.startswith('--')}
+        found.setdefault((module, sub), set()).update(flags)
+    return found
+
+
+def _recipe_key(module: str, flag: str) -> bool:
+    """A `--key` override of a diffzoo.train / diffzoo.train.vlm recipe (dashes or underscores, dotted)."""
+    key = flag[2:].replace('-', '_').split('.')[0]
+    if module == 'diffzoo.train':
+        from diffzoo.train.recipe import valid_keys
+        return key in valid_keys() or key == 'recipe'
+    if module == 'diffzoo.train.vlm':
+        from diffzoo.vlm.recipe import VLM_RECIPE
+        return key in VLM_RECIPE.keys or key == 'recipe'
+    return False
+
+
+@pytest.mark.slow
+def test_every_documented_flag_is_taken_by_its_command(tmp_path):
+    """A flag the pages give a command is in that command's --help (or is a recipe key of the trainers):
+    renaming or dropping a documented flag fails here."""
+    missing = []
+    for (module, sub), flags in sorted(_documented_flags().items(), key=str):
+        done = _run([sys.executable, '-m', module, *([sub] if sub else []), '--help'], tmp_path)
+        if done.returncode and sub:  # a positional that is not a subcommand with a help of its own (chain A B)
+            done = _run([sys.executable, '-m', module, '--help'], tmp_path)
+        assert done.returncode == 0, (module, sub, done.stderr[-1500:])
+        missing += [f'{module}{" " + sub if sub else ""} {f}' for f in sorted(flags)
+                    if not re.search(re.escape(f) + r'\b', done.stdout) and not _recipe_key(module, f)]
+    assert not missing, f'documented flags the commands do not take: {missing}'
+
+
+@pytest.mark.slow
+def test_the_quick_start_runs_as_written(tmp_path):
+    """The README's quick start, its commands in order in one scratch directory, in the environment this suite
+    runs in: a small demo, a training with scripts/train.sh, its evaluation and its λ plot."""
+    quick = [c for c in _commands() if SKIPPED.get(c) == QUICK]
+    assert len(quick) == 4
+    for command in quick:
+        argv = command.split()
+        argv = [sys.executable, *argv[1:]] if argv[0] == 'python' else ['bash', str(ROOT / argv[0]), *argv[1:]]
+        env = dict(os.environ, HF_HUB_OFFLINE='1', PYTHON=sys.executable, NPROC_PER_NODE='1')
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    assert (tmp_path / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
+    assert (tmp_path / 'runs' / 'first' / 'eval' / 'results.json').is_file()
+    assert (tmp_path / 'runs' / 'first' / 'lambda.png').stat().st_size > 0
