@@ -118,12 +118,6 @@ def run(argv: List[str], doc: str = '') -> int:
             raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags\n' + doc)
     args, samples = preflight(argv, world_size)
     run_dir = check_run_dir(args, rank, world_size, samples, accept)
-    done = resumed_epoch(os.path.join(run_dir, 'checkpoints')) if run_dir and args.resume == 'latest' else None
-    if done is not None and done >= args.epochs:  # open_clip_train would load it, log, and train nothing
-        if rank == 0:
-            print(f'{run_dir}: finished, epoch {done} of {args.epochs}; nothing to train. To train longer, run the '
-                  f'same command with --epochs N (N > {done}): it resumes from epoch {done}.', flush=True)
-        return 0
     if rank == 0:
         check_space(args, run_dir)
         print_plan(plan, source, argv, run_dir)
@@ -131,6 +125,12 @@ def run(argv: List[str], doc: str = '') -> int:
             restored = restore_latest(os.path.join(run_dir, 'checkpoints'))  # else open_clip_train starts over
             if restored:
                 print(f'warning: {restored}', file=sys.stderr, flush=True)
+    done = resumed_epoch(os.path.join(run_dir, 'checkpoints')) if run_dir and args.resume == 'latest' else None
+    if done is not None and done >= args.epochs:  # open_clip_train would load it, log, and train nothing
+        if rank == 0:
+            print(f'{run_dir}: finished, epoch {done} of {args.epochs}; nothing to train. To train longer, run the '
+                  f'same command with --epochs N (N > {done}): it resumes from epoch {done}.', flush=True)
+        return 0
 
     lambda_lr = plan.recipe.get('lambda_lr') if plan is not None else None
     if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
