@@ -7,8 +7,9 @@ diffzoo.train` puts three things in their place as `open_clip_train.main` and it
 sub-norm weights, by name), `optim.AdamW` moves them into groups of their own (same weight decay as
 where they were) carrying `lr_scale` = lambda_lr / lr, and `assign_learning_rate` sets each group's lr to
 the schedule's value × its `lr_scale` (1 for the others), so warm-up and decay apply to both rates.
-A resumed run keeps the groups' `lr_scale` from its checkpoint (the optimizer state holds them), so changing
-lambda_lr takes a new run.
+A resumed run reads its checkpoint's optimizer state into this run's groups and keeps this run's `lr_scale`, so
+a changed lambda_lr applies from the resume on; a checkpoint grouped otherwise (a run without lambda_lr) is
+refused by name.
 """
 import functools
 from typing import Iterable, Set
@@ -59,7 +60,29 @@ class OptimWithLambdaGroups:
         if not self._noted:
             raise ValueError('lambda_lr: the model has no differential parameters (λ, W_λ, sub-norm) to give their '
                              'own learning rate; leave lambda_lr out or train a differential model')
-        return self._optim.AdamW(split_groups(params, self._noted, self._lr_scale), *args, **kwargs)
+        optimizer = self._optim.AdamW(split_groups(params, self._noted, self._lr_scale), *args, **kwargs)
+        optimizer.load_state_dict = _keeping_lr_scale(optimizer, optimizer.load_state_dict)
+        return optimizer
+
+
+def _keeping_lr_scale(optimizer, original):
+    """`optimizer.load_state_dict` (a resume) that keeps this run's groups and `lr_scale`: the checkpoint's
+    state is read into them, so a resumed run trains λ at the lambda_lr it is given now; a checkpoint from a
+    run with another grouping (without lambda_lr, or before it) is named."""
+    def load_state_dict(state_dict):
+        scales = [g.get('lr_scale') for g in optimizer.param_groups]
+        saved = len(state_dict.get('param_groups', []))
+        if saved != len(scales):
+            raise ValueError(f'lambda_lr: the checkpoint\'s optimizer has {saved} parameter groups and this run has '
+                             f'{len(scales)} (λ and the sub-norm in groups of their own); resume with the lambda_lr '
+                             f'setting the run started with, or start a new run (--name NEW)')
+        original(state_dict)
+        for group, scale in zip(optimizer.param_groups, scales):
+            if scale is None:
+                group.pop('lr_scale', None)
+            else:
+                group['lr_scale'] = scale
+    return load_state_dict
 
 
 def assign_learning_rate(optimizer, new_lr):

@@ -86,3 +86,18 @@ def test_lambda_lr_puts_lambda_and_sub_norm_in_their_own_groups_under_the_schedu
     assert all(by_id[id(p)]['lr'] == pytest.approx(5e-5) for n, p in named if n not in differential)
     assert sum(len(g['params']) for g in optimizer.param_groups) == len(named)
     assert main_mod.optim is torch.optim  # restored after the run
+
+
+def test_a_resume_keeps_the_lambda_lr_given_now_and_names_a_checkpoint_grouped_otherwise():
+    import open_clip_train.main as main_mod
+
+    def optimizer_of(scale):
+        with seams.installed(lambda_lr_scale=scale):
+            model = main_mod.create_model_and_transforms('diffclip-tiny')[0]
+            return main_mod.optim.AdamW([{'params': [p for p in model.parameters()]}], lr=1e-4)
+    saved = optimizer_of(100.0).state_dict()
+    resumed = optimizer_of(10.0)
+    resumed.load_state_dict(saved)
+    assert sorted(g.get('lr_scale', 1.0) for g in resumed.param_groups) == [1.0, 10.0]
+    with pytest.raises(ValueError, match='lambda_lr: the checkpoint.s optimizer has 1 parameter groups'):
+        resumed.load_state_dict(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).state_dict())
