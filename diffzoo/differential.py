@@ -45,7 +45,7 @@ from diffzoo.layers.diff_attention import LAMBDA_PROJ_INITS
 from diffzoo.layers.pretrained import (HEAD_PAIRINGS, RECORD, PretrainedDifferentialAttention, copy_modules,
                                        differential_heads, read_record)
 
-SETTINGS = ('variant', 'lambda_init', 'blocks', 'head_pairing', 'lambda_proj_init')
+SETTINGS = ('variant', 'lambda_init', 'blocks', 'head_pairing', 'lambda_proj_init')  # differentialize's keywords
 
 
 class NotConvertible(ValueError):

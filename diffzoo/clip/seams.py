@@ -45,7 +45,7 @@ from diffzoo.checkpoint import (
     CheckpointError, first_keys, is_official_diffclip, official_diffclip_to_open_clip, preprocess_record,
     read_state_dict,
 )
-from diffzoo.differential import differentialize, prepare_for
+from diffzoo.differential import SETTINGS, differentialize, prepare_for
 from diffzoo.layers.pretrained import RECORD
 from .pretrained import PRETRAINED
 from .text_tower import DiffTextTransformer
@@ -81,15 +81,12 @@ def wrap_function(module, name: str, params, make_wrapper) -> None:
     setattr(module, name, wrapper)
 
 
-CONVERT_KEYS = ('variant', 'lambda_init', 'blocks', 'head_pairing', 'lambda_proj_init')  # differentialize's
-
-
 def _conversion(where: str, settings) -> dict:
     """`differentialize` keywords from a config's `diffzoo` entry (`convert` dropped), unknown keys refused."""
     settings = {k: v for k, v in dict(settings).items() if k != 'convert'}
-    unknown = set(settings) - set(CONVERT_KEYS)
+    unknown = set(settings) - set(SETTINGS)
     if unknown:
-        raise ValueError(f'{where}.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; expected some of {CONVERT_KEYS}')
+        raise ValueError(f'{where}.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; expected some of {SETTINGS}')
     return settings
 
 
@@ -117,7 +114,7 @@ def _text_tower_builder(original):
         unknown = set(diff) - {'variant', 'lambda_init', 'convert'}
         if unknown:
             raise ValueError(f'text_cfg.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; expected "variant" and '
-                             f'"lambda_init" (DiffCLIP\'s text tower), or "convert": true with {CONVERT_KEYS}')
+                             f'"lambda_init" (DiffCLIP\'s text tower), or "convert": true with {SETTINGS}')
         cfg = CLIPTextCfg(**text_cfg)
         if cfg.hf_model_name:
             raise ValueError(f'text_cfg.{DIFFZOO_KEY} applies to open_clip\'s own text transformer, '
@@ -232,7 +229,7 @@ def pending_conversion(conversion) -> dict:
     """`create_model`'s `diffzoo=` checked: {'vision': settings, 'text': settings} with differentialize's keys."""
     if not isinstance(conversion, dict) or not conversion or not set(conversion) <= {'vision', 'text'}:
         raise ValueError(f'{DIFFZOO_KEY}={conversion!r}: expected {{"vision": {{...}}, "text": {{...}}}} with '
-                         f'differentialize\'s settings {CONVERT_KEYS} for either tower')
+                         f'differentialize\'s settings {SETTINGS} for either tower')
     return {tower: _conversion(f'{DIFFZOO_KEY}.{tower}', settings) for tower, settings in conversion.items()}
 
 

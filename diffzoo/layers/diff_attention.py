@@ -120,6 +120,10 @@ torch.fx.wrap('add_mask')
 torch.fx.wrap('explicit_output')
 
 VARIANTS = ('split', 'duplicate', 'v2')
+# what a differential layer has that plain attention has not (attribute names): λ's vectors or timm's dual
+# scalars, v2's W_λ and the sub-norm, as `lambda_lr` trains them and a converted layer initialises them itself
+LAMBDA_PARAMETERS = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'lambda_a', 'lambda_b', 'lambda_proj',
+                     'sub_norm')
 LAMBDA_PROJ_INITS = ('unilm', 'zeros')  # v2's W_λ: unilm's (no bias, nn.Linear init) or zero weight and bias
 
 

@@ -37,7 +37,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
-from .diff_attention import DifferentialAttention
+from .diff_attention import LAMBDA_PARAMETERS, DifferentialAttention
 
 SOURCES = ('timm', 'timm_eva', 'open_clip')
 HEAD_PAIRINGS = ('adjacent', 'halves')
@@ -94,20 +94,21 @@ def source_tensors(state_dict: Dict[str, torch.Tensor], prefix: str, source: str
     """Pop a pretrained layer's tensors from `state_dict` as {'qkv.weight', 'qkv.bias', 'proj.weight',
     'proj.bias'} (bias entries may be None); the norms' keys stay where they are (same names)."""
     take = lambda name: state_dict.pop(prefix + name, None)  # noqa: E731
+
+    def eva_bias(q_b, v_b):  # EVA's K has no bias: zeros between Q's and V's
+        return None if q_b is None else torch.cat([q_b, torch.zeros_like(q_b), v_b])
+
     if source == 'open_clip':
         return {'qkv.weight': take('in_proj_weight'), 'qkv.bias': take('in_proj_bias'),
                 'proj.weight': take('out_proj.weight'), 'proj.bias': take('out_proj.bias')}
     if source == 'timm_eva' and prefix + 'q_proj.weight' in state_dict:
-        q_w, k_w, v_w = take('q_proj.weight'), take('k_proj.weight'), take('v_proj.weight')
-        q_b, v_b = take('q_proj.bias'), take('v_proj.bias')
-        bias = None if q_b is None else torch.cat([q_b, torch.zeros_like(q_b), v_b])
-        return {'qkv.weight': torch.cat([q_w, k_w, v_w]), 'qkv.bias': bias,
+        weight = torch.cat([take('q_proj.weight'), take('k_proj.weight'), take('v_proj.weight')])
+        return {'qkv.weight': weight, 'qkv.bias': eva_bias(take('q_proj.bias'), take('v_proj.bias')),
                 'proj.weight': take('proj.weight'), 'proj.bias': take('proj.bias')}
     weight, bias = take('qkv.weight'), take('qkv.bias')
     if source == 'timm_eva':
-        q_b, v_b = take('q_bias'), take('v_bias')
+        bias = eva_bias(take('q_bias'), take('v_bias'))
         take('k_bias')  # a zero, non-persistent buffer in EVA; present in some exports
-        bias = None if q_b is None else torch.cat([q_b, torch.zeros_like(q_b), v_b])
     return {'qkv.weight': weight, 'qkv.bias': bias, 'proj.weight': take('proj.weight'), 'proj.bias': take('proj.bias')}
 
 
@@ -174,7 +175,7 @@ class PretrainedDifferentialAttention(DifferentialAttention):
             state_dict.update({prefix + k: v for k, v in mapped.items() if v is not None})
             own = self.state_dict()
             for name, value in own.items():  # λ, W_λ and the sub-norm: the layer's own initial values
-                if name.startswith(('lambda', 'sub_norm')) and prefix + name not in state_dict:
+                if name.split('.')[0] in LAMBDA_PARAMETERS and prefix + name not in state_dict:
                     state_dict[prefix + name] = value
         state_dict.setdefault(prefix + RECORD, self.get_extra_state())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -3,8 +3,8 @@
 open_clip_train builds one AdamW over two groups (no weight decay for gains and biases, `--wd` for the
 rest) and its schedulers set every group's lr to the schedule's value. For one run, `python -m
 diffzoo.train` puts three things in their place as `open_clip_train.main` and its scheduler see them:
-`create_model_and_transforms` notes the model's differential parameters (λ_q1 … λ_k2, v2's W_λ and the
-sub-norm weights, by name), `optim.AdamW` moves them into groups of their own (same weight decay as
+`create_model_and_transforms` notes the model's differential parameters (each `DifferentialAttention`'s
+`LAMBDA_PARAMETERS`: λ_q1 … λ_k2, v2's W_λ, the sub-norm weights), `optim.AdamW` moves them into groups of their own (same weight decay as
 where they were) carrying `lr_scale` = lambda_lr / lr, and `assign_learning_rate` sets each group's lr to
 the schedule's value × its `lr_scale` (1 for the others), so warm-up and decay apply to both rates.
 A resumed run reads its checkpoint's optimizer state into this run's groups and keeps this run's `lr_scale`, so
@@ -16,12 +16,13 @@ from typing import Iterable, Set
 
 import torch
 
-DIFFERENTIAL_NAMES = ('.lambda_q1', '.lambda_k1', '.lambda_q2', '.lambda_k2', '.lambda_a', '.lambda_b',
-                      '.lambda_proj.', '.sub_norm.')
+from diffzoo.layers.diff_attention import LAMBDA_PARAMETERS, DifferentialAttention
 
 
 def differential_parameter_ids(model: torch.nn.Module) -> Set[int]:
-    return {id(p) for n, p in model.named_parameters() if any(s in f'.{n}' for s in DIFFERENTIAL_NAMES)}
+    """The λ, W_λ and sub-norm parameters of every differential layer in `model`."""
+    return {id(p) for m in model.modules() if isinstance(m, DifferentialAttention)
+            for name, p in m.named_parameters() if name.split('.')[0] in LAMBDA_PARAMETERS}
 
 
 def model_creator(original, noted: Set[int]):
