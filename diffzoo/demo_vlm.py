@@ -31,11 +31,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from diffzoo.data.llava_qa import SHORT_ANSWER as SHORT  # LLaVA-1.5's short-answer prompt, as POPE asks
-
-
-def _conversation(question: str, answer: str, image: bool = True) -> List[Dict]:
-    return [{'from': 'human', 'value': (f'<image>\n{question}' if image else question)},
-            {'from': 'gpt', 'value': answer}]
+from diffzoo.data.llava_qa import exchange
 
 
 def write_sets(root: Path, scenes: int, pope_scenes: int, seed: int = 0) -> Dict[str, Path]:
@@ -53,7 +49,7 @@ def write_sets(root: Path, scenes: int, pope_scenes: int, seed: int = 0) -> Dict
         name = f'train/{i:06d}.png'
         image.save(images / name)
         train_descriptions.append(d)
-        captions.append({'id': f'c{i}', 'image': name, 'conversations': _conversation('', d['caption'])})
+        captions.append({'id': f'c{i}', 'image': name, 'conversations': exchange('', d['caption'])})
     frequency = class_frequency(train_descriptions)
     for i, d in enumerate(train_descriptions):
         split = POPE_SPLITS[i % 3]
@@ -62,7 +58,7 @@ def write_sets(root: Path, scenes: int, pope_scenes: int, seed: int = 0) -> Dict
         rng.shuffle(asked)
         turns = []
         for j, (obj, answer) in enumerate(asked):
-            turns += _conversation(f'{presence_question(obj)}\n{SHORT}', answer, image=j == 0)
+            turns += exchange(f'{presence_question(obj)}\n{SHORT}', answer, image=j == 0)
         conversations.append({'id': f'q{i}', 'image': f'train/{i:06d}.png', 'conversations': turns})
     pope = root / 'pope'
     (pope / 'val2014').mkdir(parents=True, exist_ok=True)

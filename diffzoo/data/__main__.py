@@ -171,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument('out', type=Path, help='the JSON to write')
     q.add_argument('--image-root', type=Path, required=True,
                    help="the folder the JSON's image paths are relative to (it holds every set's folder)")
-    for name in ('vqav2', 'okvqa', 'vizwiz', 'gqa', 'ocrvqa', 'docvqa', 'chartqa'):
+    for name in llava_qa.READERS:
         q.add_argument(f'--{name}', type=Path, metavar='DIR', help=f'the {name} folder')
     q.add_argument('--split', default='train')
     q.add_argument('--prompt', default=llava_qa.SHORT_ANSWER,

@@ -32,6 +32,11 @@ from .shards import DataError
 SHORT_ANSWER = 'Answer the question using a single word or phrase.'  # LLaVA-1.5's short-answer prompt
 
 
+def exchange(question: str, answer: str, image: bool = True) -> List[Dict]:
+    """One LLaVA-format exchange: the human's question (after `<image>` when `image`) and the gpt's answer."""
+    return [{'from': 'human', 'value': f'<image>\n{question}' if image else question}, {'from': 'gpt', 'value': answer}]
+
+
 @dataclass(frozen=True)
 class QA:
     id: str
@@ -160,8 +165,7 @@ def convert(sets: Dict[str, Path], image_root: Path, out: Path, split: str = 'tr
                 continue
             question = qa.question.strip() + (f'\n{prompt}' if prompt else '')
             records.append({'id': f'{name}-{qa.id}', 'image': qa.image.relative_to(image_root).as_posix(),
-                            'conversations': [{'from': 'human', 'value': f'<image>\n{question}'},
-                                              {'from': 'gpt', 'value': qa.answer.strip()}]})
+                            'conversations': exchange(question, qa.answer.strip())})
             report.kept[name] += 1
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records) + '\n')

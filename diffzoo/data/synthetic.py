@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from PIL import Image, ImageDraw
 
+from diffzoo.eval.lmm.tasks import POPE_SPLITS  # the benchmark's splits, which the POPE-style questions follow
 from .shards import DataError, write_sizes
 
 SHAPES = ('circle', 'square', 'triangle')
@@ -217,7 +218,6 @@ def class_names() -> Dict[str, List[str]]:
 
 
 # POPE-style object-presence questions (Li et al., 2023), over the corpus's 18 object classes (colour + shape)
-POPE_SPLITS = ('random', 'popular', 'adversarial')
 
 
 def object_classes() -> List[str]:

@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
 
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
@@ -37,10 +36,11 @@ from diffzoo.vlm.differential import differential_parameters
 from diffzoo.vlm.factory import load_vlm
 from diffzoo.vlm.lora import projection_modules, trainable_parameters
 from diffzoo.vlm.model import VisionLanguageModel
-from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, parameters_by_name, load_stage, model_spec, stage_output
+from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, load_stage, model_spec,
+                                stage_output)
 
-from .vlm_trainer import (RUN_RECIPE, SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, plot_loss, resume_point,
-                          training_arguments)
+from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, resume_point, run_log,
+                          start_run, training_arguments, write_results)
 
 DATA_PROBLEMS = 'data_problems.json'
 
@@ -80,14 +80,6 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).cpu().contiguous()
 
 
-def _copy_into(p: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a whole tensor into a parameter, into its shard when FSDP2 sharded it."""
-    value = value.to(device=p.device, dtype=p.dtype)
-    if isinstance(p, DTensor):
-        value = distribute_tensor(value, p.device_mesh, p.placements)
-    p.copy_(value)
-
-
 def held_names(model: nn.Module, held: Set[int]) -> Set[str]:
     """The names of the parameters a stage holds besides what it trains (ids from `load_stage`)."""
     return {name for name, p in model.named_parameters() if id(p) in held}
@@ -108,12 +100,15 @@ class StageTrainer(VLMTrainer):
         self.left_out_long.update(inputs.pop('left_out_long', ()))
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def kept(self) -> Dict[str, nn.Parameter]:
+        """The parameters the stage's output and checkpoints hold: what trains and what is held, by name."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad or n in self.held}
+
     def held_state(self, state_dict: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad or n in self.held]
+        kept = self.kept()
         if state_dict is not None:  # FSDP: accelerate's full state dict, gathered on every rank
-            return {n: state_dict[n].detach().cpu().contiguous() for n in names}
-        params = parameters_by_name(self.model)
-        return {n: _full(params[n]) for n in names}
+            return {n: state_dict[n].detach().cpu().contiguous() for n in kept}
+        return {n: _full(p) for n, p in kept.items()}
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         if self.args.should_save:
@@ -122,25 +117,14 @@ class StageTrainer(VLMTrainer):
             save_file(self.held_state(state_dict), str(directory / STAGE_WEIGHTS))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        tensors = load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS))
-        params = parameters_by_name(self.model)
-        missing = sorted(set(tensors) - set(params))
-        if missing:
-            raise RecipeError(f'{resume_from_checkpoint}: {missing[0]} has no parameter in the model; resume with the '
-                              f'recipe that wrote it')
-        with torch.no_grad():
-            for name, value in tensors.items():
-                _copy_into(params[name], value)
+        copy_tensors(self.model, load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS)), resume_from_checkpoint,
+                     '; resume with the recipe that wrote it')
 
 
 def gathered(trainer: StageTrainer):
     """(unreadable images, ids cut to max_length, ids left out after the cut) over every process (a collective
     under DDP: every rank calls it)."""
-    mine = (trainer.skipped_images, trainer.cut_short, trainer.left_out_long)
-    if trainer.args.world_size == 1:
-        return mine
-    parts = [None] * trainer.args.world_size
-    dist.all_gather_object(parts, mine)
+    parts = all_gathered((trainer.skipped_images, trainer.cut_short, trainer.left_out_long), trainer.args.world_size)
     return (parts[0][0].merge([p[0] for p in parts[1:]]), set().union(*(p[1] for p in parts)),
             set().union(*(p[2] for p in parts)))
 
@@ -165,14 +149,13 @@ def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str,
     trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
     (FSDP gathers the shards); rank 0 writes."""
     model = trainer.model
-    params = parameters_by_name(model)
-    keep = {id(p) for n, p in params.items() if p.requires_grad or n in trainer.held}
+    keep = {id(p) for p in trainer.kept().values()}
     lm = vlm.model.language_model
     if hasattr(lm, 'merge_and_unload'):  # peft: the adapted weights become held
         keep |= {id(m.base_layer.weight) for m in lm.modules() if hasattr(m, 'base_layer') and hasattr(m, 'lora_A')}
         vlm.model.language_model = lm.merge_and_unload()
         model = vlm.model
-    state = {n: _full(p) for n, p in model.named_parameters() if id(p) in keep and 'lora_' not in n}
+    state = {n: _full(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(state, str(directory / STAGE_WEIGHTS))
@@ -230,14 +213,10 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
     counts = trainable_parameters(vlm.model)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
-        print(f'{name}: {len(train_set)} conversations ({problems.summary()}), {max_steps} steps of '
-              f'{recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world}; trainable {counts}'
-              + (f'; starts from {start}' if start else ''), flush=True)
-        if checkpoint is not None:
-            step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
-            print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
+        start_run(run_dir, recipe, name, checkpoint,
+                  f'{name}: {len(train_set)} conversations ({problems.summary()}), {max_steps} steps of '
+                  f'{recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world}; trainable {counts}'
+                  + (f'; starts from {start}' if start else ''))
     collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
                                     image_aspect=data['image_aspect'])
     report = EpochReport(data['max_length'])
@@ -260,12 +239,10 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
                   'cut_examples': sorted(cut)[:3]}
         (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
         (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
-        log = [json.loads(line) for line in (run_dir / 'log.jsonl').read_text().splitlines()]
+        log = run_log(run_dir)
         results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
                        data_problems=report, stage=str(output))
-        (run_dir / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
-        if log:
-            plot_loss(log, run_dir / 'loss.png')
+        write_results(run_dir, results, log)
         print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → {results["final_loss"]:.4f}; '
               f'{len(cut)} conversation(s) cut to {data["max_length"]} tokens, {len(long)} left out after the cut; '
               f'{skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)

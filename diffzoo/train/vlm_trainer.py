@@ -271,6 +271,37 @@ def _tensorboard_dir(run_dir: Path):
             os.environ.pop('TENSORBOARD_LOGGING_DIR', None)
 
 
+def all_gathered(obj, world: int) -> list:
+    """`obj` from every process, rank order (a collective under DDP: every rank calls it); [obj] alone."""
+    if world == 1:
+        return [obj]
+    parts = [None] * world
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def start_run(run_dir: Path, recipe: Dict, name: str, checkpoint: Optional[Path], line: str) -> None:
+    """Rank 0's start of a run: its recipe in RUN_DIR, `line` printed, and the step it resumes from."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
+    print(line, flush=True)
+    if checkpoint is not None:
+        step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
+        print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
+
+
+def run_log(run_dir: Path) -> List[Dict]:
+    """The run's loss log (RunLog's log.jsonl)."""
+    return [json.loads(line) for line in (run_dir / 'log.jsonl').read_text().splitlines()]
+
+
+def write_results(run_dir: Path, results: Dict, log: List[Dict]) -> None:
+    """results.json and, with a log, the loss curve (loss.png)."""
+    (run_dir / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
+    if log:
+        plot_loss(log, run_dir / 'loss.png')
+
+
 def run(recipe: Dict, name: str) -> Dict:
     """Fine-tune as the (validated) recipe says; returns what results.json holds."""
     with _tensorboard_dir(Path(recipe['output']) / name):
@@ -302,23 +333,16 @@ def _run(recipe: Dict, name: str) -> Dict:
     vlm.add_lora(**recipe['lora'], train_projector=recipe['train_projector'])
     counts = trainable_parameters(vlm.model)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_RECIPE).write_text(json.dumps(recipe, indent=1) + '\n')
-        print(f'{name}: {len(train_set)} training questions, {max_steps} steps of {recipe["batch_size"]} × '
-              f'{args.gradient_accumulation_steps} × {world}; trainable {counts}', flush=True)
-        if checkpoint is not None:
-            step = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())['global_step']
-            print(f'resuming {name} from step {step} ({checkpoint})', flush=True)
+        start_run(run_dir, recipe, name, checkpoint,
+                  f'{name}: {len(train_set)} training questions, {max_steps} steps of {recipe["batch_size"]} × '
+                  f'{args.gradient_accumulation_steps} × {world}; trainable {counts}')
     samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
     trainer = VLMTrainer(model=vlm.model, args=args, train_dataset=train_set,
                          data_collator=vlm.collator(train=True, max_length=data['max_length']),
                          callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'])
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    skipped = trainer.skipped_images
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, skipped)
-        skipped = parts[0].merge(parts[1:])
+    parts = all_gathered(trainer.skipped_images, world)
+    skipped = parts[0].merge(parts[1:])
 
     results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
     if val_set:
@@ -337,13 +361,11 @@ def _run(recipe: Dict, name: str) -> Dict:
         print(f'{name}: {skipped.summary()}' + (f' ({run_dir / SKIPPED_IMAGES})' if skipped.files else ''),
               flush=True)
         save_adapter(vlm.model, run_dir / 'adapter')
-        log = [json.loads(line) for line in (run_dir / 'log.jsonl').read_text().splitlines()]
+        log = run_log(run_dir)
         results['final_loss'] = log[-1]['loss'] if log else None
         if val_set:
             (run_dir / 'val_answers.json').write_text(json.dumps(answers) + '\n')
-        (run_dir / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
-        if log:
-            plot_loss(log, run_dir / 'loss.png')
+        write_results(run_dir, results, log)
         acc = f'{results["vqa_accuracy"]:.2f}' if 'vqa_accuracy' in results else 'n/a'
         print(f'\n{name}: {results["steps"]} steps, final loss {results["final_loss"]:.4f}, VQA accuracy {acc}\n'
               f'  {run_dir / "results.json"}\n  {run_dir / "loss.png"}\n  {run_dir / "adapter"}', flush=True)

@@ -43,6 +43,7 @@ from PIL import Image
 
 from .data import UNREADABLE, _skipped_record
 from .options import CONVERSATION_FORMATS as FORMATS
+from .options import IMAGE_ASPECTS as ASPECTS
 
 IMAGE = '<image>'
 HUMAN, GPT = 'human', 'gpt'
@@ -232,8 +233,6 @@ def prompt(question: str, tokenizer, prompt_format: str, image: bool = True) -> 
     return ids[:end], image_at if image_at <= end else -1
 
 
-ASPECTS = ('pad', 'crop')
-
 
 def transform_mean(transform: Callable) -> Tuple[float, ...]:
     """The mean a torchvision transform normalises by (its Normalize step); CLIP's when it has none."""
@@ -241,6 +240,11 @@ def transform_mean(transform: Callable) -> Tuple[float, ...]:
         if hasattr(step, 'mean') and hasattr(step, 'std'):
             return tuple(float(m) for m in step.mean)
     return (0.48145466, 0.4578275, 0.40821073)
+
+
+def pad_colour(transform: Callable) -> Tuple[int, ...]:
+    """The 0–255 colour `pad_to_square` fills with for images that `transform` normalises: its mean."""
+    return tuple(int(m * 255) for m in transform_mean(transform))
 
 
 def pad_to_square(image: Image.Image, colour: Tuple[int, ...]) -> Image.Image:
@@ -272,8 +276,7 @@ class ConversationCollator:
             raise ValueError('tokenizer: needs a pad token (set tokenizer.pad_token, e.g. to its eos or unk token)')
         self.tokenizer, self.transform, self.format = tokenizer, image_transform, prompt_format
         self.max_length, self.image_size = max_length, tuple(image_size)
-        self.pad_colour = (tuple(int(m * 255) for m in transform_mean(image_transform)) if image_aspect == 'pad'
-                           else None)
+        self.pad_colour = pad_colour(image_transform) if image_aspect == 'pad' else None
 
     def __call__(self, samples: Sequence[Conversation]) -> Dict:
         rows, images, kept, skipped, cut, long = [], [], [], [], [], []

@@ -29,7 +29,7 @@ import transformers
 
 from diffzoo.recipes import expand_env
 
-from .conversations import pad_to_square, transform_mean
+from .conversations import pad_colour, pad_to_square
 from .conversations import prompt as conversation_prompt
 from .data import PaliGemmaCollator, VLMCollator
 from .differential import differentialize
@@ -122,7 +122,7 @@ class BuiltVLM(VLM):
             asked = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]
             rows, image_at = [ids for ids, _ in asked], [at for _, at in asked]
             if self.image_aspect == 'pad':
-                colour = tuple(int(m * 255) for m in transform_mean(self.transform))
+                colour = pad_colour(self.transform)
                 images = [pad_to_square(im.convert('RGB'), colour) for im in images]
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         T = max(len(r) for r in rows)

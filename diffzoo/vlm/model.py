@@ -274,16 +274,16 @@ class VisionLanguageModel(nn.Module):
             anchors = torch.cat([self.post_mlp(self.projector(cls[:, None])), anchors], 1)  # (B, 1 + k, D)
         return anchors * self.embed_scale, features, index
 
-    def _injected(self, features, text_at, has_image=None) -> dict:
+    def _injected(self, features, text_at, image_at=None) -> dict:
         """The language model's extra forward keyword: eRAM-V's injected keys/values ({} without). A row
-        without an image (`has_image` False: a text-only conversation's blank picture) reads none."""
+        without an image (`image_at` −1: a text-only conversation's blank picture) reads none."""
         if features is None:
             return {}
         queries = text_at  # (B, L): the positions that read the features
         if self.injected_queries == 'all':  # Eq. 8: the whole multimodal sequence reads the features
             queries = torch.ones_like(text_at)
-        if has_image is not None:
-            queries = queries & has_image[:, None]
+        if image_at is not None:
+            queries = queries & (image_at >= 0)[:, None]
         decoder = find_decoder(self.language_model)
         return {INJECTED: InjectedFeatures.from_features(decoder, self.inject_indices, features, queries)}
 
@@ -333,9 +333,8 @@ class VisionLanguageModel(nn.Module):
         prefix_mask = attention_mask if prefix_mask is None else prefix_mask
         embeds, mask, positions, valid, features, text_at, text_to = self._inputs(
             pixel_values, input_ids, attention_mask, prefix_mask, image_at)
-        has_image = None if image_at is None else image_at >= 0
         out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                  **self._injected(features, text_at, has_image), **kwargs)
+                                  **self._injected(features, text_at, image_at), **kwargs)
         if labels is not None:
             if image_at is None:  # [image | text]: the text's first token (BOS) is not predicted from the image
                 labels = torch.cat([labels.new_full((labels.shape[0], 1), -100), labels[:, 1:]], 1)
@@ -353,7 +352,7 @@ class VisionLanguageModel(nn.Module):
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         embeds, mask, positions, valid, features, text_at, _ = self._inputs(pixel_values, input_ids, attention_mask,
                                                                             attention_mask, image_at)
-        injected = self._injected(features, text_at, None if image_at is None else image_at >= 0)
+        injected = self._injected(features, text_at, image_at)
         return self._generate(embeds, mask, positions, valid, input_ids, max_new_tokens, eos_token_id, use_cache,
                               injected)
 

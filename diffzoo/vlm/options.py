@@ -15,6 +15,8 @@ FINAL_NORM = 'final_norm'  # select_layer: the last block's output through the t
 # conversation prompt formats (diffzoo.vlm.conversations): LLaVA's pre-training `plain`, LLaVA-1.5's vicuna_v1,
 # the language model's own chat template
 CONVERSATION_FORMATS = ('plain', 'vicuna_v1', 'chat_template')
+# how a conversation's image meets the tower: padded to a square of the normaliser's mean (LLaVA-1.5), or not
+IMAGE_ASPECTS = ('pad', 'crop')
 
 
 def check_select_layer(select_layer, depth: Optional[int] = None) -> Optional[int]:

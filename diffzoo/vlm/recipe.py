@@ -29,7 +29,7 @@ from typing import Dict, Mapping
 
 from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
 
-from .options import (CONVERSATION_FORMATS, FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS,
+from .options import (CONVERSATION_FORMATS, FINAL_NORM, IMAGE_ASPECTS, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS,
                       check_select_layer)
 
 
@@ -68,7 +68,7 @@ DATA = Typed({
                                         "chat_template (the language model's own)", CONVERSATION_FORMATS),
         'max_length': Key((int,), 2048, 'longest conversation in text tokens (longer ones are cut, counted)'),
         'image_aspect': Key((str,), 'pad', "pad (LLaVA-1.5's and TinyLLaVA's: to a square of the normaliser's mean "
-                                          "colour first) or crop (the tower's transform alone)", ('pad', 'crop')),
+                                          "colour first) or crop (the tower's transform alone)", IMAGE_ASPECTS),
     }),
 }, doc='the training data, chosen by type (vqav2 when not given)')
 

@@ -8,6 +8,7 @@ from typing import Dict, Set
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diffzoo.recipes import RecipeError
 
@@ -47,15 +48,24 @@ def load_stage(model: nn.Module, directory: Path, spec: Dict) -> Set[int]:
     if differs:
         raise RecipeError(f'{directory}: that stage trained another model ({"; ".join(differs)}); start from a stage '
                           f'of the same model, or give this recipe its model')
-    tensors = load_file(str(directory / STAGE_WEIGHTS))
-    params, held = parameters_by_name(model), set()
+    return copy_tensors(model, load_file(str(directory / STAGE_WEIGHTS)), directory, ' the recipe builds')
+
+
+def copy_tensors(model: nn.Module, tensors: Dict[str, torch.Tensor], where, fix: str) -> Set[int]:
+    """Copy whole tensors into `model`'s parameters of the same names (into an FSDP2 parameter's shard), after
+    checking every name and shape; returns the ids of the parameters filled. `where` names the tensors' file and
+    `fix` ends the error for a name the model lacks."""
+    params = parameters_by_name(model)
+    for name, value in sorted(tensors.items()):
+        if name not in params:
+            raise RecipeError(f'{where}: {name} has no parameter in the model{fix}')
+        if params[name].shape != value.shape:
+            raise RecipeError(f'{where}: {name} is {tuple(value.shape)}, the model\'s {tuple(params[name].shape)}')
     with torch.no_grad():
         for name, value in tensors.items():
-            if name not in params:
-                raise RecipeError(f'{directory}: {name} has no parameter in the model the recipe builds')
-            if params[name].shape != value.shape:
-                raise RecipeError(f'{directory}: {name} is {tuple(value.shape)}, the model\'s '
-                                  f'{tuple(params[name].shape)}')
-            params[name].copy_(value)
-            held.add(id(params[name]))
-    return held
+            p = params[name]
+            value = value.to(device=p.device, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                value = distribute_tensor(value, p.device_mesh, p.placements)
+            p.copy_(value)
+    return {id(params[name]) for name in tensors}

@@ -58,26 +58,22 @@ def _folders(a) -> Dict[str, Path]:
 
 def answer(vlm, samples, batch_size: int, max_new_tokens: int, label: str):
     """Replies to every sample whose image decodes, in order; the samples left out (unreadable images)."""
-    from PIL import Image
     from tqdm import tqdm
 
-    from diffzoo.vlm.data import UNREADABLE
+    from diffzoo.vlm.data import _load_images
     replies, left_out = {}, []
     with tqdm(total=len(samples), desc=label, unit='q', file=sys.stdout, dynamic_ncols=True) as bar:
         for i in range(0, len(samples), batch_size):
-            chunk, images = [], []
-            for s in samples[i:i + batch_size]:
-                try:
-                    with Image.open(s.image) as im:
-                        images.append(im.convert('RGB'))
-                    chunk.append(s)
-                except UNREADABLE:
-                    left_out.append(s)
-                    print(f'{label}: image {s.image} does not open; its question is left out', flush=True)
+            batch = samples[i:i + batch_size]
+            kept, images, _ = _load_images(batch)
+            chunk = [batch[k] for k in kept]
+            for s in [s for k, s in enumerate(batch) if k not in kept]:  # their images do not open
+                left_out.append(s)
+                print(f'{label}: image {s.image} does not open; its question is left out', flush=True)
             if chunk:
                 for s, text in zip(chunk, vlm.answer(images, [s.prompt for s in chunk], max_new_tokens)):
                     replies[s.id] = text
-            bar.update(len(samples[i:i + batch_size]))
+            bar.update(len(batch))
     return replies, left_out
 
 

@@ -24,7 +24,7 @@ import random
 import re
 import string
 from collections import defaultdict
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 from diffzoo.eval.vqa import vqa_accuracy
 
@@ -41,6 +41,21 @@ def pope_answer(text: str) -> str:
     return 'no' if 'No' in words or 'not' in words or 'no' in words else 'yes'
 
 
+def _prf(tp: int, fp: int, fn: int) -> Tuple[float, float, float]:
+    """Precision, recall and F1 (0 where undefined)."""
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    return precision, recall, 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+
+def _by_split(rows: Sequence[Mapping], read: Callable[[str], str]) -> Dict[str, List[Tuple[str, str]]]:
+    """{split: [(read(prediction), label)]}, splits in the order met, labels lower-cased and stripped."""
+    splits: Dict[str, List] = defaultdict(list)
+    for r in rows:
+        splits[r['split']].append((read(r['prediction']), r['label'].strip().lower()))
+    return splits
+
+
 def _pope_counts(pairs: Iterable[Tuple[str, str]]) -> Dict[str, float]:
     """(predicted yes/no, label yes/no) pairs → accuracy, precision, recall, F1, yes ratio (fractions)."""
     tp = fp = tn = fn = 0
@@ -50,38 +65,28 @@ def _pope_counts(pairs: Iterable[Tuple[str, str]]) -> Dict[str, float]:
         else:
             tn, fn = tn + (label == 'no'), fn + (label == 'yes')
     total = tp + fp + tn + fn
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / (tp + fn) if tp + fn else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    precision, recall, f1 = _prf(tp, fp, fn)
     return {'accuracy': (tp + tn) / total if total else 0.0, 'precision': precision, 'recall': recall, 'f1': f1,
             'yes_ratio': (tp + fp) / total if total else 0.0, 'questions': total}
 
 
 def pope(rows: Sequence[Mapping]) -> Dict[str, Dict[str, float]]:
     """Rows {split, prediction, label} → {split: metrics} (module docstring), splits in the order met."""
-    splits: Dict[str, List] = defaultdict(list)
-    for r in rows:
-        splits[r['split']].append((pope_answer(r['prediction']), r['label'].strip().lower()))
-    return {split: _pope_counts(pairs) for split, pairs in splits.items()}
+    return {split: _pope_counts(pairs) for split, pairs in _by_split(rows, pope_answer).items()}
 
 
 def lmms_eval_pope(rows: Sequence[Mapping]) -> Dict[str, Dict[str, float]]:
     """lmms-eval's POPE rows on the same replies: only an exact 'yes' (after lower-casing and stripping) is yes,
     only an exact 'no' counts against recall, and its yes_ratio is the share of yes labels."""
-    splits: Dict[str, List] = defaultdict(list)
-    for r in rows:
-        splits[r['split']].append((r['prediction'].strip().lower(), r['label'].strip().lower()))
     out = {}
-    for split, pairs in splits.items():
+    for split, pairs in _by_split(rows, lambda text: text.strip().lower()).items():
         tp = sum(p == 'yes' and g == 'yes' for p, g in pairs)
         fp = sum(p == 'yes' and g == 'no' for p, g in pairs)
         fn = sum(p == 'no' and g == 'yes' for p, g in pairs)
-        precision = tp / (tp + fp) if tp + fp else 0.0
-        recall = tp / (tp + fn) if tp + fn else 0.0
+        precision, recall, f1 = _prf(tp, fp, fn)
         out[split] = {'accuracy': sum(p == g for p, g in pairs) / len(pairs), 'precision': precision,
-                      'recall': recall,
-                      'f1': 2 * precision * recall / (precision + recall) if precision + recall else 0.0,
-                      'yes_ratio': sum(g == 'yes' for _, g in pairs) / len(pairs), 'questions': len(pairs)}
+                      'recall': recall, 'f1': f1, 'yes_ratio': sum(g == 'yes' for _, g in pairs) / len(pairs),
+                      'questions': len(pairs)}
     return out
 
 

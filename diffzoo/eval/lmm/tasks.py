@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Sequence
 
+from PIL import Image
+
 from diffzoo.data import llava_qa
 from diffzoo.data.shards import DataError
 
@@ -42,6 +44,14 @@ class Sample:
     image: Path
     prompt: str
     meta: Dict = field(default_factory=dict)  # what scoring needs: label, split, answers, …
+
+    @property
+    def source(self) -> str:
+        return str(self.image)
+
+    def load_image(self) -> Image.Image:
+        with Image.open(self.image) as im:
+            return im.convert('RGB')
 
 
 @dataclass
