@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 from typing import Dict, NamedTuple
 
@@ -22,6 +23,23 @@ import diffzoo  # noqa: E402,F401  registers the timm and open_clip models
 from tests.clip import official_reference  # noqa: E402
 from tests.factory import hub_cache  # noqa: E402
 from tests.vlm.models import write_language_model, write_paligemma  # noqa: E402
+
+
+# the suite's files at their peak (checkpoints, shards, runs of the tests running at once), measured on a full
+# run with passed tests' folders removed as they end: 2.2 GB; a disk with less than this left fails mid-run
+# as a hundred unrelated errors, so it is named before anything runs
+_DISK_NEEDED_GB = 4
+
+
+def pytest_sessionstart(session):
+    if hasattr(session.config, 'workerinput'):  # an xdist worker: the controller has checked
+        return
+    base = session.config._tmp_path_factory.getbasetemp()
+    free_gb = shutil.disk_usage(base).free / 1e9
+    if free_gb < _DISK_NEEDED_GB:
+        pytest.exit(f'{free_gb:.1f} GB free on the disk holding {base}; the suite needs about '
+                    f'{_DISK_NEEDED_GB} GB there. Free some space, or point --basetemp at a disk that has it '
+                    f'(the folder is emptied when the run starts)', returncode=1)
 
 
 @pytest.fixture(autouse=True)
