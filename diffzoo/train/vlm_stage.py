@@ -132,12 +132,15 @@ def gathered(trainer: StageTrainer):
 class EpochReport(TrainerCallback):
     """At the end of each epoch, what the data lost so far, over every process: conversations cut to the
     maximum length (each counted once), those left out after the cut, unreadable images. A resumed run counts
-    from where it resumed (the counts are not in the checkpoints)."""
+    from where it resumed (the counts are not in the checkpoints). Not after the last epoch: the stage's
+    closing line gives the same counts for the whole run."""
 
     def __init__(self, max_length: int):
         self.max_length, self.trainer = max_length, None
 
     def on_epoch_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:  # the same on every rank: none enters the collective below
+            return
         skipped, cut, long = gathered(self.trainer)
         if state.is_world_process_zero:
             print(f'epoch {round(state.epoch)}: {len(cut)} conversation(s) cut to {self.max_length} tokens, '
