@@ -4,9 +4,10 @@
 
 PATH is a checkout of timm (github.com/huggingface/pytorch-image-models) whose tests/ match the
 installed timm closely enough. Its tests/ folder is copied into a temporary directory beside a
-conftest.py that imports diffzoo, and pytest runs test_models.py there with
-`-k "vit_diff or diff_vit"` (every registered differential ViT, its baseline twin and the alias)
-unless the arguments give a -k of their own. The pretrained-loading cases read DiffCLIP's hub
+conftest.py that imports diffzoo and scripts/timm_converted_models.py, and pytest runs test_models.py
+there with `-k "vit_diff or diff_vit or _diffzoo_"` (every registered differential ViT, its baseline
+twin and the alias, and timm's ViT, DeiT, SigLIP and EVA converted by diffzoo.differentialize in each
+variant) unless the arguments give a -k of their own. The pretrained-loading cases read DiffCLIP's hub
 repositories: an offline Hugging Face cache (HF_HUB_OFFLINE=1) holds a random checkpoint in the
 official layout for each of them, written here, so nothing is downloaded. Exit status: pytest's.
 """
@@ -19,7 +20,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFTEST = '''import diffzoo  # noqa: F401  registers the vit_diff* models with timm
+CONFTEST = f'''import sys
+sys.path.insert(0, {str(ROOT / 'scripts')!r})
+import diffzoo  # noqa: E402,F401  registers the vit_diff* models with timm
+import timm_converted_models  # noqa: E402,F401  registers the converted timm models
 '''
 
 
@@ -54,7 +58,7 @@ def main(argv=None) -> int:
         (work / 'conftest.py').write_text(CONFTEST)
         write_hub_cache(work / 'hub')
         env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HUB_CACHE': str(work / 'hub'), 'HF_HOME': str(work / 'home')}
-        select = [] if '-k' in args.pytest_args else ['-k', 'vit_diff or diff_vit']
+        select = [] if '-k' in args.pytest_args else ['-k', 'vit_diff or diff_vit or _diffzoo_']
         command = [sys.executable, '-m', 'pytest', '-p', 'no:cacheprovider', '-o', 'addopts=', '-W', 'ignore::pytest.PytestUnknownMarkWarning',
                    'tests/test_models.py', *select, *args.pytest_args]
         return subprocess.call(command, cwd=work, env=env)

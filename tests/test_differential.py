@@ -2,6 +2,9 @@
 heads against an independent fp64 computation from the source layer, every family forward/backward/
 TorchScript/FX, the settings saved with the weights, the open_clip configuration and loader seams."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import open_clip
 import pytest
@@ -15,6 +18,8 @@ import diffzoo
 from diffzoo.differential import NotConvertible, load_converted, settings_of
 from diffzoo.layers import DifferentialAttention, capture_attention_maps
 from diffzoo.layers.pretrained import PretrainedDifferentialAttention
+
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = [('duplicate', None), ('split', 'adjacent'), ('split', 'halves'), ('v2', None)]
 TINY = dict(img_size=32, depth=2, embed_dim=64, num_heads=4)
@@ -323,3 +328,34 @@ def test_open_clip_config_and_create_model_convert_pretrained_weights(tmp_path):
     # open_clip's own overrides still apply beside diffzoo=
     forced = open_clip.create_model(plain_name, diffzoo={'vision': {}}, force_image_size=48, force_context_length=8)
     assert forced.visual.image_size == (48, 48) and forced.context_length == 8 and len(settings_of(forced)) == 2
+
+
+@pytest.mark.slow
+def test_the_converted_models_registered_for_timms_own_tests_build_converted(tmp_path):
+    """scripts/timm_converted_models.py registers the names scripts/timm_model_tests.py runs timm's
+    test_models.py on; in a child process, since its names match this suite's `*diff*` listing."""
+    script = f'''
+import sys
+sys.path.insert(0, {str(ROOT / 'scripts')!r})
+import timm, torch
+import timm_converted_models as m
+from diffzoo.differential import settings_of
+assert set(m.NAMES) <= set(timm.list_models('*_diffzoo_*')) and len(m.NAMES) == 12
+for name in ('vit_small_patch16_224_diffzoo_duplicate', 'deit_small_distilled_patch16_224_diffzoo_split',
+             'eva_small_patch14_224_diffzoo_v2'):
+    model = timm.create_model(name, num_classes=3, img_size=32, depth=2).eval()
+    variant = name.rsplit('_', 1)[1]
+    assert [r['variant'] for r in settings_of(model)] == [variant] * 2, (name, settings_of(model))
+    assert timm.get_pretrained_cfg_value(name, 'input_size') == (3, 224, 224)
+    out = model(torch.randn(1, 3, 32, 32))
+    assert out.shape == (1, 3), out.shape
+try:
+    timm.create_model('vit_small_patch16_224_diffzoo_v2', pretrained=True)
+except ValueError as e:
+    assert 'diffzoo.differentialize(timm.create_model' in str(e), e
+else:
+    raise AssertionError('pretrained=True was accepted')
+print('ok')
+'''
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip().endswith('ok'), done.stderr[-3000:]
