@@ -14,6 +14,10 @@ holds checkpoints is compared with the record before anything is built:
   processes, precision, torch.compile, the same global batch split otherwise) are accepted with a
   warning; hardware, logging and checkpointing settings silently.
 
+A recipe's `lambda_lr` (diffzoo's, not open_clip_train's) is recorded beside them: a new value is accepted,
+λ and the sub-norm training at it from the resumed epoch on; leaving it out of a run that had it is refused
+(the checkpoint's optimizer holds their groups of their own).
+
 Every accepted change is recorded: the record is rewritten with the settings the run now trains with
 and `changes_on_resume` lists each resume's changes (old → new), the epoch it resumed from and how it
 was accepted.
@@ -41,6 +45,7 @@ FREE = {'report_to', 'log_every_n_steps', 'device', 'dist_url', 'dist_backend', 
 REPLAY = {'workers', 'precision', 'torchcompile', 'batch_size', 'accum_freq', 'world_size'}
 # the schedule's own settings, compared through what they give (`_schedule`)
 SCHEDULE = {'warmup', 'epochs'}
+LAMBDA_LR = 'lambda_lr'  # the recipe's: another value is accepted and noted, its absence refused
 
 
 def _jsonable(args) -> Dict:
@@ -103,7 +108,8 @@ def _lr_words(lr: Optional[float]) -> str:
     return '-' if lr is None else f'{lr:.3g}'
 
 
-def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], accept: bool) -> Optional[str]:
+def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], accept: bool,
+                  lambda_lr: Optional[float] = None) -> Optional[str]:
     """Refuse a run directory whose checkpoints come from another run, or a resume whose settings change the
     schedule (unless `accept`); record the settings of a new run (or of one that stopped before its first
     checkpoint: nothing of it is lost) and every change a resume makes (module docstring)."""
@@ -112,6 +118,8 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
     run_dir = os.path.join(args.logs, args.name)
     path = os.path.join(run_dir, RUN_CONFIG)
     config = {**_jsonable(args), 'world_size': world_size}
+    if lambda_lr is not None:
+        config[LAMBDA_LR] = float(lambda_lr)
     checkpoints = os.path.join(run_dir, 'checkpoints')
     if not (os.path.exists(path) and glob.glob(os.path.join(checkpoints, '*.pt'))):
         if rank == 0:
@@ -123,7 +131,11 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
     stored = {k: v for k, v in record.items() if k != CHANGES}
     changed = {k: (stored.get(k), config.get(k)) for k in sorted(set(stored) | set(config))
                if stored.get(k) != config.get(k) and not (k == 'world_size' and k not in stored)}
-    other = [k for k in changed if k not in FREE | REPLAY | SCHEDULE]
+    if LAMBDA_LR in changed and changed[LAMBDA_LR][1] is None:
+        raise RecipeError(f'{run_dir} trained λ and the sub-norm at lambda_lr {changed[LAMBDA_LR][0]:g}, in optimizer '
+                          f'groups of their own that its checkpoint holds; resume with lambda_lr (its value may '
+                          f'change), or pass --name NEW for a new run without it.')
+    other = [k for k in changed if k not in FREE | REPLAY | SCHEDULE | {LAMBDA_LR}]
     if other:
         diffs = '; '.join(f'{k}: {changed[k][0]!r} -> {changed[k][1]!r}' for k in other[:6])
         raise RecipeError(f'{run_dir} holds a run started with other settings ({diffs}). Re-run its original '
@@ -161,6 +173,9 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
         notes.append('; '.join(f'{k}: {changed[k][0]!r} -> {changed[k][1]!r}' for k in replay)
                      + ': the run goes on, but no longer replays the uninterrupted run bit for bit (another '
                        'sample order or other numerics)')
+    if LAMBDA_LR in changed and changed[LAMBDA_LR][0] is not None:
+        notes.append(f'lambda_lr {changed[LAMBDA_LR][0]:g} -> {changed[LAMBDA_LR][1]:g}: λ and the sub-norm train at '
+                     f'the new rate from the resume after epoch {epoch}')
     if rank == 0:
         for note in notes:
             print(f'warning: {note}', file=sys.stderr, flush=True)

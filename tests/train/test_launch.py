@@ -302,3 +302,16 @@ def test_fine_tuning_a_converted_clip_from_a_pretrained_file_with_lambda_at_its_
     weights = [(state[k] - pretrained[k]).abs().max().item() for k in pretrained
                if k.endswith(('mlp.c_fc.weight', 'mlp.fc1.weight'))]
     assert weights and max(weights) < 1e-3  # 4 steps at lr 1e-5
+    # the run record keeps lambda_lr: another value on resume is accepted and recorded, leaving it out is refused
+    common = ['--recipe', 'clip-tiny-baseline', '--model', 'vit-tiny-converted-test', '--pretrained',
+              str(tmp_path / 'pretrained.pt'), '--train_data', 'shards', '--global_batch_size', '8', '--lr', '1e-5',
+              '--warmup_epochs', '0', '--name', 'converted']
+    longer = train(common + ['--epochs', '2', '--lambda_lr', '1e-2'], cwd=tmp_path)
+    assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
+    assert 'lambda_lr 0.05 -> 0.01: λ and the sub-norm train at the new rate from the resume after epoch 1' in longer.stderr
+    record = json.loads((tmp_path / 'runs' / 'converted' / 'diffzoo-run.json').read_text())
+    assert record['lambda_lr'] == 1e-2
+    assert record['changes_on_resume'][-1]['changed']['lambda_lr'] == [5e-2, 1e-2]
+    without = train(common + ['--epochs', '3'], cwd=tmp_path)
+    assert without.returncode != 0
+    assert 'trained λ and the sub-norm at lambda_lr 0.01' in without.stderr and 'Traceback' not in without.stderr
