@@ -24,9 +24,10 @@ Prompt formats (`FORMATS`, the recipe's choice):
                     TinyLLaVA-style runs); each assistant turn is what the template adds after its
                     generation prompt (content and end-of-turn tokens)
 
-Only the assistant's tokens are scored: each format renders a conversation as pieces, (text, scored),
-tokenized piece by piece (LLaVA counts its rounds the same way) so the label mask falls on token
-boundaries. `<image>` becomes the position where the model splices the image tokens (`image_at`,
+Only the assistant's tokens are scored: each format renders a conversation as pieces, (text, scored); the
+whole text is tokenized as LLaVA tokenizes it, and each piece's tokens are found by tokenizing the text
+before it (`encode`): with Vicuna's SentencePiece tokenizer, legacy or not, the ids and the label mask
+equal LLaVA-1.5's `preprocess_v1`. `<image>` becomes the position where the model splices the image tokens (`image_at`,
 `VisionLanguageModel`); a text-only sample has none (-1) and its row carries a blank image that the
 model leaves out. A sample longer than `max_length` text tokens is cut to it (counted); one whose cut
 leaves nothing scored is left out of the batch (counted). An image that does not decode drops its
@@ -205,22 +206,48 @@ PIECES: Dict[str, Callable] = {'plain': plain_pieces, 'vicuna_v1': vicuna_v1_pie
 def encode(turns: Sequence[Tuple[str, str]], tokenizer, prompt_format: str) -> Tuple[List[int], List[bool], int]:
     """(token ids, scored flag per token, image_at): image_at is the index the image tokens go before (the
     `<image>` placeholder's place), -1 without one. BOS leads plain and vicuna_v1 when the tokenizer has one
-    (LLaVA's Llama tokenizer adds it); a chat template writes its own."""
+    (LLaVA's Llama tokenizer adds it); a chat template writes its own.
+
+    The ids are the whole conversation's text tokenized as LLaVA's `tokenizer_image_token` does it (each side
+    of `<image>` at once), so a model trains on the tokens it is prompted with: a SentencePiece tokenizer
+    (Vicuna's, legacy or not) tokenizes a piece alone otherwise than in its context (a space at a piece's
+    end, the prefix space after `</s>`). A piece's first token is the first one the tokenization of the text
+    before it does not hold; a token that spans two pieces belongs to the later one."""
     if prompt_format not in PIECES:
         raise ValueError(f'prompt format {prompt_format!r}: expected one of {FORMATS}')
     ids, scored, image_at = [], [], -1
     if prompt_format != 'chat_template' and tokenizer.bos_token_id is not None:
         ids, scored = [tokenizer.bos_token_id], [False]
-    for text, is_scored in PIECES[prompt_format](turns, tokenizer):
-        parts = text.split(IMAGE)
-        for j, part in enumerate(parts):
-            if j:
-                image_at = len(ids)
-            if part:
-                piece = tokenizer(part, add_special_tokens=False)['input_ids']
-                ids += piece
-                scored += [is_scored] * len(piece)
+    pieces = PIECES[prompt_format](turns, tokenizer)
+    text = ''.join(piece for piece, _ in pieces)
+    starts, at = [], 0  # (where each piece starts in `text`, whether it is scored)
+    for piece, is_scored in pieces:
+        starts.append((at, is_scored))
+        at += len(piece)
+    begin = 0
+    for j, chunk in enumerate(text.split(IMAGE)):
+        if j:
+            image_at = len(ids)
+        end = begin + len(chunk)
+        if chunk:
+            chunk_ids = _tokens(tokenizer, chunk)
+            flag = [f for p, f in starts if p <= begin][-1]
+            done = 0
+            for p, is_scored in starts:
+                if begin < p < end and is_scored != flag:
+                    before = _tokens(tokenizer, chunk[:p - begin])
+                    held = next((i for i, (a, b) in enumerate(zip(chunk_ids, before)) if a != b),
+                                min(len(chunk_ids), len(before)))
+                    scored += [flag] * max(0, held - done)
+                    done, flag = max(done, held), is_scored
+            scored += [flag] * (len(chunk_ids) - done)
+            ids += chunk_ids
+        begin = end + len(IMAGE)
     return ids, scored, image_at
+
+
+def _tokens(tokenizer, text: str) -> List[int]:
+    return tokenizer(text, add_special_tokens=False)['input_ids']
 
 
 def prompt(question: str, tokenizer, prompt_format: str, image: bool = True) -> Tuple[List[int], int]:

@@ -211,3 +211,119 @@ def test_a_question_is_asked_in_the_format_up_to_where_the_answer_starts():
                                                '<|im_end|>', '<|im_start|>', 'user', 'what', 'color', 'is', 'it?',
                                                '<|im_end|>', '<|im_start|>', 'assistant']
     assert image_at == 10
+
+
+def _llama_tokenizer(directory, legacy: bool):
+    """A SentencePiece BPE model trained here the way Llama's is laid out (byte fallback, a prefix space,
+    <unk> <s> </s>), read by transformers from `tokenizer.model` as a Vicuna checkpoint is."""
+    import io
+    import random
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from diffzoo.vlm.conversations import VICUNA_V1_SYSTEM
+    rng = random.Random(0)
+    words = (VICUNA_V1_SYSTEM + ' USER: ASSISTANT: what color is it? red and the shape? a circle').split()
+    lines = [' '.join(rng.choice(words) for _ in range(12)) for _ in range(2000)] + [VICUNA_V1_SYSTEM] * 20
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=400,
+                                   model_type='bpe', byte_fallback=True, add_dummy_prefix=True,
+                                   remove_extra_whitespaces=False, normalization_rule_name='identity',
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    directory.mkdir(parents=True)
+    (directory / 'tokenizer.model').write_bytes(model.getvalue())
+    (directory / 'tokenizer_config.json').write_text(json.dumps({
+        'tokenizer_class': 'LlamaTokenizer', 'legacy': legacy, 'bos_token': '<s>', 'eos_token': '</s>',
+        'unk_token': '<unk>', 'add_bos_token': True, 'add_eos_token': False}))
+    return AutoTokenizer.from_pretrained(directory)
+
+
+IMAGE_TOKEN = -200  # LLaVA's IMAGE_TOKEN_INDEX
+
+
+def _llava_tokenizer_image_token(text, tok):
+    """LLaVA's tokenizer_image_token: each side of <image> tokenized with BOS, the later BOS dropped."""
+    chunks = [tok(c).input_ids for c in text.split('<image>')]
+    ids, offset = [], 0
+    if chunks and chunks[0] and chunks[0][0] == tok.bos_token_id:
+        ids, offset = [chunks[0][0]], 1
+    for i, chunk in enumerate(chunks):
+        ids += ([IMAGE_TOKEN] if i else []) + chunk[offset:]
+    return ids
+
+
+def _vicuna_v1_text(turns):
+    """conv_vicuna_v1's prompt: the system line, then 'USER: q ASSISTANT: a</s>' per round (seps ' ', '</s>')."""
+    from diffzoo.vlm.conversations import VICUNA_V1_SYSTEM
+    text = VICUNA_V1_SYSTEM + ' '
+    for i, (role, value) in enumerate(turns):
+        text += ('USER' if role == 'human' else 'ASSISTANT') + ': ' + value + (' ', '</s>')[i % 2]
+    return text
+
+
+def _llava_preprocess_v1_labels(turns, tok):
+    """LLaVA-1.5's preprocess_v1 mask for a legacy tokenizer, written from its rules: per '</s>'-round, the
+    instruction masked by token counts (minus BOS and the trailing space's token); a count that misses the
+    total masks the sample whole. (Its non-legacy correction, one token fewer after the first round, is
+    fitted to Llama's own vocabulary, so a trained one is checked by offsets instead.)"""
+    text = _vicuna_v1_text(turns)
+    ids = _llava_tokenizer_image_token(text, tok)
+    target, cur = [True] * len(ids), 1
+    target[0] = False
+    for round_text in text.split('</s>'):
+        if not round_text:
+            break
+        instruction, _ = round_text.split(' ASSISTANT: ')
+        instruction_len = len(_llava_tokenizer_image_token(instruction + ' ASSISTANT: ', tok)) - 2
+        target[cur:cur + instruction_len] = [False] * instruction_len
+        cur += len(_llava_tokenizer_image_token(round_text, tok))
+    assert cur == len(ids), 'LLaVA would mask this sample whole (tokenization mismatch)'
+    return [t for i, t in zip(ids, target) if i != IMAGE_TOKEN]
+
+
+def _answer_tokens_by_offsets(turns, tok):
+    """Independently of both: each token of the whole text (each side of <image>) scored when the character
+    it starts at lies in an answer (' a</s>' after 'ASSISTANT:'), from the tokenizer's offset mapping."""
+    text = _vicuna_v1_text(turns)
+    spans, at = [], 0
+    while (at := text.find('ASSISTANT:', at)) >= 0:
+        at += len('ASSISTANT:')
+        spans.append((at, text.index('</s>', at) + len('</s>')))
+    scored, begin = [False], 0  # BOS
+    for chunk in text.split('<image>'):
+        encoded = tok(chunk, add_special_tokens=False, return_offsets_mapping=True)
+        for start, end in encoded['offset_mapping']:
+            scored.append(any(a <= begin + start < b for a, b in spans))
+        begin += len(chunk) + len('<image>')
+    return scored
+
+
+@pytest.mark.parametrize('legacy', [True, False])
+def test_vicuna_v1_on_a_sentencepiece_llama_tokenizer_gives_llavas_ids_and_labels(tmp_path, legacy):
+    """Vicuna's tokenizer tokenizes a piece alone otherwise than in the conversation (the space before USER;
+    no prefix space after </s> when not legacy): the ids and the image's place equal LLaVA-1.5's
+    tokenizer_image_token of the whole prompt, the scored tokens are the answers' and their </s> (by offsets,
+    and by LLaVA's own rule for a legacy tokenizer), and a question is asked with the tokens LLaVA prompts with."""
+    from diffzoo.vlm.conversations import prompt
+    tok = _llama_tokenizer(tmp_path / 'llama', legacy)
+    for turns in (CONVERSATION, CONVERSATION[:2], (('human', 'what color is it?'), ('gpt', 'red'))):
+        ids, scored, image_at = encode(turns, tok, 'vicuna_v1')
+        llava_ids = _llava_tokenizer_image_token(_vicuna_v1_text(turns), tok)
+        assert image_at == (llava_ids.index(IMAGE_TOKEN) if IMAGE_TOKEN in llava_ids else -1)
+        assert ids == [i for i in llava_ids if i != IMAGE_TOKEN]
+        assert scored == _answer_tokens_by_offsets(turns, tok)
+        if legacy:
+            assert scored == _llava_preprocess_v1_labels(turns, tok)
+    asked, image_at = prompt('what color is it?', tok, 'vicuna_v1')
+    llava = _llava_tokenizer_image_token(_vicuna_v1_text(CONVERSATION[:1])[:-1] + ' ASSISTANT:', tok)
+    assert asked == [i for i in llava if i != IMAGE_TOKEN] and image_at == llava.index(IMAGE_TOKEN)
+
+
+def test_plain_on_a_sentencepiece_llama_tokenizer_gives_llavas_ids_and_labels(tmp_path):
+    """LLaVA's preprocess_plain: '<image>' + caption + '\\n' tokenized, BOS and the image masked."""
+    tok = _llama_tokenizer(tmp_path / 'llama', True)
+    ids, scored, image_at = encode((('human', '<image>'), ('gpt', 'a red circle')), tok, 'plain')
+    llava = _llava_tokenizer_image_token('<image>a red circle\n', tok)
+    assert image_at == llava.index(IMAGE_TOKEN) == 1
+    assert ids == [i for i in llava if i != IMAGE_TOKEN] and scored == [False] + [True] * (len(ids) - 1)
