@@ -49,7 +49,7 @@ def _copies(root):
     _write(root / 'scienceqa' / 'pid_splits.json', {'test': ['5', '6'], 'train': []})
     _image(root / 'scienceqa' / 'images' / 'test' / '5' / 'image.png')
     _write(root / 'textvqa' / 'TextVQA_0.5.1_val.json', {'data': [
-        {'question_id': 34602, 'question': 'what is the brand?', 'image_id': '003a8ae2ef43b901',
+        {'question_id': 34602, 'question': 'what is the brand of the TV?', 'image_id': '003a8ae2ef43b901',
          'answers': ['nokia'] * 10}]})
     _image(root / 'textvqa' / 'train_images' / '003a8ae2ef43b901.jpg')
     _write(root / 'gqa' / 'testdev_balanced_questions.json', {

@@ -67,3 +67,45 @@ def test_lmms_evals_pope_and_mme_scoring_agree_with_ours_on_the_same_replies():
     cognition = mme_utils.mme_aggregate_results([s['mme_cognition_score'] for s in scored if 'mme_cognition_score' in s])
     ours = metrics.mme([dict(zip(('subtask', 'image', 'prediction', 'label'), r)) for r in mme])
     assert (ours['perception'], ours['cognition']) == pytest.approx((perception, cognition))
+
+
+def _lmms_eval_defaults(path: str) -> dict:
+    """A task YAML's default lmms_eval_specific_kwargs (its `!function` entries are not needed here)."""
+    from pathlib import Path
+    loader = type('Loader', (yaml.SafeLoader,), {})
+    loader.add_constructor('!function', lambda loader_, node: None)
+    root = Path(lmms_eval.__file__).parent / 'tasks'
+    return yaml.load((root / path).read_text(), Loader=loader)['lmms_eval_specific_kwargs']['default']
+
+
+def test_every_prompt_is_lmms_evals_default_for_the_same_question(tmp_path):
+    """The readers' prompts equal what lmms-eval's own doc_to_text functions make, with each task YAML's
+    default kwargs, of the same records (lmms-eval capitalizes TextVQA's question; MME drops its suffix)."""
+    import json
+
+    from lmms_eval.tasks.gqa import utils as gqa_utils
+    from lmms_eval.tasks.ok_vqa import utils as okvqa_utils
+    from lmms_eval.tasks.scienceqa import utils as sqa_utils
+    from lmms_eval.tasks.textvqa import utils as textvqa_utils
+
+    from diffzoo.eval.lmm import tasks
+    from tests.eval.test_lmm import _copies
+    _copies(tmp_path)
+    pope = json.loads((tmp_path / 'pope' / 'coco' / 'coco_pope_random.json').read_text().splitlines()[0])
+    mme = (tmp_path / 'mme' / 'existence' / '000000006040.txt').read_text().splitlines()[0].split('\t')[0]
+    sqa = json.loads((tmp_path / 'scienceqa' / 'problems.json').read_text())['5']
+    textvqa = json.loads((tmp_path / 'textvqa' / 'TextVQA_0.5.1_val.json').read_text())['data'][0]
+    gqa = json.loads((tmp_path / 'gqa' / 'testdev_balanced_questions.json').read_text())['201307251']
+    okvqa = json.loads((tmp_path / 'okvqa' / 'OpenEnded_mscoco_val2014_questions.json').read_text())['questions'][0]
+    cases = [
+        (tasks.read_pope, 'pope', pope_utils.pope_doc_to_text, {'question': pope['text']}, 'pope/pope.yaml'),
+        (tasks.read_mme, 'mme', mme_utils.mme_doc_to_text, {'question': mme}, 'mme/mme.yaml'),
+        (tasks.read_scienceqa, 'scienceqa', sqa_utils.sqa_doc_to_text, sqa, 'scienceqa/scienceqa_img.yaml'),
+        (tasks.read_textvqa, 'textvqa', textvqa_utils.textvqa_doc_to_text, textvqa,
+         'textvqa/_default_template_textvqa_yaml'),
+        (tasks.read_gqa, 'gqa', gqa_utils.gqa_doc_to_text, gqa, 'gqa/gqa.yaml'),
+        (tasks.read_okvqa, 'okvqa', okvqa_utils.ok_vqa_doc_to_text, okvqa, 'ok_vqa/_default_template_vqa_yaml'),
+    ]
+    for read, folder, doc_to_text, doc, yaml_path in cases:
+        ours = read(tmp_path / folder)[0].prompt
+        assert ours == doc_to_text(doc, _lmms_eval_defaults(yaml_path)), folder

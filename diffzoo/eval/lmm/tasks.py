@@ -14,7 +14,8 @@ under the folder given for it:
     okvqa      OpenEnded_mscoco_val2014_questions.json, mscoco_val2014_annotations.json and COCO val2014/
 
 Prompts are lmms-eval's defaults (LLaVA-1.5's): the question, then "Answer the question using a single word
-or phrase." (POPE, MME — its " Please answer yes or no." replaced —, TextVQA without OCR tokens, GQA; OK-VQA
+or phrase." (POPE, MME — its " Please answer yes or no." replaced —, TextVQA — the question capitalized, without
+OCR tokens, as eRAM-V's Table 2 evaluates it (image only) —, GQA; OK-VQA
 first asks for 'Unanswerable' when the image does not tell); ScienceQA: "Context: <hint>" when there is one,
 the question, the options "A. …", then "Answer with the option's letter from the given choices directly."
 Scoring: `diffzoo.eval.lmm.metrics`.
@@ -123,7 +124,9 @@ def read_scienceqa(root: Path) -> List[Sample]:
 
 def read_textvqa(root: Path) -> List[Sample]:
     data = json.loads(_required(root / 'TextVQA_0.5.1_val.json').read_text())['data']
-    return [Sample(str(r['question_id']), root / 'train_images' / f'{r["image_id"]}.jpg', f'{r["question"]}\n{SHORT}',
+    # lmms-eval capitalizes the question (str.capitalize: the rest lower-cased), as its textvqa_doc_to_text does
+    return [Sample(str(r['question_id']), root / 'train_images' / f'{r["image_id"]}.jpg',
+                   f'{r["question"].capitalize()}\n{SHORT}',
                    {'answers': r['answers']}) for r in data]
 
 
