@@ -27,13 +27,13 @@ from tests.vlm.models import write_language_model, write_paligemma  # noqa: E402
 
 # the suite's files at their peak (checkpoints, shards, runs of the tests running at once), measured on a full
 # run with passed tests' folders removed as they end: 2.2 GB; a disk with less than this left fails mid-run
-# as a hundred unrelated errors, so it is named before anything runs
+# as a hundred unrelated errors, so it is named before anything runs (a run of the whole suite, as make test's)
 _DISK_NEEDED_GB = 4
 
 
 def pytest_sessionstart(session):
-    if hasattr(session.config, 'workerinput'):  # an xdist worker: the controller has checked
-        return
+    if hasattr(session.config, 'workerinput') or session.config.args:  # a worker (the controller checks), or a
+        return                                                            # chosen file or test: not the whole suite
     base = session.config._tmp_path_factory.getbasetemp()
     free_gb = shutil.disk_usage(base).free / 1e9
     if free_gb < _DISK_NEEDED_GB:

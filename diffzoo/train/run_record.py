@@ -16,7 +16,8 @@ holds checkpoints is compared with the record before anything is built:
 
 A recipe's `lambda_lr` (diffzoo's, not open_clip_train's) is recorded beside them: a new value is accepted,
 λ and the sub-norm training at it from the resumed epoch on; leaving it out of a run that had it is refused
-(the checkpoint's optimizer holds their groups of their own).
+(the checkpoint's optimizer holds their groups of their own), and so is adding it to a run whose checkpoint
+has no such groups (one from a record older than `lambda_lr`'s, whose checkpoint has them, is recorded).
 
 Every accepted change is recorded: the record is rewritten with the settings the run now trains with
 and `changes_on_resume` lists each resume's changes (old → new), the epoch it resumed from and how it
@@ -45,7 +46,7 @@ FREE = {'report_to', 'log_every_n_steps', 'device', 'dist_url', 'dist_backend', 
 REPLAY = {'workers', 'precision', 'torchcompile', 'batch_size', 'accum_freq', 'world_size'}
 # the schedule's own settings, compared through what they give (`_schedule`)
 SCHEDULE = {'warmup', 'epochs'}
-LAMBDA_LR = 'lambda_lr'  # the recipe's: another value is accepted and noted, its absence refused
+LAMBDA_LR = 'lambda_lr'  # the recipe's: another value is accepted and noted; dropped or added, checked (docstring)
 
 
 def _jsonable(args) -> Dict:
@@ -99,6 +100,20 @@ def resumed_epoch(checkpoints: str) -> Optional[int]:
         return None
 
 
+def _has_lambda_groups(checkpoints: str) -> Optional[bool]:
+    """Whether the latest checkpoint's optimizer holds λ's own groups (`diffzoo.train.lambda_lr` marks them with
+    `lr_scale`); None when it cannot be read (the resume itself names it)."""
+    path = latest_checkpoint(checkpoints)
+    if path is None:
+        return None
+    import torch
+    try:
+        groups = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['optimizer']['param_groups']
+    except Exception:
+        return None
+    return any('lr_scale' in g for g in groups)
+
+
 def _describe(sched: Dict) -> str:
     steps = f'{sched["steps_per_epoch"]} steps per epoch, ' if sched['steps_per_epoch'] else ''
     return f'global batch {sched["global_batch"]}, {steps}warm-up {sched["warmup"]} steps, {sched["epochs"]} epoch{"s" * (sched["epochs"] != 1)}'
@@ -135,6 +150,9 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
         raise RecipeError(f'{run_dir} trained λ and the sub-norm at lambda_lr {changed[LAMBDA_LR][0]:g}, in optimizer '
                           f'groups of their own that its checkpoint holds; resume with lambda_lr (its value may '
                           f'change), or pass --name NEW for a new run without it.')
+    if LAMBDA_LR in changed and changed[LAMBDA_LR][0] is None and _has_lambda_groups(checkpoints) is False:
+        raise RecipeError(f'{run_dir} trained without lambda_lr: its checkpoint\'s optimizer has no groups of λ\'s own '
+                          f'to resume; resume without lambda_lr, or pass --name NEW for a new run with it.')
     other = [k for k in changed if k not in FREE | REPLAY | SCHEDULE | {LAMBDA_LR}]
     if other:
         diffs = '; '.join(f'{k}: {changed[k][0]!r} -> {changed[k][1]!r}' for k in other[:6])
@@ -173,9 +191,12 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
         notes.append('; '.join(f'{k}: {changed[k][0]!r} -> {changed[k][1]!r}' for k in replay)
                      + ': the run goes on, but no longer replays the uninterrupted run bit for bit (another '
                        'sample order or other numerics)')
-    if LAMBDA_LR in changed and changed[LAMBDA_LR][0] is not None:
-        notes.append(f'lambda_lr {changed[LAMBDA_LR][0]:g} -> {changed[LAMBDA_LR][1]:g}: λ and the sub-norm train at '
-                     f'the new rate from the resume after epoch {epoch}')
+    if LAMBDA_LR in changed:
+        was, now = changed[LAMBDA_LR]
+        since = f'the resume after epoch {epoch}' if epoch is not None else 'this resume'
+        notes.append(f'lambda_lr {was:g} -> {now:g}: λ and the sub-norm train at the new rate from {since}'
+                     if was is not None else f'lambda_lr {now:g}: recorded (the run\'s record predates it; its '
+                                             f'checkpoint holds λ\'s own optimizer groups)')
     if rank == 0:
         for note in notes:
             print(f'warning: {note}', file=sys.stderr, flush=True)

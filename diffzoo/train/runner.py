@@ -118,6 +118,9 @@ def run(argv: List[str], doc: str = '') -> int:
             raise RecipeError('nothing to run: pass --recipe RECIPE, or open_clip_train flags\n' + doc)
     args, samples = preflight(argv, world_size)
     lambda_lr = plan.recipe.get('lambda_lr') if plan is not None else None
+    if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
+        raise RecipeError(f'lambda_lr: gives λ its own AdamW groups, and --opt {args.opt} builds another optimizer '
+                          f'(timm\'s); leave one of them out')
     run_dir = check_run_dir(args, rank, world_size, samples, accept, lambda_lr)
     if rank == 0:
         check_space(args, run_dir)
@@ -133,9 +136,6 @@ def run(argv: List[str], doc: str = '') -> int:
                   f'same command with --epochs N (N > {done}): it resumes from epoch {done}.', flush=True)
         return 0
 
-    if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
-        raise RecipeError(f'lambda_lr: gives λ its own AdamW groups, and --opt {args.opt} builds another optimizer '
-                          f'(timm\'s); leave one of them out')
     with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr):
         try:
             result = open_clip_train.main.main(argv)

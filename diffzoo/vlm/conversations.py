@@ -26,8 +26,10 @@ Prompt formats (`FORMATS`, the recipe's choice):
 
 Only the assistant's tokens are scored: each format renders a conversation as pieces, (text, scored); the
 whole text is tokenized as LLaVA tokenizes it, and each piece's tokens are found by tokenizing the text
-before it (`encode`): with Vicuna's SentencePiece tokenizer, legacy or not, the ids and the label mask
-equal LLaVA-1.5's `preprocess_v1`. `<image>` becomes the position where the model splices the image tokens (`image_at`,
+before it (`encode`): with Vicuna's SentencePiece tokenizer, legacy or not, the ids equal LLaVA-1.5's
+`tokenizer_image_token` of the whole prompt and the scored tokens are each answer's and its `</s>` (for a
+legacy tokenizer, LLaVA's `preprocess_v1` label mask). Finding the pieces costs a tokenization of the text
+before each change between scored and unscored text. `<image>` becomes the position where the model splices the image tokens (`image_at`,
 `VisionLanguageModel`); a text-only sample has none (-1) and its row carries a blank image that the
 model leaves out. A sample longer than `max_length` text tokens is cut to it (counted); one whose cut
 leaves nothing scored is left out of the batch (counted). An image that does not decode drops its

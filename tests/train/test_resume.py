@@ -110,6 +110,18 @@ def _record(checkpoints):
     return json.loads((checkpoints.parent / 'diffzoo-run.json').read_text())
 
 
+def test_lambda_lr_added_to_a_run_trained_without_it_is_refused_and_the_record_left_as_it_was(whole_run, tmp_path):
+    """The checkpoint's optimizer has no groups of λ's own, so the resume could not load it: refused by name
+    before anything is built, the record unchanged."""
+    checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
+    before = _record(checkpoints)
+    refused = call(main, ARGV + ['--lambda_lr', '1e-2'], cwd=checkpoints.parents[2])
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert (f'error: runs/{RECIPE} trained without lambda_lr: its checkpoint\'s optimizer has no groups of λ\'s own '
+            'to resume; resume without lambda_lr') in refused.stderr
+    assert _record(checkpoints) == before and 'lambda_lr' not in before
+
+
 def test_a_resume_that_changes_the_schedule_is_refused_unless_accepted_and_then_recorded(whole_run, tmp_path):
     """Resumed after epoch 1 with another global batch: refused with the schedule before and after and the
     learning rate at the resumed step under each; with --accept-changed-settings it trains on, says so, and
