@@ -1,7 +1,8 @@
 """diffzoo's VLMs inside lmms-eval (the `lmms` extra): `--model diffzoo` resolves through the entry point, the
 model answers lmms-eval's own requests (its POPE prompt, generation settings and documents) as
-`python -m diffzoo.eval.lmm` answers the same questions, and lmms-eval's own POPE and MME scoring functions give
-on the same replies what `diffzoo.eval.lmm.metrics` gives for them."""
+`python -m diffzoo.eval.lmm` answers the same questions, each reader's prompt is lmms-eval's, and lmms-eval's own
+scoring functions (POPE, MME, ScienceQA, GQA, TextVQA, OK-VQA) give on the same replies what
+`diffzoo.eval.lmm.metrics` gives for them."""
 import pytest
 import yaml
 from PIL import Image
@@ -109,3 +110,33 @@ def test_every_prompt_is_lmms_evals_default_for_the_same_question(tmp_path):
     for read, folder, doc_to_text, doc, yaml_path in cases:
         ours = read(tmp_path / folder)[0].prompt
         assert ours == doc_to_text(doc, _lmms_eval_defaults(yaml_path)), folder
+
+
+def test_lmms_evals_gqa_textvqa_okvqa_and_scienceqa_scoring_agree_with_ours_on_the_same_replies():
+    """TextVQA and OK-VQA through lmms-eval's own process_results, GQA through its exact_match with the task's
+    options, on replies with numbers as words, articles, punctuation and spaces: the same score as `metrics`
+    for each. ScienceQA: `metrics.lmms_eval_scienceqa` equals lmms-eval's reading on every reply, and LLaVA's
+    (`metrics.scienceqa`) differs from it on exactly the replies the module docstring names."""
+    from lmms_eval.api.metrics import exact_match_hf_evaluate
+    from lmms_eval.tasks.ok_vqa import utils as okvqa_utils
+    from lmms_eval.tasks.scienceqa import utils as sqa_utils
+    from lmms_eval.tasks.textvqa import utils as textvqa_utils
+
+    answers = ['two', '2', '2', 'two', 'Two', '2 ', 'twenty', '2', 'two', '2']
+    for reply in ('2', 'Two.', 'a two', 'the 2', '2 people', "don't", 'Twenty', ' 2 ', 'It is 2.'):
+        ours = metrics.vqa([{'prediction': reply, 'answers': list(answers)}])['accuracy']
+        for process in (textvqa_utils.textvqa_process_results, okvqa_utils.ok_vqa_process_results):
+            assert process({'answers': list(answers), 'question_id': 1}, [reply])['exact_match'] == \
+                pytest.approx(ours), (reply, process.__name__)
+    for reply, answer in (('Yes', 'yes'), ('yes.', 'yes'), (' yes ', 'yes'), ('left side', 'left'),
+                          ("it's red", 'its red'), ('No', 'yes')):
+        theirs = exact_match_hf_evaluate([reply.strip()], [answer], ignore_case=True, ignore_punctuation=True)
+        assert metrics.gqa([{'prediction': reply, 'answer': answer}])['accuracy'] == theirs['exact_match'], reply
+    differ = set()
+    for reply in ('A', 'B', 'b', 'B.', 'A. ice', 'B. tea', 'The answer is B.', 'tea', 'C', ' B '):
+        row = [{'prediction': reply, 'answer': 'B', 'options': 2}]
+        theirs = sqa_utils.sqa_process_results({'choices': ['ice', 'tea'], 'answer': 1}, [reply])['exact_match']
+        assert metrics.lmms_eval_scienceqa(row)['accuracy'] == theirs, reply
+        if metrics.scienceqa(row)['accuracy'] != theirs:
+            differ.add(reply)
+    assert differ == {'b', 'B.', 'The answer is B.'}

@@ -16,9 +16,11 @@
                   exact_match with ignore_case and ignore_punctuation).
     TextVQA/OKVQA the VQA accuracy with the official answer normalisation (`diffzoo.eval.vqa.vqa_accuracy`).
 
-lmms-eval (HEAD of 2026-08) differs on two: its POPE counts only a reply of exactly "yes" or "no" (after
-lower-casing and stripping) and its yes_ratio is the share of yes *labels*; its MME also reads a lone "y"/"n".
-`lmms_eval_pope` gives its POPE rows, so both can be reported.
+lmms-eval (HEAD of 2026-08) differs on three: its POPE counts only a reply of exactly "yes" or "no" (after
+lower-casing and stripping) and its yes_ratio is the share of yes *labels*; its MME also reads a lone "y"/"n";
+its ScienceQA reads the letter in any case ("b") and before a bare period ("B."), and not from "The answer is
+B.". `lmms_eval_pope` and `lmms_eval_scienceqa` give its rows, so both can be reported. GQA, TextVQA and OK-VQA
+score every reply as its functions do.
 """
 import random
 import re
@@ -147,6 +149,17 @@ def scienceqa(rows: Sequence[Mapping], failed: str = 'wrong', seed: int = 0) -> 
             letter = rng.choice(letters) if failed == 'random' else letter
         right.append(letter == r['answer'])
     return {'accuracy': sum(right) / len(right) if right else 0.0, 'questions': len(right), 'failed': failures}
+
+
+def lmms_eval_scienceqa(rows: Sequence[Mapping]) -> Dict[str, float]:
+    """ScienceQA as lmms-eval's sqa_process_results reads a reply (module docstring): the reply, stripped, is the
+    letter in any case, or starts with an upper-case letter and a period. Accuracy over the questions."""
+    right = []
+    for r in rows:
+        reply, target = r['prediction'].strip(), r['answer'].lower()
+        right.append(reply.lower() == target or (len(reply) >= 2 and reply[0].isupper() and reply[1] == '.'
+                                                 and reply[0].lower() == target))
+    return {'accuracy': sum(right) / len(right) if right else 0.0, 'questions': len(right)}
 
 
 _PUNCTUATION = str.maketrans('', '', string.punctuation)
