@@ -3,9 +3,11 @@ real (untrained) build_vlm model in the recipe's conversation format, each task'
 scoring from the predictions file it writes; an unreadable image left out and counted; a missing copy named."""
 import json
 
+import pytest
 import yaml
 from PIL import Image
 
+from diffzoo.data.shards import DataError
 from diffzoo.eval.lmm import metrics, tasks
 from diffzoo.eval.lmm.cli import main
 from tests.factory import call
@@ -52,6 +54,9 @@ def _copies(root):
         {'question_id': 34602, 'question': 'what is the brand of the TV?', 'image_id': '003a8ae2ef43b901',
          'answers': ['nokia'] * 10}]})
     _image(root / 'textvqa' / 'train_images' / '003a8ae2ef43b901.jpg')
+    (root / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl').write_text(json.dumps(
+        {'question_id': 34602, 'image': '003a8ae2ef43b901.jpg', 'text': 'What is the brand of the tv?\nReference OCR '
+         'token: NOKIA, 3310\nAnswer the question using a single word or phrase.'}) + '\n')
     _write(root / 'gqa' / 'testdev_balanced_questions.json', {
         '201307251': {'imageId': 'n161313', 'question': 'Is it overcast?', 'answer': 'no'}})
     _image(root / 'gqa' / 'images' / 'n161313.jpg')
@@ -77,6 +82,12 @@ def test_the_readers_take_the_published_layouts_with_the_default_prompts(tmp_pat
     assert sqa[0].prompt == f'Context: Tea is hot.\nWhich is warmer?\nA. ice\nB. tea\n{tasks.LETTER_PROMPT}'
     assert sqa[0].meta == {'answer': 'B', 'options': 2}
     assert tasks.read_okvqa(tmp_path / 'okvqa')[0].meta['answers'] == ['tennis'] * 10
+    ocr = tasks.read_textvqa_ocr(tmp_path / 'textvqa')  # LLaVA-1.5's question file, asked as written
+    assert [(s.id, s.image.name, s.meta) for s in ocr] == [('34602', '003a8ae2ef43b901.jpg', {'answers': ['nokia'] * 10})]
+    assert ocr[0].prompt == f'What is the brand of the tv?\nReference OCR token: NOKIA, 3310\n{tasks.SHORT}'
+    (tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl').write_text('{"question_id": 9, "text": "q"}\n')
+    with pytest.raises(DataError, match='line 1 has no image'):
+        tasks.read_textvqa_ocr(tmp_path / 'textvqa')
 
 
 def test_every_task_runs_on_a_model_and_its_rows_are_the_official_scores_of_its_predictions(tmp_path):
@@ -88,14 +99,15 @@ def test_every_task_runs_on_a_model_and_its_rows_are_the_official_scores_of_its_
     (tmp_path / 'model.yaml').write_text(yaml.safe_dump(recipe))
     args = ['--model', tmp_path / 'model.yaml', '--data', tmp_path / 'data', '--out', tmp_path / 'out',
             '--max-new-tokens', '3', '--batch-size', '2']
-    for task in ('pope', 'mme', 'scienceqa', 'textvqa', 'gqa', 'okvqa'):
+    for task in ('pope', 'mme', 'scienceqa', 'textvqa', 'textvqa_ocr', 'gqa', 'okvqa'):
         args += ['--task', task]
     done = call(main, args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']
     assert results['pope']['questions'] == 6 and results['pope']['left_out'] == 3  # image 2 does not open
     for task, score in (('pope', metrics.pope), ('mme', metrics.mme), ('scienceqa', metrics.scienceqa),
-                        ('textvqa', metrics.vqa), ('gqa', metrics.gqa), ('okvqa', metrics.vqa)):
+                        ('textvqa', metrics.vqa), ('textvqa_ocr', metrics.vqa), ('gqa', metrics.gqa),
+                        ('okvqa', metrics.vqa)):
         rows = [json.loads(line) for line in (tmp_path / 'out' / f'{task}_predictions.jsonl').read_text().splitlines()]
         assert rows and all(isinstance(r['prediction'], str) for r in rows)
         assert results[task]['scores'] == score(rows), task

@@ -110,6 +110,10 @@ def test_every_prompt_is_lmms_evals_default_for_the_same_question(tmp_path):
     for read, folder, doc_to_text, doc, yaml_path in cases:
         ours = read(tmp_path / folder)[0].prompt
         assert ours == doc_to_text(doc, _lmms_eval_defaults(yaml_path)), folder
+    # textvqa_ocr asks LLaVA-1.5's question text as written: lmms-eval's TextVQA prompt with ocr on
+    ocr = {**_lmms_eval_defaults('textvqa/_default_template_textvqa_yaml'), 'ocr': True}
+    assert tasks.read_textvqa_ocr(tmp_path / 'textvqa')[0].prompt == textvqa_utils.textvqa_doc_to_text(
+        {**textvqa, 'ocr_tokens': ['NOKIA', '3310']}, ocr)
 
 
 def test_lmms_evals_gqa_textvqa_okvqa_and_scienceqa_scoring_agree_with_ours_on_the_same_replies():

@@ -1,7 +1,7 @@
 """`python -m diffzoo.eval.lmm --model RECIPE [--stage RUN | --adapter DIR] --task pope --task mme … --data DIR`:
 the papers' VLM benchmarks on any model `vlm_from_recipe` builds.
 
-Each task reads its local copy from `--data DIR/<task>` (or `--data-for TASK=DIR`); nothing is downloaded, and a
+Each task reads its local copy from `--data DIR/<task>` (textvqa_ocr: DIR/textvqa; or `--data-for TASK=DIR`); nothing is downloaded, and a
 missing copy is an error naming the file expected. Questions are answered greedily in batches (a progress
 bar), an image that does not decode leaves its question out (named once, counted), and the official scoring
 follows (`diffzoo.eval.lmm.metrics`). OUT receives `<task>_predictions.jsonl` (every question's prompt, reply
@@ -47,9 +47,10 @@ def _folders(a) -> Dict[str, Path]:
         if task in given:
             folders[task] = given[task]
         elif a.data:
-            folders[task] = Path(a.data) / task
+            folders[task] = Path(a.data) / TASKS[task].folder
         else:
-            raise DataError(f'--task {task}: no folder; give --data DIR (holding {task}/) or --data-for {task}=DIR')
+            raise DataError(f'--task {task}: no folder; give --data DIR (holding {TASKS[task].folder}/) or --data-for '
+                            f'{task}=DIR')
         if not folders[task].is_dir():
             raise DataError(f'{folders[task]}: no such folder, expected the local copy of {task} '
                             f'({TASKS[task].expects})')

@@ -10,6 +10,9 @@ under the folder given for it:
     scienceqa  problems.json, pid_splits.json and images/test/<pid>/<image> (or test/<pid>/<image>): the test
                questions that have an image (ScienceQA-IMG)
     textvqa    TextVQA_0.5.1_val.json and train_images/<image_id>.jpg
+    textvqa_ocr  textvqa's folder (textvqa/) with LLaVA-1.5's question file llava_textvqa_val_v051_ocr.jsonl
+                 ({question_id, image, text} per line): its text asked as written, the question with
+                 "Reference OCR token: …" (LLaVA-1.5's own TextVQA setting; eRAM-V's Table 2 is textvqa's)
     gqa        testdev_balanced_questions.json and images/<imageId>.jpg
     okvqa      OpenEnded_mscoco_val2014_questions.json, mscoco_val2014_annotations.json and COCO val2014/
 
@@ -62,6 +65,10 @@ class Task:
     score: Callable[[Sequence[Mapping]], Dict]
     max_new_tokens: int
     expects: str  # the files the reader looks for, for the error that names a missing copy
+    folder: str = ''  # the local copy's folder under --data: the task's name unless it shares another's
+
+    def __post_init__(self):
+        self.folder = self.folder or self.name
 
 
 def _required(path: Path) -> Path:
@@ -130,6 +137,31 @@ def read_textvqa(root: Path) -> List[Sample]:
                    {'answers': r['answers']}) for r in data]
 
 
+TEXTVQA_OCR_QUESTIONS = 'llava_textvqa_val_v051_ocr.jsonl'
+
+
+def read_textvqa_ocr(root: Path) -> List[Sample]:
+    """LLaVA-1.5's TextVQA questions (with OCR tokens in their text), scored on TextVQA's own answers."""
+    answers = {str(r['question_id']): r['answers']
+               for r in json.loads(_required(root / 'TextVQA_0.5.1_val.json').read_text())['data']}
+    path = _required(root / TEXTVQA_OCR_QUESTIONS)
+    samples = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        missing = [k for k in ('question_id', 'image', 'text') if k not in r]
+        if missing:
+            raise DataError(f'{path}: line {n} has no {", ".join(missing)}; LLaVA-1.5\'s TextVQA question file has '
+                            f'{{question_id, image, text}} on each line')
+        qid = str(r['question_id'])
+        if qid not in answers:
+            raise DataError(f'{path}: question {qid} (line {n}) is not in {root / "TextVQA_0.5.1_val.json"}; both '
+                            f'files must be TextVQA 0.5.1 val')
+        samples.append(Sample(qid, root / 'train_images' / r['image'], r['text'], {'answers': answers[qid]}))
+    return samples
+
+
 def read_gqa(root: Path) -> List[Sample]:
     _required(root / 'testdev_balanced_questions.json')
     return [Sample(qa.id, qa.image, f'{qa.question}\n{SHORT}', {'answer': qa.answer})
@@ -147,6 +179,8 @@ TASKS: Dict[str, Task] = {t.name: t for t in (
     Task('mme', read_mme, metrics.mme, 16, 'MME_Benchmark_release_version/<subtask>/…'),
     Task('scienceqa', read_scienceqa, metrics.scienceqa, 16, 'problems.json, pid_splits.json, images/test/'),
     Task('textvqa', read_textvqa, metrics.vqa, 16, 'TextVQA_0.5.1_val.json, train_images/'),
+    Task('textvqa_ocr', read_textvqa_ocr, metrics.vqa, 16, f'{TEXTVQA_OCR_QUESTIONS}, TextVQA_0.5.1_val.json, '
+                                                             f'train_images/', folder='textvqa'),
     Task('gqa', read_gqa, metrics.gqa, 16, 'testdev_balanced_questions.json, images/'),
     Task('okvqa', read_okvqa, metrics.vqa, 16, 'OpenEnded_mscoco_val2014_questions.json, '
                                                 'mscoco_val2014_annotations.json, val2014/'),
