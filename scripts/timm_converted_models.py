@@ -16,13 +16,12 @@ from timm.models import generate_default_cfgs, register_model
 
 import diffzoo
 
-# name -> (timm model, its configuration's name, keyword arguments for timm.create_model)
+# name -> (the timm model built, whose configuration it keeps; keyword arguments for timm.create_model)
 SOURCES = {
-    'vit_small_patch16_224': ('vit_small_patch16_224', 'vit_small_patch16_224', {}),
-    'deit_small_distilled_patch16_224': ('deit_small_distilled_patch16_224', 'deit_small_distilled_patch16_224', {}),
-    'vit_base_patch16_siglip_224': ('vit_base_patch16_siglip_224', 'vit_base_patch16_siglip_224', {}),
-    'eva_small_patch14_224': ('eva_giant_patch14_224', 'eva_giant_patch14_224',
-                              dict(embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0)),
+    'vit_small_patch16_224': ('vit_small_patch16_224', {}),
+    'deit_small_distilled_patch16_224': ('deit_small_distilled_patch16_224', {}),
+    'vit_base_patch16_siglip_224': ('vit_base_patch16_siglip_224', {}),
+    'eva_small_patch14_224': ('eva_giant_patch14_224', dict(embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0)),
 }
 VARIANTS = ('duplicate', 'split', 'v2')
 NAMES = [f'{name}_diffzoo_{variant}' for name in SOURCES for variant in VARIANTS]
@@ -35,7 +34,7 @@ def _config(source_cfg: str) -> dict:
     return cfg
 
 
-default_cfgs = generate_default_cfgs({n: _config(SOURCES[n.rsplit('_diffzoo_', 1)[0]][1]) for n in NAMES})
+default_cfgs = generate_default_cfgs({n: _config(SOURCES[n.rsplit('_diffzoo_', 1)[0]][0]) for n in NAMES})
 
 
 def _entrypoint(model_name: str, source: str, build: dict, variant: str):
@@ -50,7 +49,7 @@ def _entrypoint(model_name: str, source: str, build: dict, variant: str):
     return entrypoint
 
 
-for _name, (_source, _, _build) in SOURCES.items():
+for _name, (_source, _build) in SOURCES.items():
     for _variant in VARIANTS:
         _model = f'{_name}_diffzoo_{_variant}'
         setattr(sys.modules[__name__], _model, register_model(_entrypoint(_model, _source, _build, _variant)))

@@ -27,7 +27,7 @@ import glob
 import json
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from diffzoo.checkpoint import RUN_CONFIG
 
@@ -88,30 +88,28 @@ def _lr_at(s: Dict, sched: Dict, step: int) -> Optional[float]:
     return cosine_lr(optimizer, base, warmup, total)(step)
 
 
-def resumed_epoch(checkpoints: str) -> Optional[int]:
-    """The epoch the run resumes from (its latest checkpoint's), read without reading the weights."""
+def _from_latest(checkpoints: str, read: Callable[[Dict], Any]) -> Any:
+    """`read` applied to the latest checkpoint, memory-mapped (the weights are not read); None when there is
+    none or it cannot be read (the resume itself names it: diffzoo.train.resume)."""
     path = latest_checkpoint(checkpoints)
     if path is None:
         return None
     import torch
     try:
-        return int(torch.load(path, map_location='cpu', weights_only=True, mmap=True)['epoch'])
-    except Exception:  # an unreadable checkpoint: the resume itself names it (diffzoo.train.resume)
+        return read(torch.load(path, map_location='cpu', weights_only=True, mmap=True))
+    except Exception:
         return None
+
+
+def resumed_epoch(checkpoints: str) -> Optional[int]:
+    """The epoch the run resumes from (its latest checkpoint's)."""
+    return _from_latest(checkpoints, lambda c: int(c['epoch']))
 
 
 def _has_lambda_groups(checkpoints: str) -> Optional[bool]:
     """Whether the latest checkpoint's optimizer holds λ's own groups (`diffzoo.train.lambda_lr` marks them with
-    `lr_scale`); None when it cannot be read (the resume itself names it)."""
-    path = latest_checkpoint(checkpoints)
-    if path is None:
-        return None
-    import torch
-    try:
-        groups = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['optimizer']['param_groups']
-    except Exception:
-        return None
-    return any('lr_scale' in g for g in groups)
+    `lr_scale`)."""
+    return _from_latest(checkpoints, lambda c: any('lr_scale' in g for g in c['optimizer']['param_groups']))
 
 
 def _describe(sched: Dict) -> str:

@@ -122,6 +122,11 @@ def mme(rows: Sequence[Mapping]) -> Dict:
 _ANSWER_IS = re.compile(r'The answer is ([A-Z]).')
 
 
+def _accuracy(scores: Sequence[float]) -> Dict[str, float]:
+    """The mean of per-question scores (1/0, or VQA's fractions) as a fraction, and how many questions."""
+    return {'accuracy': sum(scores) / len(scores) if scores else 0.0, 'questions': len(scores)}
+
+
 def scienceqa_letter(text: str, letters: Sequence[str]) -> str:
     """The option letter LLaVA's eval_science_qa.py reads from a reply, or 'FAILED'."""
     text = text.strip()
@@ -148,7 +153,7 @@ def scienceqa(rows: Sequence[Mapping], failed: str = 'wrong', seed: int = 0) -> 
             failures += 1
             letter = rng.choice(letters) if failed == 'random' else letter
         right.append(letter == r['answer'])
-    return {'accuracy': sum(right) / len(right) if right else 0.0, 'questions': len(right), 'failed': failures}
+    return {**_accuracy(right), 'failed': failures}
 
 
 def lmms_eval_scienceqa(rows: Sequence[Mapping]) -> Dict[str, float]:
@@ -159,7 +164,7 @@ def lmms_eval_scienceqa(rows: Sequence[Mapping]) -> Dict[str, float]:
         reply, target = r['prediction'].strip(), r['answer'].lower()
         right.append(reply.lower() == target or (len(reply) >= 2 and reply[0].isupper() and reply[1] == '.'
                                                  and reply[0].lower() == target))
-    return {'accuracy': sum(right) / len(right) if right else 0.0, 'questions': len(right)}
+    return _accuracy(right)
 
 
 _PUNCTUATION = str.maketrans('', '', string.punctuation)
@@ -172,10 +177,10 @@ def gqa_match(prediction: str, answer: str) -> bool:
 def gqa(rows: Sequence[Mapping]) -> Dict[str, float]:
     """Rows {prediction, answer} → exact-match accuracy (fraction)."""
     right = [gqa_match(r['prediction'], r['answer']) for r in rows]
-    return {'accuracy': sum(right) / len(right) if right else 0.0, 'questions': len(right)}
+    return _accuracy(right)
 
 
 def vqa(rows: Sequence[Mapping]) -> Dict[str, float]:
     """Rows {prediction, answers (the human answers)} → VQA accuracy (fraction), TextVQA's and OK-VQA's."""
     scores = [vqa_accuracy(r['prediction'], r['answers']) for r in rows]
-    return {'accuracy': sum(scores) / len(scores) if scores else 0.0, 'questions': len(scores)}
+    return _accuracy(scores)

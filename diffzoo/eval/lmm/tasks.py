@@ -142,8 +142,7 @@ TEXTVQA_OCR_QUESTIONS = 'llava_textvqa_val_v051_ocr.jsonl'
 
 def read_textvqa_ocr(root: Path) -> List[Sample]:
     """LLaVA-1.5's TextVQA questions (with OCR tokens in their text), scored on TextVQA's own answers."""
-    answers = {str(r['question_id']): r['answers']
-               for r in json.loads(_required(root / 'TextVQA_0.5.1_val.json').read_text())['data']}
+    answers = {s.id: s.meta['answers'] for s in read_textvqa(root)}
     path = _required(root / TEXTVQA_OCR_QUESTIONS)
     samples = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
