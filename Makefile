@@ -9,10 +9,13 @@ TORCH := torch==2.14.1 torchvision==0.29.1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev,train,eval,vlm,lmms]' $(TORCH)
+	# LLaVA's own code, the reference the conversation tests compare with; its pins (torch 2.0, transformers 4.36)
+	# would replace the stack, so it comes without them
+	$(PY) -m pip install --quiet --no-deps llava-torch==1.2.2.post1
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
+from diffzoo.vlm.templates import RULES, encode
 from diffzoo.vlm.differential import differential_parameters
 from diffzoo.vlm.factory import load_vlm
 from diffzoo.vlm.lora import projection_modules, trainable_parameters
@@ -92,12 +93,11 @@ class StageTrainer(VLMTrainer):
     def __init__(self, *args, held: Set[str] = frozenset(), **kwargs):
         super().__init__(*args, **kwargs)
         self.held = set(held)
-        self.cut_short: Set[str] = set()
-        self.left_out_long: Set[str] = set()
+        self.lost: Dict[str, Set[str]] = {key: set() for key in LOST}  # conversation ids, each counted once
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self.cut_short.update(inputs.pop('cut_short', ()))
-        self.left_out_long.update(inputs.pop('left_out_long', ()))
+        for key in LOST:
+            self.lost[key].update(inputs.pop(key, ()))
         return super().training_step(model, inputs, num_items_in_batch)
 
     def kept(self) -> Dict[str, nn.Parameter]:
@@ -121,12 +121,23 @@ class StageTrainer(VLMTrainer):
                      '; resume with the recipe that wrote it')
 
 
+LOST = ('cut_short', 'left_out_long', 'mismatched')  # the collator's lists of conversation ids (ConversationCollator)
+
+
 def gathered(trainer: StageTrainer):
-    """(unreadable images, ids cut to max_length, ids left out after the cut) over every process (a collective
-    under DDP: every rank calls it)."""
-    parts = all_gathered((trainer.skipped_images, trainer.cut_short, trainer.left_out_long), trainer.args.world_size)
-    return (parts[0][0].merge([p[0] for p in parts[1:]]), set().union(*(p[1] for p in parts)),
-            set().union(*(p[2] for p in parts)))
+    """(unreadable images, {LOST key: conversation ids}) over every process (a collective under DDP: every rank
+    calls it)."""
+    parts = all_gathered((trainer.skipped_images, trainer.lost), trainer.args.world_size)
+    return (parts[0][0].merge([p[0] for p in parts[1:]]),
+            {key: set().union(*(p[1][key] for p in parts)) for key in LOST})
+
+
+def lost_summary(lost: Dict[str, Set[str]], max_length: int, mismatch: str) -> str:
+    """What the collator cut or left out, in words."""
+    mismatched = len(lost['mismatched'])
+    return (f'{len(lost["cut_short"])} conversation(s) cut to {max_length} tokens, {len(lost["left_out_long"])} left '
+            f'out after the cut, {mismatched} with a tokenization mismatch '
+            + ('(nothing of them scored, as the reference does)' if mismatch == 'mask' else '(scored: mismatch score)'))
 
 
 class EpochReport(TrainerCallback):
@@ -135,16 +146,36 @@ class EpochReport(TrainerCallback):
     from where it resumed (the counts are not in the checkpoints). Not after the last epoch: the stage's
     closing line gives the same counts for the whole run."""
 
-    def __init__(self, max_length: int):
-        self.max_length, self.trainer = max_length, None
+    def __init__(self, max_length: int, mismatch: str):
+        self.max_length, self.mismatch, self.trainer = max_length, mismatch, None
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:  # the same on every rank: none enters the collective below
             return
-        skipped, cut, long = gathered(self.trainer)
+        skipped, lost = gathered(self.trainer)
         if state.is_world_process_zero:
-            print(f'epoch {round(state.epoch)}: {len(cut)} conversation(s) cut to {self.max_length} tokens, '
-                  f'{len(long)} left out after the cut; {skipped.summary()}', flush=True)
+            print(f'epoch {round(state.epoch)}: {lost_summary(lost, self.max_length, self.mismatch)}; '
+                  f'{skipped.summary()}', flush=True)
+
+
+def check_rounds(train_set, tokenizer, data: Dict, first: int = 32) -> None:
+    """Refuse vicuna_v1 over a tokenizer that adds no BOS (LLaVA's rule counts one in each round), and a format
+    whose reference rule counts the rounds of none of the first conversations: under mismatch 'mask' the stage
+    would train on nothing."""
+    sample = train_set[:first]
+    if data['format'] == 'vicuna_v1' and tokenizer('USER')['input_ids'][:1] != [tokenizer.bos_token_id]:
+        raise RecipeError(f'data.format vicuna_v1: LLaVA\'s preprocess_v1 counts each round with the BOS its Llama '
+                          f'tokenizer adds, and this tokenizer ({type(tokenizer).__name__}) adds none, so its label '
+                          f'mask would be shifted; for Qwen\'s tokenizer choose qwen2_instruct (TinyLLaVA\'s) or '
+                          f'chat_template')
+    if data['mismatch'] == 'score' or data['format'] not in RULES or not sample:
+        return
+    if all(encode(c.turns, tokenizer, data['format'], data['max_length']).mismatched for c in sample):
+        raise RecipeError(f'data.format {data["format"]}: its reference\'s rule (diffzoo.vlm.templates) cannot count '
+                          f'the rounds of any of the first {len(sample)} conversations with this tokenizer '
+                          f'({type(tokenizer).__name__}), so nothing would be scored; vicuna_v1 is for a tokenizer '
+                          f'that adds BOS as Vicuna\'s does, qwen2_instruct for Qwen\'s. Choose the format of the '
+                          f'language model, or data.mismatch: score')
 
 
 def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str, rank: int) -> Path:
@@ -214,6 +245,7 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     tok = vlm.tokenizer
     if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
+    check_rounds(train_set, tok, data)
     counts = trainable_parameters(vlm.model)
     if rank == 0:
         start_run(run_dir, recipe, name, checkpoint,
@@ -221,8 +253,8 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
                   f'{recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world}; trainable {counts}'
                   + (f'; starts from {start}' if start else ''))
     collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
-                                    image_aspect=data['image_aspect'])
-    report = EpochReport(data['max_length'])
+                                    image_aspect=data['image_aspect'], mismatch=data['mismatch'])
+    report = EpochReport(data['max_length'], data['mismatch'])
     trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
                            callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step), report],
                            lambda_lr=recipe['lambda_lr'], held=held)
@@ -232,14 +264,16 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
               trainer.is_fsdp_enabled else f'not enabled by accelerate ({world} process(es): nothing to shard)'),
               flush=True)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    skipped, cut, long = gathered(trainer)
+    skipped, lost = gathered(trainer)
     results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
     output = finish(trainer, vlm, recipe, run_dir / STAGE_DIR, name, rank)
     if world > 1:  # the next stage of a chain reads what rank 0 wrote
         dist.barrier()
     if rank == 0:
-        report = {**problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(long),
-                  'cut_examples': sorted(cut)[:3]}
+        report = {**problems.record(), 'cut_to_max_length': len(lost['cut_short']),
+                  'left_out_after_cut': len(lost['left_out_long']), 'cut_examples': sorted(lost['cut_short'])[:3],
+                  'tokenization_mismatch': len(lost['mismatched']), 'mismatch': data['mismatch'],
+                  'mismatch_examples': sorted(lost['mismatched'])[:3]}
         (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
         (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
         log = run_log(run_dir)
@@ -247,6 +281,5 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
                        data_problems=report, stage=str(output))
         write_results(run_dir, results, log)
         print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → {results["final_loss"]:.4f}; '
-              f'{len(cut)} conversation(s) cut to {data["max_length"]} tokens, {len(long)} left out after the cut; '
-              f'{skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)
+              f'{lost_summary(lost, data["max_length"], data["mismatch"])}; {skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)
     return results

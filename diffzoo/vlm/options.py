@@ -12,10 +12,14 @@ INJECTED_QUERIES = ('all', 'text')
 SEQUENCE_MASKS = ('prefix_lm', 'causal')
 PROJECTOR_NAMES = ('linear', 'mlp2x_gelu')  # PaliGemma's one Linear; LLaVA-1.5's Linear → GELU → Linear
 FINAL_NORM = 'final_norm'  # select_layer: the last block's output through the tower's final norm
-# conversation prompt formats (diffzoo.vlm.conversations): LLaVA's pre-training `plain`, LLaVA-1.5's vicuna_v1,
-# the language model's own chat template
-CONVERSATION_FORMATS = ('plain', 'vicuna_v1', 'chat_template')
-# how a conversation's image meets the tower: padded to a square of the normaliser's mean (LLaVA-1.5), or not
+# conversation prompt formats (diffzoo.vlm.templates): LLaVA's pre-training `plain`, LLaVA-1.5's vicuna_v1,
+# TinyLLaVA_Factory's qwen2_instruct, the language model's own chat template
+CONVERSATION_FORMATS = ('plain', 'vicuna_v1', 'qwen2_instruct', 'chat_template')
+# a conversation whose rounds the reference cannot count (its "tokenization mismatch"): nothing of it scored, as
+# LLaVA and TinyLLaVA do, or its answers scored
+MISMATCH_RULES = ('mask', 'score')
+# how a conversation's image meets the tower: padded to a square of the normaliser's mean (LLaVA-1.5's 'pad'), or
+# the tower's own transform alone (LLaVA's and TinyLLaVA's other setting, 'square' in TinyLLaVA's scripts)
 IMAGE_ASPECTS = ('pad', 'crop')
 
 

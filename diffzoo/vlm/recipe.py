@@ -5,7 +5,7 @@
                   {type: differential, variant, lambda_init, layers, mlp} (differentialize's settings)
     data:         {type: vqav2, root, split, fraction, seed, val_split, val_fraction, max_length} (the
                   default type) or {type: conversations, json, image_folder, format, max_length,
-                  image_aspect}
+                  image_aspect, mismatch}
                   (LLaVA-format conversations, `diffzoo.vlm.conversations`)
     train:        a stage (`diffzoo.train.vlm_stage`): {projector, vision, language_model: frozen | full |
                   lora, differential, gradient_checkpointing}; null: LoRA fine-tuning as `lora` and
@@ -29,8 +29,8 @@ from typing import Dict, Mapping
 
 from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
 
-from .options import (CONVERSATION_FORMATS, FINAL_NORM, IMAGE_ASPECTS, INJECTED_QUERIES, INTEGRATIONS, MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS,
-                      check_select_layer)
+from .options import (CONVERSATION_FORMATS, FINAL_NORM, IMAGE_ASPECTS, INJECTED_QUERIES, INTEGRATIONS, MISMATCH_RULES,
+                      MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS, check_select_layer)
 
 
 class SelectLayerKey(Key):
@@ -64,11 +64,17 @@ DATA = Typed({
         'type': DATA_TYPE,
         'json': Key((str,), REQUIRED, "a LLaVA-format JSON file (LLaVA's 558K, 665K, …)"),
         'image_folder': Key((str,), None, 'the folder its image paths are relative to (null: text only)'),
-        'format': Key((str,), REQUIRED, 'prompt format: plain (LLaVA pre-training), vicuna_v1 (LLaVA-1.5) or '
-                                        "chat_template (the language model's own)", CONVERSATION_FORMATS),
-        'max_length': Key((int,), 2048, 'longest conversation in text tokens (longer ones are cut, counted)'),
-        'image_aspect': Key((str,), 'pad', "pad (LLaVA-1.5's and TinyLLaVA's: to a square of the normaliser's mean "
-                                          "colour first) or crop (the tower's transform alone)", IMAGE_ASPECTS),
+        'format': Key((str,), REQUIRED, 'prompt format: plain (LLaVA and TinyLLaVA pre-training), vicuna_v1 '
+                                        "(LLaVA-1.5), qwen2_instruct (TinyLLaVA_Factory's Qwen2) or chat_template "
+                                        "(the language model's own)", CONVERSATION_FORMATS),
+        'max_length': Key((int,), 2048, "longest conversation in tokens, the image placeholder one (LLaVA's "
+                                        'model_max_length; longer ones are cut, counted)'),
+        'image_aspect': Key((str,), 'pad', "pad (LLaVA-1.5's: to a square of the normaliser's mean colour first) or "
+                                          "crop (the tower's transform alone: TinyLLaVA's Qwen2 scripts' 'square')",
+                            IMAGE_ASPECTS),
+        'mismatch': Key((str,), 'mask', "a conversation whose rounds the format's reference cannot count (LLaVA's "
+                                        "'tokenization mismatch'): mask (nothing scored, as LLaVA and TinyLLaVA) or "
+                                        'score (its answers scored); counted either way', MISMATCH_RULES),
     }),
 }, doc='the training data, chosen by type (vqav2 when not given)')
 

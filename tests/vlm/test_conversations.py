@@ -20,15 +20,16 @@ CONVERSATION = (('human', '<image>\nwhat color is it?'), ('gpt', 'red'),
 
 
 def _tokenizer(specials=('<s>', '</s>', '<pad>', '<unk>'), extra=(), chat_template=None):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     words = set(SYSTEM_WORDS) | {'USER:', 'ASSISTANT:', 'what', 'color', 'is', 'it?', 'red', 'shape?', 'circle',
                                  'system', 'user', 'assistant', 'You', 'are', 'helpful', 'caption', 'green'} | set(extra)
     vocab = {t: i for i, t in enumerate(list(specials) + sorted(words))}
     core = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     named = dict(pad_token='<pad>', unk_token='<unk>')
-    if '<s>' in specials:
+    if '<s>' in specials:  # BOS added as Llama's tokenizer adds it
         named.update(bos_token='<s>', eos_token='</s>')
+        core.post_processor = processors.TemplateProcessing(single='<s> $A', special_tokens=[('<s>', vocab['<s>'])])
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, additional_special_tokens=[
         s for s in specials if s.startswith('<|')], **named)
     if chat_template:
@@ -41,25 +42,16 @@ def _marked(tok, ids, scored):
     return [tok.convert_ids_to_tokens(i) + ('*' if s else '') for i, s in zip(ids, scored)]
 
 
-def test_vicuna_v1_scores_each_answer_and_its_eos_only():
-    tok = _tokenizer()
-    ids, scored, image_at = encode(CONVERSATION, tok, 'vicuna_v1')
-    expected = (['<s>'] + SYSTEM_WORDS + ['USER:', 'what', 'color', 'is', 'it?', 'ASSISTANT:', 'red*', '</s>*',
-                                          'USER:', 'and', 'the', 'shape?', 'ASSISTANT:', 'a*', 'circle*', '</s>*'])
-    assert _marked(tok, ids, scored) == expected
-    assert image_at == 1 + len(SYSTEM_WORDS) + 1  # "USER: <image>\nwhat …": right after USER:
-
-
 def test_plain_scores_the_caption_and_its_newline_after_the_image():
     tok = _tokenizer()
-    ids, scored, image_at = encode((('human', '<image>'), ('gpt', 'a red circle')), tok, 'plain')
+    ids, scored, image_at, _ = encode((('human', '<image>'), ('gpt', 'a red circle')), tok, 'plain')
     assert _marked(tok, ids, scored) == ['<s>', 'a*', 'red*', 'circle*']  # the newline: whitespace to this tokenizer
     assert image_at == 1  # LLaVA's preprocess_plain: BOS, the image, the caption
 
 
 def test_chat_template_scores_each_assistant_turn_with_its_end_of_turn():
     tok = _tokenizer(specials=('<|im_start|>', '<|im_end|>', '<pad>', '<unk>'), chat_template=CHATML)
-    ids, scored, image_at = encode(CONVERSATION, tok, 'chat_template')
+    ids, scored, image_at, _ = encode(CONVERSATION, tok, 'chat_template')
     expected = ['<|im_start|>', 'system', 'You', 'are', 'a', 'helpful', 'assistant.', '<|im_end|>',
                 '<|im_start|>', 'user', 'what', 'color', 'is', 'it?', '<|im_end|>', '<|im_start|>', 'assistant',
                 'red*', '<|im_end|>*',
@@ -96,21 +88,23 @@ def test_the_loader_keeps_what_trains_and_counts_each_left_out_record_once(tmp_p
         _record('no-placeholder', turns=(('human', 'what color is it?'), ('gpt', 'red'))),
         _record('twice', turns=(('human', '<image> <image>'), ('gpt', 'red'))),
         _record('stray', image=None),
-        _record('order', turns=(('gpt', 'red'), ('human', '<image>'))),
+        _record('order', turns=(('human', '<image>'), ('human', 'what color is it?'), ('gpt', 'red'))),
+        _record('gpt-first', turns=(('gpt', 'hello'), ('human', '<image>\nwhat color is it?'), ('gpt', 'red'))),
         _record('ends-human', turns=(('human', '<image>\nwhat color is it?'), ('gpt', 'red'), ('human', 'and?'))),
         _record('only-human', image=None, turns=(('human', 'hello'),)),
         {'id': 'junk', 'conversations': 'red'},
     ]
     (tmp_path / 'data.json').write_text(json.dumps(records))
     kept, problems = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
-    assert [c.id for c in kept] == ['ok', 'text-only', 'moved', 'ends-human']
+    assert [c.id for c in kept] == ['ok', 'text-only', 'moved', 'gpt-first', 'ends-human']
     assert kept[2].turns[0] == ('human', '<image>\nwhat color is it?')  # LLaVA: the placeholder leads the turn
-    assert kept[3].turns == kept[0].turns and kept[1].image is None
+    assert kept[3].turns == kept[4].turns == kept[0].turns and kept[1].image is None
     assert problems.left_out == {'image file missing': 1, '<image> missing from an image sample': 1,
                                  '<image> repeated': 1, '<image> in a sample without an image': 1,
                                  'turns not alternating human, gpt': 1, 'no gpt turn': 1,
                                  'not a conversation (a list of {from: human|gpt, value})': 1}
-    assert problems.truncated == {'ended on a human turn (that turn dropped)': 2}  # ends-human, only-human
+    assert problems.truncated == {'ended on a human turn (that turn dropped)': 2,  # ends-human, only-human
+                                  'started on a gpt turn (that turn dropped)': 1}  # as LLaVA's preprocess_v1
     assert 'no-file' in problems.summary()
     with pytest.raises(FileNotFoundError, match='nothere.json'):
         load_conversations(tmp_path / 'nothere.json', tmp_path / 'images')
@@ -129,15 +123,17 @@ def test_a_batch_splices_the_image_at_its_place_and_scores_the_assistant_tokens(
     """The model's loss on a collated batch (an image sample, a text-only one) equals the loss written out
     by hand: [text before <image> | image tokens | text after] through the LM with a causal mask, the
     text-only row without image tokens, cross-entropy over the starred tokens."""
-    tok = _tokenizer()
+    tok = _llama_tokenizer(tmp_path / 'llama', legacy=True)
+    tok.pad_token = tok.unk_token
     model = _vlm(tok)
     _image(tmp_path / 'images/img/0.jpg')
     (tmp_path / 'data.json').write_text(json.dumps([
-        _record('with-image'), _record('text', image=None, turns=(('human', 'what color is it?'), ('gpt', 'green')))]))
+        _record('with-image'), _record('text', image=None, turns=(('human', 'what color is it?'), ('gpt', 'a red')))]))
     kept, _ = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
     transform = model.vision.preprocess
     batch = ConversationCollator(tok, transform, 'vicuna_v1', image_size=(64, 64))(kept)
-    assert batch['image_at'].tolist() == [25, -1]
+    before_image = tok(_vicuna_v1_text([('human', '')]).split('USER: ')[0] + 'USER: ')['input_ids']
+    assert batch['image_at'].tolist() == [len(before_image), -1]
     loss = model(**batch).loss
 
     embed = model.language_model.get_input_embeddings()
@@ -158,7 +154,7 @@ def test_a_batch_splices_the_image_at_its_place_and_scores_the_assistant_tokens(
     expected = sum(terms) / int((batch['labels'] != -100).sum())
     torch.testing.assert_close(loss, expected)
     scored = batch['input_ids'][1][batch['labels'][1] != -100]
-    assert tok.convert_ids_to_tokens(scored.tolist()) == ['green', '</s>']
+    assert tok.decode(scored.tolist()) == 'a red</s>'  # LLaVA's mask: the answer and its </s>
 
 
 def test_an_unreadable_image_and_a_sample_cut_to_nothing_are_left_out_and_named(tmp_path):
@@ -239,20 +235,6 @@ def _llama_tokenizer(directory, legacy: bool):
     return AutoTokenizer.from_pretrained(directory)
 
 
-IMAGE_TOKEN = -200  # LLaVA's IMAGE_TOKEN_INDEX
-
-
-def _llava_tokenizer_image_token(text, tok):
-    """LLaVA's tokenizer_image_token: each side of <image> tokenized with BOS, the later BOS dropped."""
-    chunks = [tok(c).input_ids for c in text.split('<image>')]
-    ids, offset = [], 0
-    if chunks and chunks[0] and chunks[0][0] == tok.bos_token_id:
-        ids, offset = [chunks[0][0]], 1
-    for i, chunk in enumerate(chunks):
-        ids += ([IMAGE_TOKEN] if i else []) + chunk[offset:]
-    return ids
-
-
 def _vicuna_v1_text(turns):
     """conv_vicuna_v1's prompt: the system line, then 'USER: q ASSISTANT: a</s>' per round (seps ' ', '</s>')."""
     from diffzoo.vlm.conversations import VICUNA_V1_SYSTEM
@@ -262,34 +244,14 @@ def _vicuna_v1_text(turns):
     return text
 
 
-def _llava_preprocess_v1_labels(turns, tok):
-    """LLaVA-1.5's preprocess_v1 mask for a legacy tokenizer, written from its rules: per '</s>'-round, the
-    instruction masked by token counts (minus BOS and the trailing space's token); a count that misses the
-    total masks the sample whole. (Its non-legacy correction, one token fewer after the first round, is
-    fitted to Llama's own vocabulary, so a trained one is checked by offsets instead.)"""
-    text = _vicuna_v1_text(turns)
-    ids = _llava_tokenizer_image_token(text, tok)
-    target, cur = [True] * len(ids), 1
-    target[0] = False
-    for round_text in text.split('</s>'):
-        if not round_text:
-            break
-        instruction, _ = round_text.split(' ASSISTANT: ')
-        instruction_len = len(_llava_tokenizer_image_token(instruction + ' ASSISTANT: ', tok)) - 2
-        target[cur:cur + instruction_len] = [False] * instruction_len
-        cur += len(_llava_tokenizer_image_token(round_text, tok))
-    assert cur == len(ids), 'LLaVA would mask this sample whole (tokenization mismatch)'
-    return [t for i, t in zip(ids, target) if i != IMAGE_TOKEN]
-
-
 def _answer_tokens_by_offsets(turns, tok):
-    """Independently of both: each token of the whole text (each side of <image>) scored when the character
+    """Independently of encode: each token of the whole text (each side of <image>) scored when the character
     it starts at lies in an answer (' a</s>' after 'ASSISTANT:'), from the tokenizer's offset mapping."""
-    text = _vicuna_v1_text(turns)
-    spans, at = [], 0
-    while (at := text.find('ASSISTANT:', at)) >= 0:
-        at += len('ASSISTANT:')
-        spans.append((at, text.index('</s>', at) + len('</s>')))
+    text, spans = _vicuna_v1_text(turns[:0]), []
+    for i in range(0, len(turns), 2):
+        text += f'USER: {turns[i][1]} ASSISTANT:'
+        spans.append((len(text), len(text) + len(f' {turns[i + 1][1]}</s>')))
+        text += f' {turns[i + 1][1]}</s>'
     scored, begin = [False], 0  # BOS
     for chunk in text.split('<image>'):
         encoded = tok(chunk, add_special_tokens=False, return_offsets_mapping=True)
@@ -300,30 +262,12 @@ def _answer_tokens_by_offsets(turns, tok):
 
 
 @pytest.mark.parametrize('legacy', [True, False])
-def test_vicuna_v1_on_a_sentencepiece_llama_tokenizer_gives_llavas_ids_and_labels(tmp_path, legacy):
-    """Vicuna's tokenizer tokenizes a piece alone otherwise than in the conversation (the space before USER;
-    no prefix space after </s> when not legacy): the ids and the image's place equal LLaVA-1.5's
-    tokenizer_image_token of the whole prompt, the scored tokens are the answers' and their </s> (by offsets,
-    and by LLaVA's own rule for a legacy tokenizer), and a question is asked with the tokens LLaVA prompts with."""
-    from diffzoo.vlm.conversations import prompt
+def test_mismatch_score_scores_each_answer_and_its_eos_by_characters(tmp_path, legacy):
+    """data.mismatch: score: a conversation LLaVA's rule cannot count is scored on its answers, found from the
+    tokenization of the text before each (checked by character offsets): with Vicuna's SentencePiece tokenizer,
+    legacy or not, each answer and its </s>, nothing of the question (LLaVA's own ids and masks:
+    tests/vlm/test_templates.py)."""
     tok = _llama_tokenizer(tmp_path / 'llama', legacy)
-    for turns in (CONVERSATION, CONVERSATION[:2], (('human', 'what color is it?'), ('gpt', 'red'))):
-        ids, scored, image_at = encode(turns, tok, 'vicuna_v1')
-        llava_ids = _llava_tokenizer_image_token(_vicuna_v1_text(turns), tok)
-        assert image_at == (llava_ids.index(IMAGE_TOKEN) if IMAGE_TOKEN in llava_ids else -1)
-        assert ids == [i for i in llava_ids if i != IMAGE_TOKEN]
-        assert scored == _answer_tokens_by_offsets(turns, tok)
-        if legacy:
-            assert scored == _llava_preprocess_v1_labels(turns, tok)
-    asked, image_at = prompt('what color is it?', tok, 'vicuna_v1')
-    llava = _llava_tokenizer_image_token(_vicuna_v1_text(CONVERSATION[:1])[:-1] + ' ASSISTANT:', tok)
-    assert asked == [i for i in llava if i != IMAGE_TOKEN] and image_at == llava.index(IMAGE_TOKEN)
-
-
-def test_plain_on_a_sentencepiece_llama_tokenizer_gives_llavas_ids_and_labels(tmp_path):
-    """LLaVA's preprocess_plain: '<image>' + caption + '\\n' tokenized, BOS and the image masked."""
-    tok = _llama_tokenizer(tmp_path / 'llama', True)
-    ids, scored, image_at = encode((('human', '<image>'), ('gpt', 'a red circle')), tok, 'plain')
-    llava = _llava_tokenizer_image_token('<image>a red circle\n', tok)
-    assert image_at == llava.index(IMAGE_TOKEN) == 1
-    assert ids == [i for i in llava if i != IMAGE_TOKEN] and scored == [False] + [True] * (len(ids) - 1)
+    for turns in (CONVERSATION, CONVERSATION[:2], (('human', 'what color is it?'), ('gpt', 'red')),
+                  (('human', '<image>\nwhat color is it?'), ('gpt', 'red</s> and a circle'))):
+        assert encode(turns, tok, 'vicuna_v1', mismatch='score').scored == _answer_tokens_by_offsets(turns, tok)

@@ -18,9 +18,9 @@ from tests.vlm.models import write_chat_language_model, write_llava_sets
 STAGES = {
     'stage1': dict(data=dict(type='conversations', json='pretrain.json', format='plain'),
                    train=dict(projector=True), lr=3e-3),
-    'stage2': dict(data=dict(type='conversations', json='qa.json', format='vicuna_v1'),
+    'stage2': dict(data=dict(type='conversations', json='qa.json', format='qwen2_instruct'),
                    train=dict(projector=True, vision=True), init_from='stage1', lr=1e-3),
-    'stage3': dict(data=dict(type='conversations', json='instruct.json', format='chat_template'),
+    'stage3': dict(data=dict(type='conversations', json='instruct.json', format='qwen2_instruct'),
                    train=dict(projector=True, language_model='full', gradient_checkpointing=True),
                    init_from='stage2', lr=3e-3),
     'stage4': dict(data=dict(type='conversations', json='instruct.json', format='chat_template'),
@@ -116,10 +116,10 @@ def test_a_stage_of_another_model_is_refused_and_a_rerun_resumes(chain):
 CHAINS = {  # (recipe, what it trains, init_from, lr, global batch, per-GPU batch, format)
     'diffclip-b16-qwen2.5-0.5b-pretrain': ({'projector'}, None, 1e-3, 192, 48, 'plain'),
     'diffclip-b16-qwen2.5-0.5b-finetune': ({'projector', 'language_model'}, 'diffclip-b16-qwen2.5-0.5b-pretrain',
-                                           2e-5, 192, 48, 'chat_template'),
+                                           2e-5, 192, 48, 'qwen2_instruct'),
     'clip-b16-baseline-qwen2.5-0.5b-pretrain': ({'projector'}, None, 1e-3, 192, 48, 'plain'),
     'clip-b16-baseline-qwen2.5-0.5b-finetune': ({'projector', 'language_model'},
-                                                'clip-b16-baseline-qwen2.5-0.5b-pretrain', 2e-5, 192, 48, 'chat_template'),
+                                                'clip-b16-baseline-qwen2.5-0.5b-pretrain', 2e-5, 192, 48, 'qwen2_instruct'),
     'llava-1.5-7b-pretrain': ({'projector'}, None, 1e-3, 256, 32, 'plain'),
     'llava-1.5-7b-finetune': ({'projector', 'language_model'}, 'llava-1.5-7b-pretrain', 2e-5, 128, 16, 'vicuna_v1'),
     'eramv-vicuna-7b-pretrain': ({'projector'}, None, 1e-3, 256, 32, 'plain'),
@@ -169,7 +169,7 @@ def test_one_command_runs_a_chain_and_stops_at_the_first_failing_stage(chain):
 
 def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_place(chain):
     """vlm_from_recipe(recipe, stage=run dir): the stage's tensors in the model, prompts in the recipe's
-    format (chat template: up to the assistant's generation prompt), the image padded to a square and
+    format (qwen2_instruct: up to 'ASSISTANT:'), the image padded to a square and
     spliced where <image> was; for the full-token model the first answer token is the argmax written out by
     hand."""
     from PIL import Image
@@ -181,12 +181,12 @@ def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_
     held = load_file(str(root / 'runs' / 'stage3' / 'stage' / 'stage_model.safetensors'))
     params = dict(vlm.model.named_parameters())
     assert all(torch.equal(params[k], v) for k, v in held.items())
-    assert vlm.prompt_format == 'chat_template' and vlm.image_aspect == 'pad'
+    assert vlm.prompt_format == 'qwen2_instruct' and vlm.image_aspect == 'pad'
     image = Image.open(root / 'images' / 'scenes' / '00000.jpg').crop((0, 0, 64, 40))  # not square
     batch = vlm.prompts([image], ['what color is the shape?'])
     answer = vlm.generate(batch, max_new_tokens=3)
     assert isinstance(answer[0], str)
-    ids, at = prompt('what color is the shape?', vlm.tokenizer, 'chat_template')
+    ids, at = prompt('what color is the shape?', vlm.tokenizer, 'qwen2_instruct')
     assert batch['input_ids'][0].tolist() == ids and batch['image_at'].tolist() == [at]
     if vlm.model.integration != 'full':
         return  # eRAM-V's anchors and injected features: the prompt and splice above are what this test checks
