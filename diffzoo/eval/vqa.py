@@ -1,15 +1,21 @@
 """VQA accuracy as the official VQAv2 evaluation computes it, and a VLM's answers to VQA questions.
 
-    python -m diffzoo.eval.vqa --predictions RESULTS.json --annotations ANNOTATIONS.json
+    python -m diffzoo.eval.vqa --predictions RESULTS.json --annotations ANNOTATIONS.json [--scoring llava]
 
 The reference is `PythonEvaluationTools/vqaEvaluation/vqaEval.py` of github.com/GT-Vision-Lab/VQA
-(master, a013f00) with `loadRes` of `PythonHelperTools/vqaTools/vqa.py`. What it does, and where
-this module follows it:
+(master, a013f00) with `loadRes` of `PythonHelperTools/vqaTools/vqa.py`. The script expects answers already
+processed by the submitter; how each reply is prepared is the scoring (`diffzoo.eval.vqa_answers`):
 
-- Every human answer and the prediction have '\\n' and '\\t' replaced by spaces and are stripped.
-- Only if the human answers of a question still differ among themselves are they and the prediction
-  normalised (`normalize_answer`); when all humans agree, the comparison is exact, case included.
-  (Per the maintainer, GT-Vision-Lab/VQA#14, so that answers reading text in the image stay raw.)
+- 'llava' (the default): every reply through EvalAI's answer processor first, as LLaVA-1.5's
+  convert_vqav2_for_submission.py does before submitting to the evaluation server (and lmms-eval on each
+  reply): "Yes" against ten "yes" scores 1.
+- 'lmms_eval': lmms-eval's vqav2_process_results (reply and human answers always normalised).
+- 'vqaeval': the official script on the reply as given: only if the human answers of a question differ
+  among themselves are they and the reply normalised; when all humans agree the comparison is exact, case
+  included ("Yes" against ten "yes" scores 0).
+
+What the script does besides, and where this module follows it:
+
 - Accuracy of one question with human answers a_1..a_n (n = 10 in VQAv2), leaving each out in turn:
 
       acc = 1/n · Σ_i min(1, #{j ≠ i : a_j = prediction} / 3)
@@ -24,19 +30,9 @@ this module follows it:
   (`loadRes` asserts the two id sets are equal). `evaluate` requires the same by default;
   `allow_missing=True` scores only the predicted questions. Ids in the results but not in the
   annotations are always an error, as are duplicate ids (the script silently keeps the last).
-
-Normalisation (`normalize_answer`), in the script's order:
-1. Punctuation: each mark of `PUNCTUATION` is deleted if the text has that mark next to a space, or
-   has a comma between two digits anywhere ("1,000"); otherwise it becomes a space ("a/b" → "a b").
-   Both tests look at the text before any mark was replaced. The apostrophe, colon and period are not
-   in the list: a period is deleted unless a digit follows ("yes." → "yes", "3.5" stays).
-2. Words: lower-case, split on whitespace, number words to digits (`NUMBER_WORDS`, "none" → "0"),
-   articles dropped (`ARTICLES`), then the words of `CONTRACTIONS` restored ("dont" → "don't"),
-   joined by single spaces.
 """
 import argparse
 import json
-import re
 import sys
 from collections import Counter
 from collections.abc import Mapping
@@ -44,103 +40,11 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-# The script's tables, as data. The keys "Id've", "I'dve", "Im", "Ive" hold capitals and so never
-# match the lower-cased words; "somebody'd" maps to "somebodyd". Both are kept as published.
-CONTRACTIONS: Dict[str, str] = {
-    "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
-    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't",
-    "dont": "don't", "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't",
-    "havent": "haven't", "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's", "howd": "how'd",
-    "howll": "how'll", "hows": "how's", "Id've": "I'd've", "I'dve": "I'd've", "Im": "I'm", "Ive": "I've",
-    "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll", "let's": "let's",
-    "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've", "mightn'tve": "mightn't've",
-    "mightve": "might've", "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
-    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at",
-    "'ow'sat": "'ow's'at", "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've", "she's": "she's",
-    "shouldve": "should've", "shouldnt": "shouldn't", "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've",
-    "somebody'd": "somebodyd", "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've",
-    "somebodyll": "somebody'll", "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've",
-    "someone'dve": "someone'd've", "someonell": "someone'll", "someones": "someone's", "somethingd": "something'd",
-    "somethingd've": "something'd've", "something'dve": "something'd've", "somethingll": "something'll",
-    "thats": "that's", "thered": "there'd", "thered've": "there'd've", "there'dve": "there'd've",
-    "therere": "there're", "theres": "there's", "theyd": "they'd", "theyd've": "they'd've",
-    "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're", "theyve": "they've", "twas": "'twas",
-    "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've", "werent": "weren't",
-    "whatll": "what'll", "whatre": "what're", "whats": "what's", "whatve": "what've", "whens": "when's",
-    "whered": "where'd", "wheres": "where's", "whereve": "where've", "whod": "who'd", "whod've": "who'd've",
-    "who'dve": "who'd've", "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll",
-    "whyre": "why're", "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't",
-    "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've", "yall": "y'all", "yall'll": "y'all'll",
-    "y'allll": "y'all'll", "yall'd've": "y'all'd've", "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've",
-    "youd": "you'd", "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're",
-    "youve": "you've",
-}
-NUMBER_WORDS: Dict[str, str] = {
-    'none': '0', 'zero': '0', 'one': '1', 'two': '2', 'three': '3', 'four': '4', 'five': '5', 'six': '6',
-    'seven': '7', 'eight': '8', 'nine': '9', 'ten': '10',
-}
-ARTICLES = ('a', 'an', 'the')
-PUNCTUATION = (';', '/', '[', ']', '"', '{', '}', '(', ')', '=', '+', '\\', '_', '-', '>', '<', '@', '`', ',', '?',
-               '!')
-
-_DIGIT_COMMA_DIGIT = re.compile(r'\d,\d')
-# The script's pattern is "(?!<=\d)(\.)(?!\d)": its "(?!<=\d)" is a lookahead for the text "<=digit",
-# never true in front of a period, so it is a period not followed by a digit. The script passes
-# re.UNICODE (= 32) where re.sub takes `count`, so at most 32 periods go.
-_PERIOD_NOT_BEFORE_DIGIT = re.compile(r'\.(?!\d)')
-_PERIOD_LIMIT = int(re.UNICODE)
-_MATCHES_FOR_FULL_CREDIT = 3
+from diffzoo.eval.vqa_answers import VQA_SCORING, vqa_accuracy
 
 
 class VQAInputError(ValueError):
     """Predictions or annotations not in the official format, or not of the same questions."""
-
-
-def clean(text: str) -> str:
-    """Tabs and newlines to spaces, then strip: all the script does to an answer before comparing."""
-    return text.replace('\n', ' ').replace('\t', ' ').strip()
-
-
-def strip_punctuation(text: str) -> str:
-    """The script's processPunctuation (step 1 of the module docstring)."""
-    delete_marks = _DIGIT_COMMA_DIGIT.search(text) is not None
-    out = text
-    for mark in PUNCTUATION:
-        next_to_space = mark + ' ' in text or ' ' + mark in text
-        out = out.replace(mark, '' if delete_marks or next_to_space else ' ')
-    return _PERIOD_NOT_BEFORE_DIGIT.sub('', out, count=_PERIOD_LIMIT)
-
-
-def normalize_words(text: str) -> str:
-    """The script's processDigitArticle (step 2 of the module docstring)."""
-    words = [NUMBER_WORDS.get(word, word) for word in text.lower().split()]
-    return ' '.join(CONTRACTIONS.get(word, word) for word in words if word not in ARTICLES)
-
-
-def normalize_answer(text: str) -> str:
-    """An answer as the script compares it when the human answers differ: "Two dogs." → "2 dogs"."""
-    return normalize_words(strip_punctuation(clean(text)))
-
-
-def vqa_accuracy(prediction: str, answers: Sequence[str]) -> float:
-    """Accuracy in [0, 1] of one prediction against the human answers of one question (10 in VQAv2).
-
-    Leave-one-out over however many answers are given: with n answers and m of them matching,
-    leaving out a match scores min(1, (m-1)/3) and leaving out another min(1, m/3).
-    """
-    if isinstance(answers, str):
-        raise TypeError(f'answers must be a list of the human answers, not the string {answers!r}')
-    if len(answers) < 2:
-        raise ValueError(f'vqa_accuracy needs at least 2 human answers to leave one out, got {len(answers)} '
-                         f'({list(answers)!r}); for a single reference answer compare normalize_answer() outputs')
-    answers = [clean(a) for a in answers]
-    prediction = clean(prediction)
-    if len(set(answers)) > 1:
-        answers = [normalize_answer(a) for a in answers]
-        prediction = normalize_answer(prediction)
-    matches = sum(a == prediction for a in answers)
-    held_out = [min(1, (matches - (a == prediction)) / _MATCHES_FOR_FULL_CREDIT) for a in answers]  # (n,)
-    return sum(held_out) / len(held_out)
 
 
 def _py2_rounded_percent(fraction_sum: float, count: int) -> float:
@@ -194,7 +98,7 @@ def _question_ids(questions) -> set:
     return {row['question_id'] for row in rows}
 
 
-def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = False) -> dict:
+def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = False, scoring: str = 'llava') -> dict:
     """Score predictions as the official script does; percentages rounded to 2 decimals as it rounds.
 
     predictions: the results format, a list of {"question_id", "answer"}.
@@ -203,10 +107,15 @@ def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = 
     questions: optional official questions file's dict (or its "questions" list); when given, only the
         annotated questions listed in it are scored (a split's questions against a full annotation file).
     allow_missing: score only the predicted questions instead of requiring one prediction per question.
+    scoring: how each reply is prepared (module docstring): 'llava' (EvalAI's processor first), 'lmms_eval' or
+        'vqaeval' (the replies as given).
 
     Returns {"overall": %, "perQuestionType": {type: %}, "perAnswerType": {type: %},
-    "perQuestion": {question_id: %}, "num_questions": scored, "num_missing": annotated but unpredicted}.
+    "perQuestion": {question_id: %}, "num_questions": scored, "num_missing": annotated but unpredicted,
+    "scoring": scoring}.
     """
+    if scoring not in VQA_SCORING:
+        raise VQAInputError(f'scoring {scoring!r}: one of {", ".join(VQA_SCORING)}')
     answers = _index_predictions(predictions)
     rows = _annotation_list(annotations)
     annotated_ids = Counter(row['question_id'] for row in rows)
@@ -247,7 +156,7 @@ def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = 
                 or not all(isinstance(a, Mapping) and isinstance(a.get('answer'), str) for a in humans)):
             raise VQAInputError(f'annotations: question_id {qid!r} has "answers" {humans!r}; expected a list of at '
                                 'least 2 {"answer": str} (10 in VQAv2) to leave one out')
-        accuracy = vqa_accuracy(answers[qid], [a['answer'] for a in humans])
+        accuracy = vqa_accuracy(answers[qid], [a['answer'] for a in humans], scoring)
         per_question[qid] = accuracy
         by_question_type.setdefault(row['question_type'], []).append(accuracy)
         by_answer_type.setdefault(row['answer_type'], []).append(accuracy)
@@ -258,6 +167,7 @@ def evaluate(predictions, annotations, questions=None, *, allow_missing: bool = 
         'perQuestion': {qid: _py2_rounded_percent(acc, 1) for qid, acc in per_question.items()},
         'num_questions': len(per_question),
         'num_missing': len(missing),
+        'scoring': scoring,
         'counts': {'perQuestionType': {t: len(a) for t, a in by_question_type.items()},
                    'perAnswerType': {t: len(a) for t, a in by_answer_type.items()}},
     }
@@ -305,16 +215,17 @@ def gather_answers(answers: List[Dict], world: int) -> List[Dict]:
     return sorted(answers, key=lambda a: a['question_id'])
 
 
-def accuracy(answers: List[Dict], samples: Sequence) -> float:
+def accuracy(answers: List[Dict], samples: Sequence, scoring: str = 'llava') -> float:
     """Mean VQA accuracy (%) of results-format answers on VQA samples (their human answers)."""
     humans = {s.question_id: s.answers for s in samples}
-    return 100 * sum(vqa_accuracy(a['answer'], humans[a['question_id']]) for a in answers) / max(1, len(answers))
+    return 100 * sum(vqa_accuracy(a['answer'], humans[a['question_id']], scoring)
+                     for a in answers) / max(1, len(answers))
 
 
 def table(result: dict, top_question_types: int = 10) -> str:
     """Overall, every answer type and the most frequent question types, one per line."""
     counts = result['counts']
-    lines = [f'VQA accuracy over {result["num_questions"]} questions'
+    lines = [f'VQA accuracy over {result["num_questions"]} questions, scored as {result["scoring"]}'
              + (f' ({result["num_missing"]} unpredicted, not scored)' if result['num_missing'] else ''),
              f'  {"overall":<28} {result["num_questions"]:>7} {result["overall"]:>7.2f}', 'answer type']
     for name, n in sorted(counts['perAnswerType'].items(), key=lambda kv: -kv[1]):
@@ -344,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--questions', metavar='JSON', help='optional questions file: score only the questions it lists')
     p.add_argument('--allow-missing', action='store_true',
                    help='score only the predicted questions (default: every annotated question must be predicted)')
+    p.add_argument('--scoring', choices=sorted(VQA_SCORING), default='llava',
+                   help="how each reply is prepared: llava (default: EvalAI's answer processor, as LLaVA-1.5 submits), "
+                        "lmms_eval (its vqav2_process_results), vqaeval (the official script on the reply as given)")
     p.add_argument('--top', type=int, default=10, metavar='N', help='question types shown in the table')
     p.add_argument('--output', metavar='JSON', help='default: PREDICTIONS_accuracy.json beside the predictions')
     return p
@@ -361,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         questions = (_read_json(Path(args.questions), '--questions', 'the official questions JSON')
                      if args.questions else None)
         print(f'scoring {args.predictions} against {args.annotations}', flush=True)
-        result = evaluate(predictions, annotations, questions, allow_missing=args.allow_missing)
+        result = evaluate(predictions, annotations, questions, allow_missing=args.allow_missing, scoring=args.scoring)
     except VQAInputError as exc:
         print(f'error: {exc}\n  (--predictions {args.predictions}, --annotations {args.annotations})', file=sys.stderr)
         return 2

@@ -8,8 +8,8 @@ import yaml
 from PIL import Image
 
 from diffzoo.data.shards import DataError
-from diffzoo.eval.lmm import metrics, tasks
-from diffzoo.eval.lmm.cli import main
+from diffzoo.eval.lmm import tasks
+from diffzoo.eval.lmm.cli import chosen_scorers, main
 from tests.factory import call
 from tests.vlm.models import write_chat_language_model
 
@@ -98,20 +98,41 @@ def test_every_task_runs_on_a_model_and_its_rows_are_the_official_scores_of_its_
               'data': {'type': 'conversations', 'json': 'unused.json', 'format': 'chat_template'}}
     (tmp_path / 'model.yaml').write_text(yaml.safe_dump(recipe))
     args = ['--model', tmp_path / 'model.yaml', '--data', tmp_path / 'data', '--out', tmp_path / 'out',
-            '--max-new-tokens', '3', '--batch-size', '2']
+            '--max-new-tokens', '3', '--batch-size', '2', '--scoring', 'gqa=lmms_eval', '--scoring', 'okvqa=vqaeval']
     for task in ('pope', 'mme', 'scienceqa', 'textvqa', 'textvqa_ocr', 'gqa', 'okvqa'):
         args += ['--task', task]
     done = call(main, args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']
     assert results['pope']['questions'] == 6 and results['pope']['left_out'] == 3  # image 2 does not open
-    for task, score in (('pope', metrics.pope), ('mme', metrics.mme), ('scienceqa', metrics.scienceqa),
-                        ('textvqa', metrics.vqa), ('textvqa_ocr', metrics.vqa), ('gqa', metrics.gqa),
-                        ('okvqa', metrics.vqa)):
+    scoring = {'pope': 'pope', 'mme': 'mme', 'scienceqa': 'llava', 'textvqa': 'llava', 'textvqa_ocr': 'llava',
+               'gqa': 'lmms_eval', 'okvqa': 'vqaeval'}  # the defaults, and the two named
+    for task, scorer in scoring.items():
         rows = [json.loads(line) for line in (tmp_path / 'out' / f'{task}_predictions.jsonl').read_text().splitlines()]
         assert rows and all(isinstance(r['prediction'], str) for r in rows)
-        assert results[task]['scores'] == score(rows), task
+        assert results[task]['scoring'] == scorer, task
+        assert results[task]['scores'] == tasks.TASKS[task].scorers[scorer](rows), task
     assert 'perception' in done.stdout and 'adversarial' in done.stdout
+    assert 'gqa (1 answered; scored as lmms_eval)' in done.stdout
+
+
+def test_scoring_names_a_scorer_per_task_or_one_for_every_task():
+    asked = ['pope', 'gqa', 'textvqa_ocr']
+    assert chosen_scorers(asked, []) == {'pope': 'pope', 'gqa': 'llava', 'textvqa_ocr': 'llava'}
+    assert chosen_scorers(asked, ['lmms_eval', 'gqa=llava']) == {'pope': 'lmms_eval', 'gqa': 'llava',
+                                                                  'textvqa_ocr': 'lmms_eval'}
+    with pytest.raises(ValueError, match="pope has no scorer 'vqaeval' \\(its scorers: pope, lmms_eval\\); gqa has"):
+        chosen_scorers(asked, ['vqaeval'])
+    with pytest.raises(ValueError, match="no task 'gq'"):
+        chosen_scorers(asked, ['gq=llava'])
+    with pytest.raises(ValueError, match='mme is not among the tasks asked'):
+        chosen_scorers(asked, ['mme=mme'])
+
+
+def test_an_unknown_scorer_is_refused_before_any_data_is_read(tmp_path):
+    done = call(main, ['--model', 'nothing.yaml', '--task', 'mme', '--data', tmp_path / 'nowhere', '--out',
+                       tmp_path / 'out', '--scoring', 'mme=llava'], tmp_path)
+    assert done.returncode == 2 and "mme has no scorer 'llava' (its scorers: mme, lmms_eval)" in done.stderr
 
 
 def test_a_missing_copy_is_named_before_any_model_is_built(tmp_path):

@@ -1,4 +1,5 @@
-"""The benchmarks' scoring on replies whose scores are worked out by hand (in each test's comments)."""
+"""The benchmarks' scoring on replies whose scores are worked out by hand from each reference script (named in each
+test), and lmms-eval's own functions on the same replies where it has them."""
 import pytest
 
 from diffzoo.eval.lmm import metrics
@@ -45,22 +46,89 @@ def test_mme_scores_accuracy_and_accuracy_plus_per_subtask_and_sums_perception_a
         'yes', 'no', 'no', 'other', 'other']
 
 
+MME_REPLIES = ('Yes', 'yes.', 'No', 'no, it is not', 'nope', 'n.o.', '...No', 'N.', 'y', 'n', 'Y.', 'I think yes',
+               'Noted', 'There is')
+
+
+def test_mme_reads_replies_as_calculation_py_and_lmms_eval_as_its_parse_pred_ans():
+    # calculation.py's parse_pred_ans on the lower-cased reply (nothing dropped): "yes"/"no", else the first four
+    # characters; lmms-eval drops every period first and reads a lone "y"/"n"
+    ours = ['yes', 'yes', 'no', 'no', 'no', 'other', 'other', 'other', 'other', 'other', 'other', 'other', 'no',
+            'other']
+    lmms = ['yes', 'yes', 'no', 'no', 'no', 'no', 'no', 'no', 'yes', 'no', 'yes', 'other', 'no', 'other']
+    assert [metrics.mme_answer(t) for t in MME_REPLIES] == ours
+    assert [metrics.lmms_eval_mme_answer(t) for t in MME_REPLIES] == lmms
+    rows = [{'subtask': 'count', 'image': 'a', 'prediction': 'n.o.', 'label': 'No'},
+            {'subtask': 'count', 'image': 'a', 'prediction': 'Yes', 'label': 'Yes'}]
+    assert metrics.mme(rows)['perception'] == 50  # accuracy 50, accuracy+ 0
+    assert metrics.lmms_eval_mme(rows)['perception'] == 200
+    pytest.importorskip('lmms_eval')
+    from lmms_eval.tasks.mme import utils as mme_utils
+    assert [mme_utils.parse_pred_ans(t) for t in MME_REPLIES] == lmms
+
+
 def test_scienceqa_reads_the_option_letter_as_llavas_script():
-    letters = ['A', 'B', 'C']
-    assert [metrics.scienceqa_letter(t, letters) for t in ('B', 'C. the moon', 'The answer is A.', 'I think B', 'D')] \
-        == ['B', 'C', 'A', 'FAILED', 'FAILED']
+    # eval_science_qa.py's main loop parses a letter of its --options A–E whatever the choices; get_pred_idx then
+    # gives -1 (wrong) to a letter beyond the question's options
+    replies = ('B', 'C. the moon', 'The answer is A.', 'I think B', 'D', 'The answer is E.', 'E. five', 'F', 'b',
+               'The answer is B and C.', 'The answer is B. The answer is C.')
+    assert [metrics.scienceqa_letter(t) for t in replies] == ['B', 'C', 'A', 'FAILED', 'D', 'E', 'E', 'FAILED',
+                                                              'FAILED', 'B', 'FAILED']
     rows = [{'prediction': p, 'answer': a, 'options': 3}
             for p, a in zip(('B', 'C. the moon', 'The answer is A.', 'I think B', 'D'), 'BCBBA')]
     assert metrics.scienceqa(rows) == pytest.approx({'accuracy': 2 / 5, 'questions': 5, 'failed': 2})
-    # ScienceQA's own scripts draw a random option for a failed reply: over many draws, a third are right
+    beyond = [{'prediction': 'The answer is E.', 'answer': 'D', 'options': 4}]  # E of four options: -1
+    assert metrics.scienceqa(beyond) == {'accuracy': 0.0, 'questions': 1, 'failed': 1}
+    # LLaVA's first eval_science_qa.py (and ScienceQA's scripts) drew random.choice for such a reply instead
     guesses = metrics.scienceqa([{'prediction': '?', 'answer': 'A', 'options': 3}] * 3000, failed='random')
     assert guesses['failed'] == 3000 and abs(guesses['accuracy'] - 1 / 3) < 0.03
+    guesses = metrics.scienceqa(beyond * 4000, failed='random')
+    assert guesses['failed'] == 4000 and abs(guesses['accuracy'] - 1 / 4) < 0.03
+    assert metrics.scienceqa(beyond * 50, failed='random') == metrics.scienceqa(beyond * 50, failed='random')
 
 
-def test_gqa_exact_match_and_the_vqa_accuracy_of_textvqa_and_okvqa():
-    rows = [{'prediction': 'Yes.', 'answer': 'yes'}, {'prediction': 'the table', 'answer': 'table'},
-            {'prediction': 'Left', 'answer': 'left'}]
-    assert metrics.gqa(rows) == pytest.approx({'accuracy': 2 / 3, 'questions': 3})
-    # "two" → "2": 3 of 10 humans said 2; leaving out one of them 2/3, any other 1 → (3·2/3 + 7)/10
-    assert metrics.vqa([{'prediction': 'two', 'answers': ['2'] * 3 + ['3'] * 7}]) == pytest.approx(
-        {'accuracy': 0.9, 'questions': 1})
+GQA = [('Yes.', 'yes'), ('yes..', 'yes'), ('T-shirt', 'tshirt'), ('t-shirt', 't-shirt'), ('yes!', 'yes'),
+       ('the table', 'table'), ('Left', 'left'), (' yes ', 'yes'), ("it's red", 'its red'), ('No', 'yes')]
+
+
+def test_gqa_as_llavas_conversion_and_gqas_eval_py_or_as_lmms_evals_exact_match():
+    # convert_gqa_for_eval.py: rstrip('.') and lower(); eval.py: the strings equal
+    llava = [1, 1, 0, 1, 0, 0, 1, 1, 0, 0]
+    # exact_match with ignore_case and ignore_punctuation on the (stripped) reply
+    lmms = [1, 1, 1, 1, 1, 0, 1, 1, 1, 0]
+    assert [metrics.gqa([{'prediction': p, 'answer': a}])['accuracy'] for p, a in GQA] == llava
+    assert [metrics.lmms_eval_gqa([{'prediction': p, 'answer': a}])['accuracy'] for p, a in GQA] == lmms
+    assert metrics.gqa([{'prediction': p, 'answer': a} for p, a in GQA]) == pytest.approx(
+        {'accuracy': 5 / 10, 'questions': 10})
+    pytest.importorskip('lmms_eval')
+    from lmms_eval.api.metrics import exact_match_hf_evaluate
+    # lmms-eval's generate_until strips each reply before its metrics
+    assert [exact_match_hf_evaluate([p.strip()], [a], ignore_case=True, ignore_punctuation=True)['exact_match']
+            for p, a in GQA] == lmms
+
+
+TEXTVQA = [('Nokia', ['nokia'] * 10, 1.0, 0.0), ('Two.', ['two'] * 10, 1.0, 0.0), ('Yes', ['yes'] * 10, 1.0, 0.0),
+           ('two', ['2'] * 3 + ['3'] * 7, 0.9, 0.9),  # 3 of 10 say 2: (3·2/3 + 7) / 10
+           ("The dog's bowl", ["dog's bowl"] * 10, 1.0, 0.0), ('2', ['two', 'Two'] + ['3'] * 8, 0.6, 0.6)]
+
+
+def test_textvqa_and_okvqa_process_every_reply_as_llavas_m4c_evaluator_and_lmms_eval():
+    # TextVQAAccuracyEvaluator: reply and humans through EvalAIAnswerProcessor; vqaEval.py: raw when humans agree
+    for reply, answers, processed, vqaeval in TEXTVQA:
+        row = [{'prediction': reply, 'answers': answers}]
+        assert metrics.vqa(row)['accuracy'] == pytest.approx(processed), reply
+        assert metrics.vqaeval(row)['accuracy'] == pytest.approx(vqaeval), reply
+    pytest.importorskip('lmms_eval')
+    from lmms_eval.tasks.ok_vqa import utils as okvqa_utils
+    from lmms_eval.tasks.textvqa import utils as textvqa_utils
+    for process in (textvqa_utils.textvqa_process_results, okvqa_utils.ok_vqa_process_results):
+        assert [process({'question_id': 1, 'answers': list(a)}, [r])['exact_match'] for r, a, _, _ in TEXTVQA] == \
+            pytest.approx([p for _, _, p, _ in TEXTVQA])
+
+
+def test_every_benchmark_has_named_scorers_and_defaults_to_the_papers():
+    assert metrics.DEFAULT_SCORER == {'pope': 'pope', 'mme': 'mme', 'scienceqa': 'llava', 'textvqa': 'llava',
+                                      'gqa': 'llava', 'okvqa': 'lmms_eval'}
+    for benchmark, scorers in metrics.SCORERS.items():
+        assert metrics.DEFAULT_SCORER[benchmark] in scorers and 'lmms_eval' in scorers, benchmark
+    assert metrics.SCORERS['textvqa']['vqaeval'] is metrics.vqaeval and metrics.SCORERS['gqa']['llava'] is metrics.gqa

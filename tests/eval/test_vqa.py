@@ -1,11 +1,12 @@
-"""VQA accuracy against values worked out by hand from the official vqaEval.py rules."""
+"""VQA accuracy against values worked out by hand from the official vqaEval.py rules, with each reply processed
+first as LLaVA's convert_vqav2_for_submission.py does (EvalAIAnswerProcessor) under the default scoring."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from diffzoo.eval.vqa import VQAInputError, evaluate, main, normalize_answer, vqa_accuracy
+from diffzoo.eval.vqa import VQAInputError, evaluate, main, vqa_accuracy
 
 
 @pytest.mark.parametrize('matches, expected', [
@@ -39,51 +40,26 @@ def test_a_string_is_not_a_list_of_answers():
         vqa_accuracy('yes', 'yes')
 
 
-@pytest.mark.parametrize('text, expected', [
-    ('Two', '2'),
-    ('none', '0'),
-    ('ten', '10'),
-    ('eleven', 'eleven'),
-    ('the dog', 'dog'),
-    ('An apple', 'apple'),
-    ('a dog\'s', "dog's"),  # the apostrophe is not in the punctuation list
-    ('dont', "don't"),
-    ("don't", "don't"),
-    ('Im', 'im'),  # the table's "Im" key has a capital and never meets a lower-cased word
-    ('yes.', 'yes'),
-    ('3.5', '3.5'),  # a period before a digit stays
-    ('10.5.', '10.5'),
-    ('e.g.', 'eg'),  # other periods are deleted, not spaced
-    ('1,000', '1000'),  # a comma between digits: every mark is deleted
-    ('1,000 (approx)', '1000 approx'),
-    ('red,white', 'red white'),  # a mark with no space beside it becomes a space
-    ('red, white', 'red white'),  # ... and beside a space it is deleted
-    ('well-known, right?', 'well known right'),
-    ('3:30', '3:30'),  # nor is the colon
-    ('yes!', 'yes'),
-    (' tab\tand\nnewline  ', 'tab and newline'),
-    ('THE   Two  Dogs', '2 dogs'),
-])
-def test_normalize_answer_as_the_official_script(text, expected):
-    assert normalize_answer(text) == expected
-
-
-def test_more_than_32_periods_are_not_all_deleted():
-    # the script passes re.UNICODE (32) as re.sub's count
-    assert normalize_answer('.' * 40 + 'x') == '.' * 8 + 'x'
-
-
-def test_answers_are_normalised_only_when_the_humans_differ():
+def test_vqaeval_normalises_the_reply_only_when_the_humans_differ():
     agreeing = ["don't"] * 10
-    assert vqa_accuracy("don't", agreeing) == 1.0
-    assert vqa_accuracy('dont', agreeing) == 0.0  # all humans agree: exact comparison
-    assert vqa_accuracy('Yes', ['yes'] * 10) == 0.0  # case included
-    assert vqa_accuracy(' yes\n', ['yes'] * 10) == 1.0  # only whitespace is cleaned
+    assert vqa_accuracy("don't", agreeing, 'vqaeval') == 1.0
+    assert vqa_accuracy('dont', agreeing, 'vqaeval') == 0.0  # all humans agree: exact comparison
+    assert vqa_accuracy('Yes', ['yes'] * 10, 'vqaeval') == 0.0  # case included
+    assert vqa_accuracy(' yes\n', ['yes'] * 10, 'vqaeval') == 1.0  # only whitespace is cleaned
     differing = ["don't"] * 4 + ['no'] * 6
-    assert vqa_accuracy('dont', differing) == 1.0  # normalised: "dont" → "don't"
-    assert vqa_accuracy('Yes.', ['yes'] * 9 + ['no']) == 1.0
-    assert vqa_accuracy('two', ['2', '2'] + ['3'] * 8) == pytest.approx(0.6)
-    assert vqa_accuracy('2', ['two', 'Two'] + ['3'] * 8) == pytest.approx(0.6)  # humans are normalised too
+    assert vqa_accuracy('dont', differing, 'vqaeval') == 1.0  # normalised: "dont" → "don't"
+    assert vqa_accuracy('Yes.', ['yes'] * 9 + ['no'], 'vqaeval') == 1.0
+    assert vqa_accuracy('two', ['2', '2'] + ['3'] * 8, 'vqaeval') == pytest.approx(0.6)
+    assert vqa_accuracy('2', ['two', 'Two'] + ['3'] * 8, 'vqaeval') == pytest.approx(0.6)  # humans normalised too
+
+
+def test_the_default_processes_every_reply_as_llava_submits_it():
+    # EvalAI's processor on the reply, then vqaEval.py: agreeing humans still compare exactly, with the processed reply
+    assert vqa_accuracy('Yes', ['yes'] * 10) == 1.0
+    assert vqa_accuracy('Nokia.', ['nokia'] * 10) == 1.0
+    assert vqa_accuracy('dont', ["don't"] * 10) == 1.0  # "dont" → "don't"
+    assert vqa_accuracy('Two', ['2'] * 10) == 1.0
+    assert vqa_accuracy('Two', ['two'] * 10) == 0.0  # "2" against the agreeing humans' raw "two"
 
 
 def _annotation(qid, question_type, answer_type, answers):
@@ -115,6 +91,18 @@ def test_evaluate_overall_and_per_type(annotations):
     assert result['perQuestionType'] == {'is the': 80.0, 'how many': 30.0, 'what color is the': 50.0}
     assert result['perQuestion'] == {1: 100.0, 2: 60.0, 3: 30.0, 4: 100.0, 5: 0.0}
     assert (result['num_questions'], result['num_missing']) == (5, 0)
+    assert result['scoring'] == 'llava'
+
+
+def test_evaluate_scores_the_replies_as_the_scoring_names(annotations):
+    # question 1's ten humans agree on "yes": "Yes" is 1 once processed (llava, lmms_eval), 0 as given (vqaeval)
+    capitalised = [{'question_id': 1, 'answer': 'Yes'}] + PREDICTIONS[1:]
+    assert evaluate(capitalised, annotations)['perQuestion'][1] == 100.0
+    assert evaluate(capitalised, annotations, scoring='lmms_eval')['perQuestion'][1] == 100.0
+    vqaeval = evaluate(capitalised, annotations, scoring='vqaeval')
+    assert vqaeval['perQuestion'][1] == 0.0 and vqaeval['overall'] == 38.0 and vqaeval['scoring'] == 'vqaeval'
+    with pytest.raises(VQAInputError, match="scoring 'm4c': one of llava, lmms_eval, vqaeval"):
+        evaluate(PREDICTIONS, annotations, scoring='m4c')
 
 
 def test_every_annotated_question_needs_a_prediction_unless_allowed(annotations):
@@ -175,3 +163,14 @@ def test_cli_errors_name_the_input_and_the_fix(annotations, tmp_path, capsys):
     assert json.loads((tmp_path / 'results_accuracy.json').read_text())['overall'] == 72.5
     assert main(['--predictions', str(tmp_path / 'nope.json')] + args[2:]) == 2
     assert f'--predictions {tmp_path / "nope.json"}: no such file' in capsys.readouterr().err
+
+
+def test_cli_scoring_names_how_replies_are_prepared(annotations, tmp_path, capsys):
+    (tmp_path / 'results.json').write_text(json.dumps([{'question_id': 1, 'answer': 'Yes'}] + PREDICTIONS[1:]))
+    (tmp_path / 'annotations.json').write_text(json.dumps(annotations))
+    args = ['--predictions', str(tmp_path / 'results.json'), '--annotations', str(tmp_path / 'annotations.json')]
+    for scoring, overall in ((None, 58.0), ('vqaeval', 38.0)):
+        assert main(args + (['--scoring', scoring] if scoring else [])) == 0
+        written = json.loads((tmp_path / 'results_accuracy.json').read_text())
+        assert (written['overall'], written['scoring']) == (overall, scoring or 'llava')
+        assert f'scored as {scoring or "llava"}' in capsys.readouterr().out

@@ -4,8 +4,10 @@ the papers' VLM benchmarks on any model `vlm_from_recipe` builds.
 Each task reads its local copy from `--data DIR/<task>` (textvqa_ocr: DIR/textvqa; or `--data-for TASK=DIR`); nothing is downloaded, and a
 missing copy is an error naming the file expected. Questions are answered greedily in batches (a progress
 bar), an image that does not decode leaves its question out (named once, counted), and the official scoring
-follows (`diffzoo.eval.lmm.metrics`). OUT receives `<task>_predictions.jsonl` (every question's prompt, reply
-and what it is scored against), `results.json` (every row) and the table printed at the end.
+follows (`diffzoo.eval.lmm.metrics`): each task's default scorer is the one behind the papers' tables (LLaVA-1.5's
+scripts), and `--scoring TASK=NAME` (or `--scoring NAME`, for every task asked) names another. OUT receives
+`<task>_predictions.jsonl` (every question's prompt, reply and what it is scored against), `results.json` (every
+row, and the scorer of each task) and the table printed at the end.
 """
 import argparse
 import json
@@ -16,6 +18,12 @@ from typing import Dict, List, Optional
 from diffzoo.data.shards import DataError
 
 from .tasks import TASKS, rows_for_scoring
+
+
+def _scorer_list() -> str:
+    return '; '.join(f'{name}: ' + ', '.join(f'{s} (default)' if s == t.default_scorer else s for s in t.scorers)
+                     for name, t in TASKS.items())
+
 
 def parser() -> argparse.ArgumentParser:
     from . import tasks
@@ -30,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--out', required=True, metavar='DIR')
     p.add_argument('--batch-size', type=int, default=8)
     p.add_argument('--max-new-tokens', type=int, help="default: each task's (lmms-eval's)")
+    p.add_argument('--scoring', action='append', default=[], metavar='TASK=NAME',
+                   help=f'the reference scorer of a task, or NAME alone for every task asked (repeatable); '
+                        f'{_scorer_list()}')
     p.add_argument('--limit', type=int, help='the first N questions of each task (a smoke run)')
     p.add_argument('--device', default='cpu')
     return p
@@ -55,6 +66,25 @@ def _folders(a) -> Dict[str, Path]:
             raise DataError(f'{folders[task]}: no such folder, expected the local copy of {task} '
                             f'({TASKS[task].expects})')
     return folders
+
+
+def chosen_scorers(tasks: List[str], scoring: List[str]) -> Dict[str, str]:
+    """{task: scorer name} for the tasks asked: each task's default unless `--scoring` names another; a later
+    --scoring wins. ValueError names a task or scorer that does not exist."""
+    chosen = {task: TASKS[task].default_scorer for task in tasks}
+    for item in scoring:
+        task, sep, name = item.rpartition('=')
+        named = [task] if sep else tasks
+        if sep and task not in TASKS:
+            raise ValueError(f'--scoring {item}: no task {task!r}; one of {", ".join(sorted(TASKS))}')
+        if sep and task not in chosen:
+            raise ValueError(f'--scoring {item}: {task} is not among the tasks asked (--task {task} adds it)')
+        lacking = [t for t in named if name not in TASKS[t].scorers]
+        if lacking:
+            raise ValueError(f'--scoring {item}: ' + '; '.join(
+                f'{t} has no scorer {name!r} (its scorers: {", ".join(TASKS[t].scorers)})' for t in lacking))
+        chosen.update({t: name for t in named})
+    return chosen
 
 
 def answer(vlm, samples, batch_size: int, max_new_tokens: int, label: str):
@@ -93,7 +123,12 @@ def _summary(task: str, scores: Dict) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    a = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        scoring = chosen_scorers(a.task, a.scoring)
+    except ValueError as exc:
+        p.error(str(exc))
     try:
         folders = _folders(a)
         samples = {}
@@ -116,11 +151,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             for s in answered:
                 f.write(json.dumps({'id': s.id, 'image': str(s.image), 'prompt': s.prompt, 'prediction': replies[s.id],
                                     **s.meta}) + '\n')
-        scores = spec.score(rows_for_scoring(answered, [replies[s.id] for s in answered]))
-        results[task] = {'scores': scores, 'questions': len(task_samples), 'left_out': len(left),
-                         'data': str(folders[task])}
+        scores = spec.score(rows_for_scoring(answered, [replies[s.id] for s in answered]), scoring[task])
+        results[task] = {'scores': scores, 'scoring': scoring[task], 'questions': len(task_samples),
+                         'left_out': len(left), 'data': str(folders[task])}
         table += [f'{task} ({len(answered)} answered' + (f', {len(left)} left out: unreadable images' if left else '')
-                  + ')', *_summary(task, scores)]
+                  + f'; scored as {scoring[task]})', *_summary(task, scores)]
     settings = dict(vars(a))
     (out / 'results.json').write_text(json.dumps({'settings': settings, 'results': results}, indent=1) + '\n')
     print('\n' + '\n'.join(table) + f'\n\nresults: {out / "results.json"}\npredictions: {out}/<task>_predictions.jsonl')

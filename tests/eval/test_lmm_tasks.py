@@ -1,0 +1,153 @@
+"""The benchmark readers on the layouts their files come in: MME as its zip unpacks (the release folder inside the
+task's folder, or once more in MME_Benchmark/ as the Hugging Face copy holds it), each subtask in its own
+sub-layout; ScienceQA as LLaVA-1.5's evaluation ships it (llava_test_CQM-A.json and images/test/<pid>/image.png),
+with or without ScienceQA's problems.json beside it; and the errors that name every place looked at."""
+import json
+
+import pytest
+from PIL import Image
+
+from diffzoo.data.shards import DataError
+from diffzoo.eval.lmm import tasks
+
+LETTERS = "Answer with the option's letter from the given choices directly."
+SHORT = 'Answer the question using a single word or phrase.'
+
+
+def _image(path, colour='red', size=(40, 30)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new('RGB', size, colour).save(path)
+
+
+def _mme_release(release):
+    """Three MME subtasks as the release holds them: artwork (images/ and questions_answers_YN/), existence
+    (.jpg beside its .txt) and code_reasoning (.png beside its .txt)."""
+    qa = release / 'artwork' / 'questions_answers_YN'
+    qa.mkdir(parents=True)
+    (qa / '10002.txt').write_text('Does this artwork exist in the form of painting? Please answer yes or no.\tYes\n'
+                                  'Does this artwork exist in the form of glassware? Please answer yes or no.\tNo\n')
+    _image(release / 'artwork' / 'images' / '10002.jpg', 'blue')
+    (release / 'existence' / '000000006040.txt').parent.mkdir(parents=True)
+    (release / 'existence' / '000000006040.txt').write_text(
+        'Is there a train in this image? Please answer yes or no.\tYes\n'
+        'Is there a bed in this image? Please answer yes or no.\tNo\n')
+    _image(release / 'existence' / '000000006040.jpg')
+    (release / 'code_reasoning' / '0020.txt').parent.mkdir(parents=True)
+    (release / 'code_reasoning' / '0020.txt').write_text(
+        'The image shows a python code. Is the output of the code \'11\'? Please answer yes or no.\tNo\n')
+    _image(release / 'code_reasoning' / '0020.png', 'green')
+
+
+@pytest.mark.parametrize('inside', tasks.MME_RELEASE[:3])  # the task folder, the release folder, Hugging Face's
+def test_mme_is_read_in_the_task_folder_or_in_the_release_folder_its_zip_unpacks_to(tmp_path, inside):
+    _mme_release(tmp_path / 'mme' / inside)
+    samples = tasks.TASKS['mme'].read(tmp_path / 'mme')
+    release = (tmp_path / 'mme' / inside).resolve()
+    assert [(s.id, s.image.resolve(), s.prompt, s.meta['label']) for s in samples] == [
+        ('existence/000000006040/0', release / 'existence' / '000000006040.jpg',
+         f'Is there a train in this image?\n{SHORT}', 'Yes'),
+        ('existence/000000006040/1', release / 'existence' / '000000006040.jpg',
+         f'Is there a bed in this image?\n{SHORT}', 'No'),
+        ('artwork/10002/0', release / 'artwork' / 'images' / '10002.jpg',
+         f'Does this artwork exist in the form of painting?\n{SHORT}', 'Yes'),
+        ('artwork/10002/1', release / 'artwork' / 'images' / '10002.jpg',
+         f'Does this artwork exist in the form of glassware?\n{SHORT}', 'No'),
+        ('code_reasoning/0020/0', release / 'code_reasoning' / '0020.png',
+         f'The image shows a python code. Is the output of the code \'11\'?\n{SHORT}', 'No')]
+    assert {s.meta['subtask'] for s in samples} == {'existence', 'artwork', 'code_reasoning'}
+    assert samples[-1].load_image().size == (40, 30)
+
+
+def test_a_folder_without_mme_names_every_place_looked_at(tmp_path):
+    (tmp_path / 'mme' / 'MME_Benchmark_release_version' / 'unrelated').mkdir(parents=True)
+    with pytest.raises(DataError) as error:
+        tasks.read_mme(tmp_path / 'mme')
+    message = str(error.value)
+    for place in ('mme', 'mme/MME_Benchmark_release_version', 'mme/MME_Benchmark_release_version/MME_Benchmark'):
+        assert f'{tmp_path / place},' in message or f'{tmp_path / place};' in message, place
+    assert 'existence' in message and 'unzip MME_Benchmark_release_version.zip' in message
+
+
+def _llava_scienceqa(root, gpt=('B', 'A', 'C')):
+    """LLaVA-1.5's llava_test_CQM-A.json as its evaluation ships it, for three test questions: 4 without an image,
+    5 with an image and a context, 7 with an image and three options; their images/test/<pid>/image.png."""
+    questions = [
+        {'id': '4', 'conversations': [
+            {'from': 'human', 'value': 'Which figure of speech is used in this text?\nSing, O goddess.\nA. chiasmus\n'
+                                       'B. apostrophe'},
+            {'from': 'gpt', 'value': gpt[0]}]},
+        {'id': '5', 'image': '5/image.png', 'conversations': [
+            {'from': 'human', 'value': '<image>\nContext: Tea is hot.\nWhich is warmer?\nA. ice\nB. tea'},
+            {'from': 'gpt', 'value': gpt[1]}]},
+        {'id': '7', 'image': '7/image.png', 'conversations': [
+            {'from': 'human', 'value': '<image>\nWhich animal is shown?\nA. cat\nB. dog\nC. fish'},
+            {'from': 'gpt', 'value': gpt[2]}]}]
+    (root / 'llava_test_CQM-A.json').parent.mkdir(parents=True, exist_ok=True)
+    (root / 'llava_test_CQM-A.json').write_text(json.dumps(questions, indent=2))
+    _image(root / 'images' / 'test' / '5' / 'image.png', 'orange')
+    _image(root / 'images' / 'test' / '7' / 'image.png', 'gray', (32, 32))
+
+
+def _scienceqa_files(root):
+    """ScienceQA's own problems.json and pid_splits.json for the same three questions."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / 'problems.json').write_text(json.dumps({
+        '4': {'question': 'Which figure of speech is used in this text?', 'choices': ['chiasmus', 'apostrophe'],
+              'answer': 1, 'hint': 'Sing, O goddess.', 'image': None, 'split': 'test'},
+        '5': {'question': 'Which is warmer?', 'choices': ['ice', 'tea'], 'answer': 1, 'hint': 'Tea is hot.',
+              'image': 'image.png', 'split': 'test'},
+        '7': {'question': 'Which animal is shown?', 'choices': ['cat', 'dog', 'fish'], 'answer': 2, 'hint': '',
+              'image': 'image.png', 'split': 'test'}}))
+    (root / 'pid_splits.json').write_text(json.dumps({'test': ['4', '5', '7'], 'train': []}))
+
+
+EXPECTED_PROMPTS = [f'Context: Tea is hot.\nWhich is warmer?\nA. ice\nB. tea\n{LETTERS}',
+                    f'Which animal is shown?\nA. cat\nB. dog\nC. fish\n{LETTERS}']
+
+
+def test_llava_scienceqa_questions_are_asked_as_model_vqa_science_asks_them(tmp_path):
+    """Without problems.json the answer is the gpt turn's letter and the options are those in the prompt."""
+    _llava_scienceqa(tmp_path / 'scienceqa')
+    samples = tasks.TASKS['scienceqa'].read(tmp_path / 'scienceqa')
+    assert [s.id for s in samples] == ['5', '7']  # ScienceQA-IMG: 4 has no image
+    assert [s.prompt for s in samples] == EXPECTED_PROMPTS
+    assert [s.meta for s in samples] == [{'answer': 'A', 'options': 2}, {'answer': 'C', 'options': 3}]
+    assert [s.image for s in samples] == [tmp_path / 'scienceqa' / 'images' / 'test' / pid / 'image.png'
+                                          for pid in ('5', '7')]
+    assert [s.load_image().size for s in samples] == [(40, 30), (32, 32)]
+
+
+def test_beside_problems_json_the_answers_are_scienceqas_and_both_layouts_ask_the_same(tmp_path):
+    """LLaVA's eval_science_qa.py scores against problems.json: its answer wins over the gpt turn (here 'A' for
+    question 5, whose answer is B). ScienceQA's own layout gives the same prompts and answers."""
+    _llava_scienceqa(tmp_path / 'llava')
+    _scienceqa_files(tmp_path / 'llava')
+    llava = tasks.read_scienceqa(tmp_path / 'llava')
+    assert [(s.id, s.prompt, s.meta) for s in llava] == [('5', EXPECTED_PROMPTS[0], {'answer': 'B', 'options': 2}),
+                                                         ('7', EXPECTED_PROMPTS[1], {'answer': 'C', 'options': 3})]
+    _scienceqa_files(tmp_path / 'own')
+    for pid in ('5', '7'):
+        _image(tmp_path / 'own' / 'images' / 'test' / pid / 'image.png')
+    own = tasks.read_scienceqa(tmp_path / 'own')
+    assert [(s.id, s.prompt, s.meta) for s in own] == [(s.id, s.prompt, s.meta) for s in llava]
+
+
+def test_a_letter_prompt_already_in_the_question_is_not_asked_twice(tmp_path):
+    _llava_scienceqa(tmp_path)
+    questions = json.loads((tmp_path / 'llava_test_CQM-A.json').read_text())
+    questions[1]['conversations'][0]['value'] += f'\n{LETTERS}'
+    (tmp_path / 'llava_test_CQM-A.json').write_text(json.dumps(questions))
+    assert tasks.read_scienceqa(tmp_path)[0].prompt == EXPECTED_PROMPTS[0]
+
+
+def test_scienceqa_errors_name_both_layouts_and_a_gpt_turn_without_a_letter(tmp_path):
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(DataError, match="neither ScienceQA's problems.json .* nor LLaVA-1.5's llava_test_CQM-A.json"):
+        tasks.read_scienceqa(tmp_path / 'empty')
+    _llava_scienceqa(tmp_path / 'free', gpt=('B', 'The answer is A.', 'C'))
+    with pytest.raises(DataError, match="question 5 answers 'The answer is A.', not one of its 2 option letters; put "
+                                        "ScienceQA's problems.json beside it"):
+        tasks.read_scienceqa(tmp_path / 'free')
+    _llava_scienceqa(tmp_path / 'beyond', gpt=('B', 'C', 'C'))  # question 5 has options A and B
+    with pytest.raises(DataError, match="question 5 answers 'C'"):
+        tasks.read_scienceqa(tmp_path / 'beyond')
