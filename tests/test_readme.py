@@ -64,6 +64,10 @@ SKIPPED = {
     'python -m diffzoo.eval.lmm --model diffclip-b16-qwen2.5-0.5b-finetune --stage '
     'runs/vlm/diffclip-b16-qwen2.5-0.5b-finetune --task pope --task mme --data /data/bench --out bench/diffclip':
         f'a trained stage and {DATA}s (POPE, MME); tests/eval/test_lmm.py runs every task on a model',
+    'lmms-eval --model diffzoo --model_args recipe=RECIPE,stage=RUN --tasks pope,mme --batch_size 8 '
+    '--output_path bench/lmms --log_samples':
+        f'a trained stage and lmms-eval\'s {DATA}s from the hub; tests/eval/test_lmms_eval.py runs the command on a '
+        f'local POPE task',
     'python -m diffzoo.eval.vqa --predictions val_answers.json --annotations v2_mscoco_val2014_annotations.json':
         f'{DATA}: VQAv2 annotations',
     'python -m diffzoo.eval.needle build --source val2014 --out needle/2x2 --m 1 --n 2 --size 224':

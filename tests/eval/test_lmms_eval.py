@@ -2,10 +2,17 @@
 model answers lmms-eval's own requests (its POPE prompt, generation settings and documents) as
 `python -m diffzoo.eval.lmm` answers the same questions, each reader's prompt is lmms-eval's, and lmms-eval's own
 scoring functions (POPE, MME, ScienceQA, GQA, TextVQA, OK-VQA) give on the same replies what
-`diffzoo.eval.lmm.metrics` gives for them."""
+`diffzoo.eval.lmm.metrics` gives for them. The real `lmms-eval` command, on a local POPE copy through its own
+pope task file, scores what `python -m diffzoo.eval.lmm` answers on the same copy; a model it cannot build ends
+that command with exit status 2 (lmms-eval itself logs a failed run and exits 0)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
-from PIL import Image
+from PIL import Image, ImageDraw
 
 lmms_eval = pytest.importorskip('lmms_eval')  # the lmms extra, which `make test` installs
 
@@ -15,11 +22,24 @@ from lmms_eval.tasks.mme import utils as mme_utils  # noqa: E402
 from lmms_eval.tasks.pope import utils as pope_utils  # noqa: E402
 
 from diffzoo.eval.lmm import metrics  # noqa: E402
+from diffzoo.eval.lmm.cli import main as lmm_main  # noqa: E402
 from diffzoo.eval.lmm.lmms_eval_model import DiffzooLMM  # noqa: E402
 from tests.eval.test_lmm_metrics import _pope_rows  # noqa: E402
+from tests.factory import call, run  # noqa: E402
 from tests.vlm.models import write_chat_language_model  # noqa: E402
 
 POST = '\nAnswer the question using a single word or phrase.'  # pope.yaml's default post_prompt
+LMMS_EVAL = Path(sys.executable).with_name('lmms-eval')  # the console script the lmms extra installs
+
+
+def _tiny_recipe(tmp_path) -> Path:
+    """A build_vlm recipe of the diffclip-tiny tower and a tiny random chat LM, written under tmp_path."""
+    write_chat_language_model(tmp_path / 'lm')
+    recipe = {'model': {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
+                        'select_layer': -2, 'projector': 'mlp2x_gelu', 'sequence_mask': 'causal'},
+              'data': {'type': 'conversations', 'json': 'unused.json', 'format': 'chat_template'}}
+    (tmp_path / 'model.yaml').write_text(yaml.safe_dump(recipe))
+    return tmp_path / 'model.yaml'
 
 
 def test_the_model_is_registered_with_lmms_eval():
@@ -27,12 +47,10 @@ def test_the_model_is_registered_with_lmms_eval():
 
 
 def test_it_answers_lmms_evals_requests_as_diffzoo_eval_lmm_does(tmp_path):
-    write_chat_language_model(tmp_path / 'lm')
-    recipe = {'model': {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
-                        'select_layer': -2, 'projector': 'mlp2x_gelu', 'sequence_mask': 'causal'},
-              'data': {'type': 'conversations', 'json': 'unused.json', 'format': 'chat_template'}}
-    (tmp_path / 'model.yaml').write_text(yaml.safe_dump(recipe))
-    model = DiffzooLMM.create_from_arg_string(f'recipe={tmp_path / "model.yaml"}', {'batch_size': 2})
+    # what lmms-eval passes beside --model_args (its --batch_size default 1): --model_args wins
+    model = DiffzooLMM.create_from_arg_string(f'recipe={_tiny_recipe(tmp_path)},batch_size=2',
+                                              {'batch_size': 1, 'max_batch_size': None, 'device': None})
+    assert model.batch_size_per_gpu == 2
     docs = [{'question_id': str(i), 'question': f'Is there a {c} circle in the image?', 'answer': 'yes' if i else 'no',
              'image': Image.new('RGB', (48, 32), c), 'category': 'random'} for i, c in enumerate(('red', 'blue', 'green'))]
     model.task_dict = {'pope': {'test': docs}}
@@ -119,7 +137,7 @@ def test_every_prompt_is_lmms_evals_default_for_the_same_question(tmp_path):
 def test_lmms_evals_gqa_textvqa_okvqa_and_scienceqa_scoring_agree_with_ours_on_the_same_replies():
     """TextVQA and OK-VQA through lmms-eval's own process_results, GQA through its exact_match with the task's
     options, on replies with numbers as words, articles, punctuation and spaces: the same score as `metrics`
-    for each. ScienceQA: `metrics.lmms_eval_scienceqa` equals lmms-eval's reading on every reply, and LLaVA's
+    for each (GQA: `metrics.lmms_eval_gqa`). ScienceQA: `metrics.lmms_eval_scienceqa` equals lmms-eval's reading on every reply, and LLaVA's
     (`metrics.scienceqa`) differs from it on exactly the replies the module docstring names."""
     from lmms_eval.api.metrics import exact_match_hf_evaluate
     from lmms_eval.tasks.ok_vqa import utils as okvqa_utils
@@ -135,7 +153,8 @@ def test_lmms_evals_gqa_textvqa_okvqa_and_scienceqa_scoring_agree_with_ours_on_t
     for reply, answer in (('Yes', 'yes'), ('yes.', 'yes'), (' yes ', 'yes'), ('left side', 'left'),
                           ("it's red", 'its red'), ('No', 'yes')):
         theirs = exact_match_hf_evaluate([reply.strip()], [answer], ignore_case=True, ignore_punctuation=True)
-        assert metrics.gqa([{'prediction': reply, 'answer': answer}])['accuracy'] == theirs['exact_match'], reply
+        assert metrics.lmms_eval_gqa([{'prediction': reply, 'answer': answer}])['accuracy'] == theirs['exact_match'], \
+            reply
     differ = set()
     for reply in ('A', 'B', 'b', 'B.', 'A. ice', 'B. tea', 'The answer is B.', 'tea', 'C', ' B '):
         row = [{'prediction': reply, 'answer': 'B', 'options': 2}]
@@ -144,3 +163,116 @@ def test_lmms_evals_gqa_textvqa_okvqa_and_scienceqa_scoring_agree_with_ours_on_t
         if metrics.scienceqa(row)['accuracy'] != theirs:
             differ.add(reply)
     assert differ == {'b', 'B.', 'The answer is B.'}
+
+
+
+POPE_QUESTIONS = (  # split, question_id, what is asked about, the colour of the picture's disc, label
+    ('random', 1, 'dog', 'red', 'yes'), ('random', 2, 'cat', 'blue', 'no'),
+    ('popular', 1, 'car', 'green', 'yes'), ('popular', 2, 'chair', 'yellow', 'no'),
+    ('adversarial', 1, 'person', 'white', 'no'), ('adversarial', 2, 'cup', 'black', 'yes'))
+
+
+def _pope_copies(root: Path) -> list:
+    """Six POPE questions, two per split, as diffzoo reads them (root/data/pope: coco/coco_pope_<split>.json,
+    val2014/) and as lmms-eval's POPE rows ({question_id, question, answer, image_source, image, category}, the same
+    JPEG bytes) in root/tasks/pope_local.parquet, with root/tasks/pope_local.yaml: lmms-eval's own pope.yaml (its
+    prompt, scoring and aggregation) on that file, one new token. Returns the (image, question) pairs."""
+    import datasets
+    pope, rows, pairs = root / 'data' / 'pope', [], []
+    (pope / 'val2014').mkdir(parents=True)
+    (pope / 'coco').mkdir()
+    (root / 'tasks').mkdir()
+    for n, (split, qid, thing, colour, label) in enumerate(POPE_QUESTIONS, 1):
+        image = pope / 'val2014' / f'COCO_val2014_{n:012d}.jpg'
+        picture = Image.new('RGB', (64, 48), 'gray')
+        ImageDraw.Draw(picture).ellipse((8 * (n % 3), 6, 40 + 4 * n, 42), fill=colour)
+        picture.save(image)
+        record = {'question_id': qid, 'image': image.name, 'text': f'Is there a {thing} in the image?', 'label': label}
+        with open(pope / 'coco' / f'coco_pope_{split}.json', 'a') as f:
+            f.write(json.dumps(record) + '\n')
+        rows.append({'question_id': str(qid), 'question': record['text'], 'answer': label,
+                     'image_source': image.stem, 'image': {'bytes': image.read_bytes(), 'path': None},
+                     'category': split})
+        pairs.append((image, record['text']))
+    features = datasets.Features({**{k: datasets.Value('string') for k in rows[0] if k != 'image'},
+                                  'image': datasets.Image()})
+    datasets.Dataset.from_list(rows, features=features).to_parquet(root / 'tasks' / 'pope_local.parquet')
+    task = {'include': str(Path(lmms_eval.__file__).parent / 'tasks' / 'pope' / 'pope.yaml'), 'task': 'pope_local',
+            'dataset_path': 'parquet', 'dataset_kwargs': {'data_files': {'test': 'pope_local.parquet'}},
+            'generation_kwargs': {'max_new_tokens': 1, 'temperature': 0, 'top_p': 1.0, 'num_beams': 1,
+                                  'do_sample': False}}
+    (root / 'tasks' / 'pope_local.yaml').write_text(yaml.safe_dump(task, sort_keys=False))
+    return pairs
+
+
+def _yes_no_stage(recipe: Path, pairs, directory: Path) -> Path:
+    """A stage (`diffzoo.vlm.stages`' files) that holds every tensor of the recipe's model, so that any process
+    builds the same model from it; the (tied) embeddings of " Yes" and " No" are set so that the first new token is
+    one of them: "Yes" where the hidden state that predicts it lies on one side of the pairs' mean, "No" on the
+    other (both happen: the offsets from a mean sum to zero)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from diffzoo.recipes import expand_env
+    from diffzoo.vlm.factory import vlm_from_recipe
+    from diffzoo.vlm.recipe import check_model
+    from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_WEIGHTS, model_spec
+    torch.manual_seed(0)
+    vlm = vlm_from_recipe(str(recipe))
+    head, states = vlm.decoder_model().get_output_embeddings(), []
+    hook = head.register_forward_pre_hook(lambda module, args: states.append(args[0][:, -1]))
+    for image, question in pairs:
+        vlm.answer([Image.open(image).convert('RGB')], [question + POST], 1)
+    hook.remove()
+    hidden = torch.cat(states)  # (questions, hidden)
+    mean = hidden.mean(0) / hidden.mean(0).norm()
+    spread = torch.linalg.svd(hidden - hidden.mean(0))[2][0]  # the offsets' main direction
+    spread = spread - (spread @ mean) * mean  # orthogonal to the mean: Yes − No is the offset along it
+    (yes,), (no,) = (vlm.tokenizer(word, add_special_tokens=False)['input_ids'] for word in (' Yes', ' No'))
+    with torch.no_grad():
+        head.weight[yes], head.weight[no] = 50 * (mean + spread / spread.norm()), 50 * (mean - spread / spread.norm())
+    directory.mkdir()
+    save_file({n: p.detach().contiguous() for n, p in vlm.model.named_parameters()}, str(directory / STAGE_WEIGHTS))
+    spec = model_spec(expand_env(check_model(yaml.safe_load(recipe.read_text()))))
+    (directory / STAGE_CONFIG).write_text(json.dumps({'stage': 'yes-no', 'spec': spec}))
+    return directory
+
+
+def _lmms_eval(tmp_path, *args) -> subprocess.CompletedProcess:
+    """The lmms-eval command with tmp_path/tasks' task files, offline (a fresh Hugging Face home, no hub)."""
+    return run([str(LMMS_EVAL), '--include_path', str(tmp_path / 'tasks'), *map(str, args)], tmp_path, timeout=600,
+               HF_DATASETS_OFFLINE='1', HF_HOME=tmp_path / 'hf')
+
+
+@pytest.mark.slow
+def test_the_lmms_eval_command_scores_a_local_pope_copy_as_diffzoo_scores_the_same_replies(tmp_path):
+    recipe = _tiny_recipe(tmp_path)
+    stage = _yes_no_stage(recipe, _pope_copies(tmp_path), tmp_path / 'stage')
+    done = _lmms_eval(tmp_path, '--model', 'diffzoo', '--model_args', f'recipe={recipe},stage={stage}', '--tasks',
+                      'pope_local', '--batch_size', '1', '--output_path', tmp_path / 'lmms', '--log_samples')
+    # lmms-eval exits 0 after a failed run too: its results file is what says that the run was done
+    results = sorted((tmp_path / 'lmms').rglob('*_results.json'))
+    assert done.returncode == 0 and len(results) == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    theirs = json.loads(results[0].read_text())['results']['pope_local']
+    (samples,) = (tmp_path / 'lmms').rglob('*_samples_pope_local.jsonl')
+    samples = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda s: s['doc_id'])
+
+    ours = call(lmm_main, ['--model', recipe, '--stage', stage, '--task', 'pope', '--data', tmp_path / 'data',
+                           '--out', tmp_path / 'out', '--max-new-tokens', '1', '--batch-size', '1'], tmp_path)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / 'out' / 'pope_predictions.jsonl').read_text().splitlines()]
+    assert [(r['prompt'], r['prediction']) for r in rows] == [(s['input'], s['filtered_resps']) for s in samples]
+    assert {r['prediction'] for r in rows} == {'Yes', 'No'}
+    scores = metrics.lmms_eval_pope([{**r, 'split': 'all'} for r in rows])['all']  # lmms-eval's pope: one table
+    assert {m: theirs[f'pope_{m},none'] for m in ('accuracy', 'precision', 'recall', 'f1_score', 'yes_ratio')} == \
+        pytest.approx({m: scores['f1' if m == 'f1_score' else m] for m in ('accuracy', 'precision', 'recall',
+                                                                          'f1_score', 'yes_ratio')})
+
+
+@pytest.mark.slow
+def test_a_model_lmms_eval_cannot_build_ends_the_command_with_status_2(tmp_path):
+    (tmp_path / 'tasks').mkdir()
+    done = _lmms_eval(tmp_path, '--model', 'diffzoo', '--model_args', f'recipe={tmp_path / "missing.yaml"}',
+                      '--tasks', 'pope', '--output_path', tmp_path / 'lmms')
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"error: lmms-eval --model diffzoo: RecipeError: no recipe '{tmp_path / 'missing.yaml'}'" in done.stderr

@@ -1,17 +1,24 @@
 """diffzoo's VLMs as an lmms-eval model: `lmms-eval --model diffzoo --model_args recipe=R[,stage=RUN][,adapter=DIR]
-[,device=cuda][,batch_size=8] --tasks pope,mme,…` (with the `lmms` extra: pip install 'diffzoo[lmms]').
+[,device=cuda][,batch_size=8] --tasks pope,mme,…` (with the `lmms` extra: pip install 'diffzoo[lmms]'); lmms-eval's
+own --batch_size and --device work too, and --model_args wins over them (lmms-eval always passes its --batch_size,
+1 by default, which would otherwise clash with the one in --model_args).
 
 lmms-eval finds it through the entry point group `lmms_eval.models` (pyproject.toml), as a simple model: each
 request brings its prompt (lmms-eval's, from the task's YAML), its generation settings and the document's
 images; `generate_until` answers greedily in batches through the model's own prompt format
 (`diffzoo.vlm.factory.vlm_from_recipe`), cut at the task's `until` strings. Log-likelihood requests (multiple
 choice by likelihood) and multi-round generation are refused by name.
+
+lmms-eval catches any error of a run, logs it and exits 0 (unless --verbosity DEBUG), so a model that cannot be
+built (a wrong recipe, stage or batch size) ends the process here instead: the error on stderr, exit status 2.
 """
+import sys
 from typing import List
 
 from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
+from lmms_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 
@@ -31,9 +38,22 @@ class DiffzooLMM(lmms):
     def __init__(self, recipe: str, stage: str = None, adapter: str = None, device: str = 'cpu', batch_size=8,
                  **_):
         super().__init__()
+        # torch, transformers: when lmms-eval builds this model, not whenever it loads the plugins' entry points
         from diffzoo.vlm.factory import vlm_from_recipe
-        self.vlm = vlm_from_recipe(recipe, adapter, device, stage=stage)
-        self.batch_size_per_gpu = int(batch_size)
+        try:
+            if not str(batch_size).isdigit():
+                raise ValueError(f'--batch_size {batch_size}: diffzoo takes a number of questions per batch')
+            self.batch_size_per_gpu = int(batch_size)
+            self.vlm = vlm_from_recipe(recipe, adapter, device or 'cpu', stage=stage)
+        except Exception as exc:  # lmms-eval would log it and exit 0 (module docstring)
+            print(f'error: lmms-eval --model diffzoo: {type(exc).__name__}: {exc}', file=sys.stderr, flush=True)
+            raise SystemExit(2) from exc
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict = None) -> 'DiffzooLMM':
+        """lmms-eval's, with batch_size and device in --model_args taking precedence over its flags."""
+        args = simple_parse_args_string(arg_string)
+        return cls(**args, **{k: v for k, v in (additional_config or {}).items() if v is not None and k not in args})
 
     def generate_until(self, requests: List[Instance]) -> List[str]:
         replies = []
