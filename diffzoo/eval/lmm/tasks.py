@@ -257,8 +257,9 @@ def read_okvqa(root: Path) -> List[Sample]:
 
 TASKS: Dict[str, Task] = {t.name: t for t in (
     Task('pope', read_pope, 128, 'coco/coco_pope_{random,popular,adversarial}.json, val2014/'),
-    Task('mme', read_mme, 16, 'MME_Benchmark_release_version/<subtask>/…'),
-    Task('scienceqa', read_scienceqa, 16, 'problems.json, pid_splits.json, images/test/'),
+    Task('mme', read_mme, 16, '<subtask>/… in the folder or in its MME_Benchmark_release_version/'),
+    Task('scienceqa', read_scienceqa, 16, f'problems.json, pid_splits.json, images/test/; or '
+                                          f'{SCIENCEQA_LLAVA_QUESTIONS}, images/test/'),
     Task('textvqa', read_textvqa, 16, 'TextVQA_0.5.1_val.json, train_images/'),
     Task('textvqa_ocr', read_textvqa_ocr, 16, f'{TEXTVQA_OCR_QUESTIONS}, TextVQA_0.5.1_val.json, train_images/',
          folder='textvqa', benchmark='textvqa'),
