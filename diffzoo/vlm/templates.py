@@ -38,7 +38,12 @@ When the counted rounds do not add up to the sample's length (a reply holding a 
 `encode` by default (`mismatch='mask'`, `Encoded.mismatched` set, counted by the stage). `mismatch='score'`
 scores such a sample's answers by their characters instead (each answer's tokens, found from the tokenization
 of the text before it).
+
+Cost: only the rounds that can reach `max_length` are rendered and tokenized (`fitting`), and a fast tokenizer's
+offset mapping places each token in its piece in one pass, so a conversation of thousands of turns cut to a few
+hundred tokens costs what fits.
 """
+import bisect
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -208,7 +213,7 @@ def encode(turns: Sequence[Tuple[str, str]], tokenizer, prompt_format: str, max_
         raise ValueError(f'prompt format {prompt_format!r}: expected one of {FORMATS}')
     if mismatch not in MISMATCH_RULES:
         raise ValueError(f'mismatch={mismatch!r}: expected one of {MISMATCH_RULES}')
-    pieces = PIECES[prompt_format](turns, tokenizer)
+    pieces = PIECES[prompt_format](fitting(turns, tokenizer, max_length), tokenizer)
     text = ''.join(piece for piece, _ in pieces)
     ids, image_at = image_tokens(text, tokenizer, special_tokens=prompt_format != 'chat_template')
     if prompt_format in RULES:
@@ -222,13 +227,30 @@ def encode(turns: Sequence[Tuple[str, str]], tokenizer, prompt_format: str, max_
     return Encoded(ids, _piece_flags(pieces, text, ids, tokenizer), image_at)
 
 
+def fitting(turns: Sequence[Tuple[str, str]], tokenizer, max_length: int) -> Sequence[Tuple[str, str]]:
+    """The rounds of `turns` that can reach the first `max_length` tokens: the rounds up to the first one at whose
+    end the texts' own tokens, each counted alone (less one for a token its context could merge, `<image>` not
+    counted), already pass `max_length`. What follows never reaches the cut, and its rounds cannot change the
+    tokens before it (a round ends at a special token), so a long conversation costs what fits, not its length."""
+    count = 0
+    for r in range(0, len(turns), 2):
+        count += sum(max(len(_tokens(tokenizer, text.replace(IMAGE, ''))) - 1, 0) for _, text in turns[r:r + 2])
+        if count > max_length:
+            return turns[:r + 2]
+    return turns
+
+
 def _piece_flags(pieces: Sequence[Tuple[str, bool]], text: str, ids: Sequence[int], tokenizer) -> List[bool]:
-    """Scored flags of `text`'s tokens `ids` by the piece each token starts in, each side of `<image>` tokenized
-    at once; the special tokens the tokenizer put first (BOS) unscored."""
+    """Scored flags of `text`'s tokens `ids` by the piece each token belongs to, each side of `<image>` tokenized
+    at once; the special tokens the tokenizer put first (BOS) unscored. A fast tokenizer's offsets place each token
+    in one pass (a token that spans two pieces belongs to the later one); otherwise a piece's first token is the
+    first one the tokenization of the text before it does not hold."""
     starts, at = [], 0  # (where each piece starts in `text`, whether it is scored)
     for piece, is_scored in pieces:
         starts.append((at, is_scored))
         at += len(piece)
+    if getattr(tokenizer, 'is_fast', False):
+        return _offset_flags(starts, text, ids, tokenizer)
     scored, begin = [], 0
     for chunk in text.split(IMAGE):
         end = begin + len(chunk)
@@ -245,6 +267,18 @@ def _piece_flags(pieces: Sequence[Tuple[str, bool]], text: str, ids: Sequence[in
                     done, flag = max(done, held), is_scored
             scored += [flag] * (len(chunk_ids) - done)
         begin = end + len(IMAGE)
+    return [False] * (len(ids) - len(scored)) + scored
+
+
+def _offset_flags(starts: Sequence[Tuple[int, bool]], text: str, ids: Sequence[int], tokenizer) -> List[bool]:
+    """`_piece_flags` from the offset mapping: each token scored as the piece holding its last character."""
+    bounds = [p for p, _ in starts]
+    scored, begin = [], 0
+    for chunk in text.split(IMAGE):
+        if chunk:
+            offsets = tokenizer(chunk, add_special_tokens=False, return_offsets_mapping=True)['offset_mapping']
+            scored += [starts[bisect.bisect_right(bounds, begin + max(end - 1, start)) - 1][1] for start, end in offsets]
+        begin += len(chunk) + len(IMAGE)
     return [False] * (len(ids) - len(scored)) + scored
 
 

@@ -198,3 +198,17 @@ def test_a_stage_refuses_a_format_whose_rounds_its_tokenizer_cannot_count(tmp_pa
     with pytest.raises(RecipeError, match='cannot count the rounds of any of the first 8'):
         check_rounds(list(conversations.values()), llama, dict(data, format='qwen2_instruct'))
     check_rounds(list(conversations.values()), llama, dict(data, format='qwen2_instruct', mismatch='score'))
+
+
+@pytest.mark.parametrize('prompt_format,mismatch', [('qwen2_instruct', 'mask'), ('qwen2_instruct', 'score'),
+                                                    ('chat_template', 'mask'), ('plain', 'mask')])
+def test_a_long_conversation_is_tokenized_as_far_as_it_can_reach_the_cut(qwen, prompt_format, mismatch):
+    """5,000 turns cut to 64 tokens: encode tokenizes the rounds that can reach the cut, not the whole
+    conversation (what it returns is bounded by the cut, not by the turns), and the first 64 tokens and their
+    flags are those of the whole conversation's encoding."""
+    rounds = [('human', 'what shape is it?'), ('gpt', 'a red circle')]
+    turns = [('human', '<image>\nwhat color is the shape?'), ('gpt', 'red')] + rounds * 2499
+    long = encode(turns, qwen, prompt_format, 64, mismatch)
+    assert len(long.ids) < 400
+    whole = encode(turns[:40], qwen, prompt_format, 10 ** 6, mismatch)  # 40 turns: past the cut, all encoded
+    assert (long.ids[:64], long.scored[:64], long.image_at) == (whole.ids[:64], whole.scored[:64], whole.image_at)
