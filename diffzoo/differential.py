@@ -18,10 +18,11 @@ paired, "adjacent" or "halves"; v2: each query head twice). What converts:
                 timm vision tower through its trunk
 
 Anything else in a block stack (gated or narrowed timm attention, rotary attention, open_clip's
-CustomResidualAttentionBlock, cross-attention blocks) is refused by name. A block stack is every
-ModuleList / Sequential of blocks with an `attn`; `blocks` are 0-based indices into each stack (default:
-all), and λ_init "depth" uses the block's index in its stack. transformers decoders go to
-`diffzoo.vlm.differentialize` (`blocks` is its `layers`).
+CustomResidualAttentionBlock, cross-attention blocks) is refused by name, and so is a model that is already
+differential (converted, or built with diffzoo's or timm's differential attention). A block stack is every
+ModuleList / Sequential of blocks with an `attn`; `blocks` is None (all) or a non-empty list of distinct
+0-based indices into each stack (no negative ones), and λ_init "depth" uses the block's index in its stack.
+transformers decoders go to `diffzoo.vlm.differentialize` (`blocks` is its `layers`).
 
 The settings are saved with every converted layer's weights, so a fine-tuned checkpoint reloads into the
 plain model without them: `load_converted(model, path)` (open_clip's `load_checkpoint` and
@@ -30,7 +31,7 @@ plain model without them: `load_converted(model, path)` (open_clip's `load_check
 import functools
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import timm.layers
 import timm.models.eva
@@ -40,7 +41,8 @@ from open_clip.transformer import ResidualAttentionBlock, TextTransformer
 
 from diffzoo.checkpoint import model_state_dict, read_state_dict
 from diffzoo.clip.text_tower import DiffResidualAttentionBlock
-from diffzoo.layers import VARIANTS, resolve_lambda_init
+from diffzoo.layers import VARIANTS, DifferentialAttention, resolve_lambda_init
+from diffzoo.layers.blocks import block_indices
 from diffzoo.layers.diff_attention import LAMBDA_PROJ_INITS
 from diffzoo.layers.pretrained import (HEAD_PAIRINGS, RECORD, PretrainedDifferentialAttention, copy_modules,
                                        differential_heads, read_record)
@@ -60,6 +62,24 @@ def _settings(variant: str, lambda_init, head_pairing: Optional[str], lambda_pro
     if lambda_proj_init not in LAMBDA_PROJ_INITS:
         raise ValueError(f'lambda_proj_init={lambda_proj_init!r}: expected one of {LAMBDA_PROJ_INITS}')
     resolve_lambda_init(lambda_init, 0)
+
+
+def _refuse_differential(model: nn.Module) -> None:
+    """Refuse a model any of whose attention layers is differential already, saying how to get the plain one."""
+    for name, module in model.named_modules():
+        if isinstance(module, PretrainedDifferentialAttention):
+            how = ('it was converted by differentialize: build the plain model again by its name (timm.create_model /'
+                   ' open_clip.create_model); a converted checkpoint reloads into it with '
+                   'diffzoo.differential.load_converted')
+        elif isinstance(module, DifferentialAttention):
+            how = ('it is built differential (diffzoo\'s vit_diff_* / diffclip-* models): the same layout with plain '
+                   'attention is vit_diff_baseline_<size> (timm) / clip-<size>-baseline (open_clip)')
+        elif isinstance(module, timm.layers.DiffAttention):
+            how = 'build the model with timm\'s plain attention (leave attn_layer out)'
+        else:
+            continue
+        raise NotConvertible(f'{type(model).__name__} is already differential ({name or "the model"} is '
+                             f'{type(module).__name__}); differentialize converts a plain model: {how}')
 
 
 def _kind(block: nn.Module) -> Optional[str]:
@@ -170,25 +190,28 @@ def _hf(model: nn.Module) -> bool:
 
 
 def differentialize(model: nn.Module, variant: str = 'duplicate', lambda_init: Union[float, str] = 'depth',
-                    blocks: Optional[Iterable[int]] = None, head_pairing: Optional[str] = None,
+                    blocks: Optional[Sequence[int]] = None, head_pairing: Optional[str] = None,
                     lambda_proj_init: str = 'unilm') -> nn.Module:
     """Make `model`'s self-attention differential in place, pretrained weights carried over; returns the model.
 
     variant: "duplicate" (default, Differential PaliGemma), "split" or "v2"; lambda_init: a number in [0, 1) or
-    "depth"; blocks: indices into each block stack (default all); head_pairing (split): "adjacent" (default)
-    or "halves"; lambda_proj_init (v2): "unilm" or "zeros". See the module docstring for what converts."""
+    "depth"; blocks: a list of distinct 0-based indices into each block stack (default None: all); head_pairing
+    (split): "adjacent" (default) or "halves"; lambda_proj_init (v2): "unilm" or "zeros". See the module docstring
+    for what converts."""
     if _hf(model):
         if lambda_proj_init != 'unilm':
             raise ValueError('lambda_proj_init is v2\'s; transformers decoders take variant "duplicate" or "split"')
-        from diffzoo.vlm import differentialize as hf_differentialize  # transformers models only
+        from diffzoo.vlm.differential import differentialize as hf_differentialize, find_decoder  # transformers only
+        if blocks is not None:
+            blocks = block_indices(blocks, len(find_decoder(model).layers), f'{type(model).__name__}\'s decoder')
         return hf_differentialize(model, variant=variant, lambda_init=lambda_init, layers=blocks,
                                   head_pairing=head_pairing)
     _settings(variant, lambda_init, head_pairing, lambda_proj_init)
+    _refuse_differential(model)
     stacks = block_stacks(model)
     if not stacks:
         raise NotConvertible(f'{type(model).__name__}: no block stack (a ModuleList / Sequential of blocks with an '
                              f'`attn`) found; differentialize takes timm ViT-style models and open_clip towers')
-    chosen_all = None if blocks is None else sorted({int(i) for i in blocks})
     plans = []
     for text in (m for m in model.modules() if isinstance(m, TextTransformer)):
         if text.cls_emb is not None or getattr(text, 'use_pad_mask', False):  # a (B·H, L, L) mask for H heads
@@ -196,14 +219,8 @@ def differentialize(model: nn.Module, variant: str = 'duplicate', lambda_init: U
                                  f'mask hands its blocks a mask per pretrained head, which a converted layer does not '
                                  f'take; convert the vision tower alone (model.visual)')
     for name, stack in stacks:
-        chosen = list(range(len(stack))) if chosen_all is None else chosen_all
-        bad = [i for i in chosen if not 0 <= i < len(stack)]
-        if bad:
-            raise ValueError(f'blocks={bad}: {name} has blocks 0..{len(stack) - 1}')
-        for i in chosen:
+        for i in block_indices(blocks, len(stack), f'{type(model).__name__}.{name}' if name else type(model).__name__):
             kind = _kind(stack[i])
-            if kind == 'done':
-                raise ValueError(f'{name}.{i} is differential already; differentialize once')
             if kind is None:
                 _refuse(model, f'{name}.{i}', stack[i])
             owner = dict(model.named_modules())[name.rpartition('.')[0]]  # the model whose stack it is

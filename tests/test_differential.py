@@ -2,10 +2,12 @@
 heads against an independent fp64 computation from the source layer, every family forward/backward/
 TorchScript/FX, the settings saved with the weights, the open_clip configuration and loader seams."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import open_clip
 import pytest
 import timm
@@ -192,11 +194,6 @@ def test_refuses_what_it_cannot_convert_by_name():
     with pytest.raises(NotConvertible, match='split.*3'):
         diffzoo.differentialize(timm.create_model('vit_tiny_patch16_224', pretrained=False, img_size=32, depth=1,
                                                   embed_dim=48, num_heads=3), variant='split')
-    model = diffzoo.differentialize(timm_family('vit'))
-    with pytest.raises(ValueError, match='differential already'):
-        diffzoo.differentialize(model)
-    with pytest.raises(ValueError, match='blocks=\\[7\\]'):
-        diffzoo.differentialize(timm_family('vit'), blocks=[7])
 
 
 def test_refuses_rope_inside_a_wrapper_a_sequence_first_stack_and_a_per_head_text_mask():
@@ -242,6 +239,64 @@ def test_blocks_and_depth_lambda_follow_the_stack_index():
     assert kinds == [timm.layers.Attention, PretrainedDifferentialAttention] * 2
     assert [round(model.blocks[i].attn.lambda_init, 6) for i in (1, 3)] == [
         round(0.8 - 0.6 * torch.exp(torch.tensor(-0.3 * i)).item(), 6) for i in (1, 3)]
+
+
+BAD_BLOCKS = [([], 'converts nothing'), ([1.7], '1.7 is not a block index'), ('011', 'expected a list'),
+              ([True], 'True is not a block index'), (3, 'expected a list'), ([0, 0], r'\[0\] given more than once'),
+              ([-1], 'negative'), ([1, 2], '2 is not a block index'), (range(2), 'expected a list')]
+
+
+@pytest.mark.parametrize('blocks,why', BAD_BLOCKS)
+@pytest.mark.parametrize('family', ['vit', 'eva', 'open_clip'])
+def test_blocks_refuses_each_bad_value_by_name_with_the_range(family, blocks, why):
+    model = open_clip_model() if family == 'open_clip' else timm_family(family)
+    stack = 'CLIP.visual.transformer.resblocks' if family == 'open_clip' else f'{type(model).__name__}.blocks'
+    message = re.escape(f'blocks={blocks!r}') + f'.*{why}.*{re.escape(stack)} has blocks 0..1'
+    with pytest.raises(ValueError, match=message):
+        diffzoo.differentialize(model, blocks=blocks)
+    assert not settings_of(model)  # nothing converted
+
+
+def test_blocks_takes_a_list_or_tuple_of_distinct_ints_in_any_order():
+    for blocks in ([1, 0], (1,), [numpy.int64(0)]):
+        model = diffzoo.differentialize(timm_family('vit'), blocks=blocks)
+        assert [r['depth'] for r in settings_of(model)] == sorted(int(i) for i in blocks)
+    clip = diffzoo.differentialize(open_clip_model(), blocks=[1])  # index 1 of each tower's stack
+    assert [r['depth'] for r in settings_of(clip)] == [1, 1]
+
+
+def test_blocks_of_a_transformers_decoder_are_checked_before_they_become_its_layers():
+    transformers = pytest.importorskip('transformers')
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    for blocks, why in BAD_BLOCKS:
+        model = transformers.LlamaForCausalLM(config)
+        with pytest.raises(ValueError, match=re.escape(f'blocks={blocks!r}') + f".*{why}.*decoder has blocks 0..1"):
+            diffzoo.differentialize(model, blocks=blocks)
+        assert not hasattr(model.model.layers[1].self_attn, 'differential')
+    model = diffzoo.differentialize(transformers.LlamaForCausalLM(config), blocks=(1,))
+    assert model.config.diffzoo_differential['layers'] == [1]
+
+
+def test_an_already_differential_model_is_refused_saying_how_to_get_the_plain_one():
+    converted = diffzoo.differentialize(timm_family('vit'), blocks=[0])
+    for blocks in (None, [1]):  # another block of a partly converted model too
+        with pytest.raises(NotConvertible, match='VisionTransformer is already differential .blocks.0.attn is '
+                                                 'PretrainedDifferentialAttention.*load_converted'):
+            diffzoo.differentialize(converted, blocks=blocks)
+    clip = diffzoo.differentialize(open_clip_model())
+    for model in (clip, clip.transformer):
+        with pytest.raises(NotConvertible, match='already differential.*timm.create_model / open_clip.create_model'):
+            diffzoo.differentialize(model)
+    torch.manual_seed(0)
+    native = timm.create_model('vit_diff_micro_patch8_64', pretrained=False, depth=2)
+    with pytest.raises(NotConvertible, match='already differential.*DifferentialAttention.*vit_diff_baseline_<size>'):
+        diffzoo.differentialize(native)
+    timm_diff = timm.create_model('vit_tiny_patch16_224', pretrained=False, attn_layer='diff', **TINY)
+    with pytest.raises(NotConvertible, match='already differential .blocks.0.attn is DiffAttention.*attn_layer out'):
+        diffzoo.differentialize(timm_diff)
+    plain = timm.create_model('vit_diff_baseline_micro_patch8_64', pretrained=False, depth=2)
+    assert len(settings_of(diffzoo.differentialize(plain))) == 2  # the plain layout the message names converts
 
 
 def test_a_converted_checkpoint_reloads_into_the_plain_model(tmp_path):

@@ -63,6 +63,7 @@ import transformers
 from timm.layers import RmsNorm
 
 from diffzoo.layers import resolve_lambda_init
+from diffzoo.layers.blocks import block_indices
 from .attention import DIFF_EAGER, DIFF_SDPA, layer_lambda, register_attention
 from .hf_config import SETTINGS_KEY, mark_differential, saved_settings
 from .options import HEAD_PAIRINGS, MLPS, VARIANTS
@@ -171,15 +172,15 @@ def differentialize(
     resolve_lambda_init(lambda_init, 0)
     decoder = find_decoder(model)
     blocks = decoder.layers
-    chosen = list(range(len(blocks))) if layers is None else sorted(set(int(i) for i in layers))
-    bad = [i for i in chosen if not 0 <= i < len(blocks)]
-    if bad:
-        raise ValueError(f'layers={bad}: the decoder has layers 0..{len(blocks) - 1}')
-    if any(hasattr(blocks[i].self_attn, 'differential') for i in chosen):
-        raise ValueError('the model is already differential in some of these layers; differentialize once')
+    done = [i for i, block in enumerate(blocks) if hasattr(block.self_attn, 'differential')]
+    if done:  # a second call would leave layers of two settings, and the config would record only the last
+        raise ValueError(f'{type(model).__name__} is already differential (decoder layers {done}); differentialize '
+                         f'converts a plain model: load it again from its pretrained files (from_pretrained) and '
+                         f'call differentialize once, with every layer to convert')
+    chosen = block_indices(layers, len(blocks), f'{type(model).__name__}\'s decoder', key='layers')
     for i in chosen:
         _check_attention(blocks[i].self_attn, variant, i)
-    pairing = _resolve_head_pairing(head_pairing, variant, blocks[chosen[0]].self_attn) if chosen else None
+    pairing = _resolve_head_pairing(head_pairing, variant, blocks[chosen[0]].self_attn)
     for i in chosen:
         attn = blocks[i].self_attn
         _add_parameters(attn, variant, resolve_lambda_init(lambda_init, attn.layer_idx), pairing)

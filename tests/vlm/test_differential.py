@@ -8,6 +8,7 @@ import transformers
 
 from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA, diffzoo_eager_attention, diffzoo_sdpa_attention
 from diffzoo.vlm.differential import differential_parameters, differentialize, load_differential
+from diffzoo.vlm.hf_config import SETTINGS_KEY
 from tests.vlm.models import lm_config, paligemma_config, tiny_lm
 
 VOCAB = 64
@@ -283,6 +284,26 @@ def test_soft_capped_models_need_the_eager_kernel():
     model.config._attn_implementation = DIFF_SDPA  # SDPA cannot soft-cap: refused, not silently dropped
     with pytest.raises(ValueError, match='attn_implementation="eager"'):
         model(_ids())
+
+
+@pytest.mark.parametrize('layers,why', [([], 'converts nothing'), ([True], 'not an int'), ([1.0], 'not an int'),
+                                        (['1'], 'not an int'), (3, 'expected a list'), ([0, 0], 'more than once'),
+                                        ([-1], 'negative'), ([3], 'past the last block')])
+def test_layers_are_refused_by_name_and_nothing_converts(layers, why):
+    model = _model('llama')
+    with pytest.raises(ValueError, match=why) as refused:
+        differentialize(model, layers=layers)
+    assert f'layers={layers!r}' in str(refused.value) and 'blocks 0..2' in str(refused.value)
+    assert not differential_parameters(model) and SETTINGS_KEY not in model.config.to_dict()
+
+
+def test_a_second_call_is_refused_so_the_saved_settings_cover_every_differential_layer():
+    """Layers of two settings in memory, and a config recording only the last call's, would reload otherwise."""
+    model = differentialize(_model('llama'), layers=[0])
+    with pytest.raises(ValueError, match=r'already differential \(decoder layers \[0\]\).*from_pretrained'):
+        differentialize(model, layers=[1], variant='split')
+    assert getattr(model.config, SETTINGS_KEY)['layers'] == [0] and not hasattr(model.model.layers[1].self_attn,
+                                                                                 'differential')
 
 
 def test_swiglu_option_and_bad_arguments_are_named():
