@@ -1,0 +1,79 @@
+"""One stage's training, run by tests/vlm/test_fsdp.py in its own process (`train`) or sharded with FSDP2 over
+several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm_stage` builds them, sharded
+with `fully_shard` directly (accelerate shards on GPUs only), and saved and loaded with the stage's own pieces
+(`_full` gathers a shard, `copy_tensors` fills one).
+
+    python tests/vlm/fsdp_stage_worker.py RECIPE.yaml OUT.safetensors STEPS [--from-stage STAGE.safetensors]
+
+Every process trains on the same batches, so the averaged gradient of a sharded run is the one-process run's."""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from diffzoo.train.vlm_stage import _full, prepare  # noqa: E402
+from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
+from diffzoo.vlm.differential import find_decoder  # noqa: E402
+from diffzoo.vlm.factory import load_vlm  # noqa: E402
+from diffzoo.vlm.recipe import check  # noqa: E402
+from diffzoo.vlm.stages import copy_tensors  # noqa: E402
+
+
+def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> None:
+    """`steps` steps of the stage from its start (or from `from_stage`'s tensors), its trained tensors to `out`."""
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    if world > 1:
+        dist.init_process_group('gloo')
+    recipe = check(yaml.safe_load(Path(recipe_path).read_text()))
+    torch.manual_seed(recipe['seed'])
+    vlm = load_vlm(recipe['model'], differential=recipe['differential'])
+    prepare(vlm, recipe)
+    model = vlm.model
+    if world > 1:  # FSDP2 as the 7B recipes shard: each decoder layer, then the whole model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh('cpu', (world,))
+        for layer in find_decoder(model.language_model).layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if from_stage:
+        copy_tensors(model, load_file(from_stage), from_stage, '')
+    data = recipe['data']
+    conversations, _ = load_conversations(data['json'], data['image_folder'])
+    collate = ConversationCollator(vlm.tokenizer, vlm.transform, data['format'], data['max_length'],
+                                   image_aspect=data['image_aspect'])
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=recipe['lr'],
+                                  weight_decay=0.0)
+    model.train()
+    size = recipe['batch_size']
+    for step in range(steps):
+        start = step * size % len(conversations)
+        batch = collate(conversations[start:start + size])
+        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {name: _full(q) for name, q in model.named_parameters() if q.requires_grad}  # every rank gathers
+    if world == 1 or dist.get_rank() == 0:
+        save_file(state, out)
+    if world > 1:
+        kinds = {type(q).__name__ for q in model.parameters()}
+        print(f'rank {dist.get_rank()}: parameters {sorted(kinds)}', flush=True)
+        dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser()
+    p.add_argument('recipe')
+    p.add_argument('out')
+    p.add_argument('steps', type=int)
+    p.add_argument('--from-stage')
+    a = p.parse_args()
+    train(a.recipe, a.out, a.steps, a.from_stage)
