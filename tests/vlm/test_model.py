@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from diffzoo.vlm import build_vlm, differentialize
-from diffzoo.vlm.model import PROJECTORS, build_vision_tokens, prefix_lm_mask
+from diffzoo.vlm.model import PROJECTORS, prefix_lm_mask
+from diffzoo.vlm.towers import build_vision_tokens
 from diffzoo.vlm.options import PROJECTOR_NAMES
 from tests.vlm.models import tiny_lm
 
