@@ -8,7 +8,9 @@ from typing import Dict, List, Optional
 from diffzoo.flags import FlagError, parse_pairs
 
 from .download import card_names, download, load_card
-from .shards import DataError, check_dataset, write_retry, write_sizes
+from .check import check_dataset
+from .retry import write_retry
+from .shards import DataError, write_sizes
 from .synthetic import CorpusConfig, write_corpus
 
 

@@ -13,7 +13,9 @@ import pytest
 import webdataset as wds
 
 from diffzoo.data.__main__ import main as data_main
-from diffzoo.data.shards import DataError, check_dataset, list_shards, write_retry, write_sizes
+from diffzoo.data.check import check_dataset
+from diffzoo.data.retry import write_retry
+from diffzoo.data.shards import DataError, list_shards, write_sizes
 from tests.data.tars import rename_samples
 from tests.factory import run, write_shards
 

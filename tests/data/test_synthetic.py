@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from diffzoo.data.__main__ import main as data_main
-from diffzoo.data.shards import check_dataset, iter_samples, read_sizes
+from diffzoo.data.check import check_dataset
+from diffzoo.data.shards import iter_samples, read_sizes
 from diffzoo.data.synthetic import COLOURS, RELATIONS, SHAPES, CorpusConfig, make_scene, write_corpus
 
 
