@@ -1,6 +1,9 @@
 """`python -m diffzoo.eval.lmm`: every benchmark read from a local copy in its published layout, answered by a
 real (untrained) build_vlm model in the recipe's conversation format, each task's rows scored by the official
-scoring from the predictions file it writes; an unreadable image left out and counted; a missing copy named."""
+scoring from the predictions file it writes; an unreadable image left out and counted; a missing copy named; a
+benchmark file's bad questions (malformed lines, missing or non-yes/no labels, repeated ids, image names outside
+the folder) left out, counted by reason and named while the rest are answered; --limit 0 and a missing --stage
+refused before any model is built."""
 import json
 
 import pytest
@@ -86,25 +89,33 @@ def test_the_readers_take_the_published_layouts_with_the_default_prompts(tmp_pat
     assert [(s.id, s.image.name, s.meta) for s in ocr] == [('34602', '003a8ae2ef43b901.jpg', {'answers': ['nokia'] * 10})]
     assert ocr[0].prompt == f'What is the brand of the tv?\nReference OCR token: NOKIA, 3310\n{tasks.SHORT}'
     (tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl').write_text('{"question_id": 9, "text": "q"}\n')
-    with pytest.raises(DataError, match='line 1 has no image'):
+    with pytest.raises(DataError, match='llava_textvqa_val_v051_ocr.jsonl:1: no image'):  # alone, a reader refuses
         tasks.read_textvqa_ocr(tmp_path / 'textvqa')
+
+
+def tiny_recipe(root):
+    """A build_vlm recipe (diffclip-tiny and a tiny random chat LM) in root/model.yaml."""
+    write_chat_language_model(root / 'lm')
+    recipe = {'model': {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(root / 'lm'),
+                        'select_layer': -2, 'projector': 'mlp2x_gelu', 'sequence_mask': 'causal'},
+              'data': {'type': 'conversations', 'json': 'unused.json', 'format': 'chat_template'}}
+    (root / 'model.yaml').write_text(yaml.safe_dump(recipe))
+    return root / 'model.yaml'
 
 
 def test_every_task_runs_on_a_model_and_its_rows_are_the_official_scores_of_its_predictions(tmp_path):
     _copies(tmp_path / 'data')
-    write_chat_language_model(tmp_path / 'lm')
-    recipe = {'model': {'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(tmp_path / 'lm'),
-                        'select_layer': -2, 'projector': 'mlp2x_gelu', 'sequence_mask': 'causal'},
-              'data': {'type': 'conversations', 'json': 'unused.json', 'format': 'chat_template'}}
-    (tmp_path / 'model.yaml').write_text(yaml.safe_dump(recipe))
-    args = ['--model', tmp_path / 'model.yaml', '--data', tmp_path / 'data', '--out', tmp_path / 'out',
+    args = ['--model', tiny_recipe(tmp_path), '--data', tmp_path / 'data', '--out', tmp_path / 'out',
             '--max-new-tokens', '3', '--batch-size', '2', '--scoring', 'gqa=lmms_eval', '--scoring', 'okvqa=vqaeval']
     for task in ('pope', 'mme', 'scienceqa', 'textvqa', 'textvqa_ocr', 'gqa', 'okvqa'):
         args += ['--task', task]
     done = call(main, args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']
-    assert results['pope']['questions'] == 6 and results['pope']['left_out'] == 3  # image 2 does not open
+    assert (results['pope']['questions'], results['pope']['answered']) == (6, 3)
+    assert results['pope']['left_out'] == {'image does not open': 3}  # image 2
+    assert results['pope']['left_out_examples']['image does not open'] == [
+        str(tmp_path / 'data' / 'pope' / 'val2014' / 'COCO_val2014_000000000002.jpg')] * 3
     scoring = {'pope': 'pope', 'mme': 'mme', 'scienceqa': 'llava', 'textvqa': 'llava', 'textvqa_ocr': 'llava',
                'gqa': 'lmms_eval', 'okvqa': 'vqaeval'}  # the defaults, and the two named
     for task, scorer in scoring.items():
@@ -144,3 +155,73 @@ def test_a_missing_copy_is_named_before_any_model_is_built(tmp_path):
     absent = call(main, ['--model', 'nothing.yaml', '--task', 'mme', '--data', tmp_path / 'nowhere', '--out',
                          tmp_path / 'out'], tmp_path)
     assert absent.returncode == 2 and 'nowhere/mme: no such folder' in absent.stderr
+
+
+def _pope_lines(root, lines):
+    """POPE's three files under root/pope/coco, each holding `lines` (strings, as written), and images red.jpg
+    and blue.jpg in val2014/."""
+    for split in tasks.POPE_SPLITS:
+        (root / 'pope' / 'coco').mkdir(parents=True, exist_ok=True)
+        (root / 'pope' / 'coco' / f'coco_pope_{split}.json').write_text(''.join(line + '\n' for line in lines))
+    _image(root / 'pope' / 'val2014' / 'red.jpg')
+    _image(root / 'pope' / 'val2014' / 'blue.jpg', 'blue')
+
+
+def _q(qid, image='red.jpg', **fields):
+    return json.dumps({'question_id': qid, 'image': image, 'text': f'Is there a thing {qid}?', 'label': 'yes',
+                       **fields})
+
+
+def test_bad_questions_are_left_out_counted_by_reason_and_named_and_the_others_answered_and_scored(tmp_path):
+    """Before: a repeated question_id was scored with the other question's reply, a label 'maybe' vanished from
+    every split's counts, an integer label crashed the scoring after all answers, a malformed line or a missing
+    label ended the run with a traceback, and '../' or absolute image names were read outside the folder."""
+    outside = tmp_path / 'elsewhere' / 'secret.jpg'
+    _image(outside, 'white')
+    (tmp_path / 'data' / 'pope' / 'val2014').mkdir(parents=True)
+    (tmp_path / 'data' / 'pope' / 'val2014' / 'linked.jpg').symlink_to(outside)  # a symlink stays allowed
+    lines = [_q(1), _q(1, 'blue.jpg', label='no'), _q(2, label='maybe'), _q(3, label=1), '{"question_id": 4, "ima',
+             json.dumps({'question_id': 5, 'image': 'red.jpg', 'text': 'Is it red?'}), _q(6, '../../elsewhere/x.jpg'),
+             _q(7, str(outside)), _q(8, 'linked.jpg', label='no'), _q(9, 'blue.jpg', label=' No ')]
+    _pope_lines(tmp_path / 'data', lines)
+    done = call(main, ['--model', tiny_recipe(tmp_path), '--task', 'pope', '--data', tmp_path / 'data', '--out',
+                       tmp_path / 'out', '--max-new-tokens', '2'], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pope = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']['pope']
+    assert pope['left_out'] == {'repeated question id (the first is kept)': 3, 'label not yes or no': 6,
+                                'malformed line (not a JSON object)': 3, 'no label': 3,
+                                'image name leaves the benchmark folder': 6}
+    assert (pope['questions'], pope['answered'], pope['reused']) == (9, 9, 0)  # 1, 8, 9 of each split
+    assert sum(split['questions'] for split in pope['scores'].values()) == 9
+    rows = [json.loads(line) for line in (tmp_path / 'out' / 'pope_predictions.jsonl').read_text().splitlines()]
+    assert [r['id'] for r in rows] == [f'{split}-{q}' for split in tasks.POPE_SPLITS for q in (1, 8, 9)]
+    assert rows[0]['label'] == 'yes' and rows[0]['image'].endswith('red.jpg')  # the first of the repeated id
+    random = tmp_path / 'data' / 'pope' / 'coco' / 'coco_pope_random.json'
+    for named in (f'{random}:2 (question random-1)', f"{random}:3 (label 'maybe')", f'{random}:4 (label 1)',
+                  f'{random}:5', f'{random}:6', f"{random}:7 ('../../elsewhere/x.jpg': a ../ component)",
+                  f"{random}:8 ('{outside}': an absolute path)"):
+        assert named in done.stdout, named
+    assert 'pope (9 answered, 6 left out: label not yes or no, 3 left out: malformed line (not a JSON object), ' \
+        '3 left out: no label, 6 left out: image name leaves the benchmark folder, 3 left out: repeated question id' \
+        in done.stdout
+
+
+def test_limit_0_a_stage_that_is_not_there_and_an_unknown_recipe_are_refused_before_any_model_is_built(tmp_path):
+    """Before: --limit 0 answered every question (0 is falsy), and a --stage folder that does not exist ended the
+    run with a FileNotFoundError traceback once the model was built."""
+    _pope_lines(tmp_path / 'data', [_q(1)])
+    base = ['--model', 'nothing.yaml', '--task', 'pope', '--data', tmp_path / 'data', '--out', tmp_path / 'out']
+    zero = call(main, [*base, '--limit', '0'], tmp_path)
+    assert zero.returncode == 2 and "argument --limit: '0': a whole number, 1 or more" in zero.stderr
+    stage = call(main, [*base, '--stage', tmp_path / 'runs' / 'missing'], tmp_path)  # no recipe nothing.yaml either
+    assert stage.returncode == 2, stage.stderr[-2000:]
+    assert f'error: --stage {tmp_path / "runs" / "missing"}: no such folder (a finished stage writes ' \
+           f'stage/stage.json and stage_model.safetensors)' in stage.stderr
+    (tmp_path / 'runs' / 'unfinished' / 'stage').mkdir(parents=True)
+    (tmp_path / 'runs' / 'unfinished' / 'stage' / 'stage.json').write_text('{}')
+    half = call(main, [*base, '--stage', tmp_path / 'runs' / 'unfinished'], tmp_path)
+    assert half.returncode == 2 and f'no stage_model.safetensors in {tmp_path / "runs" / "unfinished" / "stage"}' \
+        in half.stderr
+    recipe = call(main, base, tmp_path)  # before: a RecipeError traceback
+    assert recipe.returncode == 2 and "error: no recipe 'nothing.yaml'" in recipe.stderr
+    assert not (tmp_path / 'out').exists()

@@ -30,6 +30,18 @@ def test_lmms_evals_pope_counts_only_exact_replies_and_the_share_of_yes_labels()
                                  'questions': 5})
 
 
+@pytest.mark.parametrize('label', ['maybe', 1, None])
+@pytest.mark.parametrize('scorer', [metrics.pope, metrics.lmms_eval_pope])
+def test_a_pope_label_other_than_yes_or_no_is_refused_by_name(scorer, label):
+    """Before: 'maybe' was counted in no cell (13 rows scored, the splits' counts adding to 12) and an integer
+    label raised AttributeError; the runner leaves such questions out before asking them."""
+    rows = _pope_rows() + [{'split': 'popular', 'prediction': 'yes', 'label': label}]
+    with pytest.raises(ValueError, match=f"POPE row 5 \\(popular\\): label {label!r} is not yes or no"):
+        scorer(rows)
+    assert scorer(_pope_rows() + [{'split': 'popular', 'prediction': 'yes', 'label': ' Yes '}])['popular'][
+        'accuracy'] == 1
+
+
 def test_mme_scores_accuracy_and_accuracy_plus_per_subtask_and_sums_perception_and_cognition():
     rows = [  # (subtask, image, reply, label): MME reads yes, no | yes, no | other, no | yes, yes
         ('existence', 'a.jpg', 'Yes.', 'yes'), ('existence', 'a.jpg', 'no, it is not', 'no'),

@@ -1,7 +1,9 @@
 """The benchmark readers on the layouts their files come in: MME as its zip unpacks (the release folder inside the
 task's folder, or once more in MME_Benchmark/ as the Hugging Face copy holds it), each subtask in its own
 sub-layout; ScienceQA as LLaVA-1.5's evaluation ships it (llava_test_CQM-A.json and images/test/<pid>/image.png),
-with or without ScienceQA's problems.json beside it; and the errors that name every place looked at."""
+with or without ScienceQA's problems.json beside it; and the errors that name every place looked at. A question
+its files give badly (a repeated id, a label not yes/no, a line that is not question<TAB>answer, an image name that
+leaves the folder) is left out by `Task.questions`, counted by reason and named, and refused by a reader alone."""
 import json
 
 import pytest
@@ -151,3 +153,63 @@ def test_scienceqa_errors_name_both_layouts_and_a_gpt_turn_without_a_letter(tmp_
     _llava_scienceqa(tmp_path / 'beyond', gpt=('B', 'C', 'C'))  # question 5 has options A and B
     with pytest.raises(DataError, match="question 5 answers 'C'"):
         tasks.read_scienceqa(tmp_path / 'beyond')
+
+
+def test_a_repeated_question_id_keeps_the_first_question_and_leaves_out_every_repeat(tmp_path):
+    """Before: replies were keyed by id, so the second question with an id was scored with the other's reply."""
+    data = [{'question_id': 7, 'question': q, 'image_id': 'abc', 'answers': [a] * 10}
+            for q, a in (('what brand?', 'nokia'), ('what year?', '1999'), ('what colour?', 'red'))]
+    (tmp_path / 'TextVQA_0.5.1_val.json').write_text(json.dumps({'data': [*data, {**data[0], 'question_id': 8}]}))
+    questions, left_out = tasks.TASKS['textvqa'].questions(tmp_path)
+    assert [(s.id, s.meta['answers'][0]) for s in questions] == [('7', 'nokia'), ('8', 'nokia')]
+    assert left_out.named == {tasks.REPEATED: [f'{tmp_path / "TextVQA_0.5.1_val.json"} entry {n} (question 7)'
+                                               for n in (1, 2)]}
+
+
+def test_image_names_that_leave_the_folder_are_left_out_in_every_reader_that_takes_a_name(tmp_path):
+    """Before: '../' or an absolute image name was read wherever it pointed (hostile_name is the shards' rule)."""
+    (tmp_path / 'textvqa').mkdir()
+    (tmp_path / 'textvqa' / 'TextVQA_0.5.1_val.json').write_text(json.dumps({'data': [
+        {'question_id': n, 'question': 'what?', 'image_id': image, 'answers': ['a'] * 10}
+        for n, image in ((1, 'abc'), (2, '../../../etc/passwd'), (3, '/etc/passwd'))]}))
+    (tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl').write_text(''.join(
+        json.dumps({'question_id': n, 'image': image, 'text': 'q'}) + '\n'
+        for n, image in ((1, 'abc.jpg'), (2, '/etc/hosts'), (3, 'a/../../b.jpg'))))
+    _llava_scienceqa(tmp_path / 'scienceqa')
+    questions = json.loads((tmp_path / 'scienceqa' / 'llava_test_CQM-A.json').read_text())
+    questions[2]['image'] = '../../../outside.png'
+    (tmp_path / 'scienceqa' / 'llava_test_CQM-A.json').write_text(json.dumps(questions))
+    (tmp_path / 'gqa').mkdir()
+    (tmp_path / 'gqa' / 'testdev_balanced_questions.json').write_text(json.dumps({
+        '1': {'imageId': 'n1', 'question': 'q?', 'answer': 'no'}, '2': {'imageId': '../n2', 'question': 'q?',
+                                                                        'answer': 'no'}}))
+    kept = {}
+    for task, folder in (('textvqa', 'textvqa'), ('textvqa_ocr', 'textvqa'), ('scienceqa', 'scienceqa'),
+                         ('gqa', 'gqa')):
+        questions, left_out = tasks.TASKS[task].questions(tmp_path / folder)
+        kept[task] = [s.id for s in questions]
+        assert list(left_out.counts()) == [tasks.IMAGE_OUTSIDE], task
+        assert all(tmp_path in s.image.parents for s in questions), task
+    assert kept == {'textvqa': ['1'], 'textvqa_ocr': ['1'], 'scienceqa': ['5'], 'gqa': ['1']}
+    ocr = tasks.TASKS['textvqa_ocr'].questions(tmp_path / 'textvqa')[1].named[tasks.IMAGE_OUTSIDE]
+    path = tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl'
+    assert ocr == [f"{path}:2 ('/etc/hosts': an absolute path)", f"{path}:3 ('a/../../b.jpg': a ../ component)"]
+    with pytest.raises(DataError, match=f"{path}:2 \\('/etc/hosts': an absolute path\\): {tasks.IMAGE_OUTSIDE}"):
+        tasks.read_textvqa_ocr(tmp_path / 'textvqa')  # a reader alone refuses the first
+
+
+def test_mme_lines_without_a_yes_no_answer_are_left_out_and_the_ids_of_the_others_stay(tmp_path):
+    """Before: a line without a tab ended the whole run, and a label other than Yes/No was scored as never right."""
+    _mme_release(tmp_path / 'mme')
+    txt = tmp_path / 'mme' / 'existence' / '000000006040.txt'
+    txt.write_text('Is there a train?\tMaybe\nno tab on this line\n\nIs there a bed?\tNo\n')
+    questions, left_out = tasks.TASKS['mme'].questions(tmp_path / 'mme')
+    assert [s.id for s in questions if s.meta['subtask'] == 'existence'] == ['existence/000000006040/2']
+    assert left_out.named == {'label not Yes or No': [f"{txt}:1 (label 'Maybe')"],
+                              'line not "question<TAB>Yes|No" as MME\'s are': [f'{txt}:2']}
+
+
+def test_a_benchmark_json_that_does_not_parse_is_named(tmp_path):
+    (tmp_path / 'TextVQA_0.5.1_val.json').write_text('{"data": [')
+    with pytest.raises(DataError, match='TextVQA_0.5.1_val.json: not JSON'):
+        tasks.TASKS['textvqa'].questions(tmp_path)

@@ -5,24 +5,45 @@ Each task reads its local copy from `--data DIR/<task>` (textvqa_ocr: DIR/textvq
 missing copy is an error naming the file expected. Questions are answered greedily in batches (a progress
 bar), an image that does not decode leaves its question out (named once, counted), and the official scoring
 follows (`diffzoo.eval.lmm.metrics`): each task's default scorer is the one behind the papers' tables (LLaVA-1.5's
-scripts), and `--scoring TASK=NAME` (or `--scoring NAME`, for every task asked) names another. OUT receives
-`<task>_predictions.jsonl` (every question's prompt, reply and what it is scored against), `results.json` (every
-row, and the scorer of each task) and the table printed at the end.
+scripts), and `--scoring TASK=NAME` (or `--scoring NAME`, for every task asked) names another. A question its files
+give badly (`tasks` docstring: a malformed line, a missing field, a label not yes/no, an image name outside the
+folder, a repeated question id — the first kept) is left out before any model is built, counted by reason and named.
+
+OUT receives `<task>_predictions.jsonl` (every question's prompt, reply and what it is scored against), appended
+batch by batch as the replies are made; `results.json` (every row, the scorer of each task, the questions answered,
+reused and left out per reason), after each task; and the table printed at the end. Run again with the same OUT, a
+cut run goes on where it stopped: each reply already in the predictions file is reused for the question of the same
+id and prompt (a half-written last line is cut off and its question asked again; rows that answer no question
+asked now stay in the file, unscored), when the model, its stage or adapter files and the reply length are those
+that wrote it (OUT/answered_by.json); otherwise that file is moved aside (`<task>_predictions.N.jsonl`) and the
+task answered anew.
 """
 import argparse
+import hashlib
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from diffzoo.data.shards import DataError
+from diffzoo.recipes import RecipeError
 
-from .tasks import TASKS, rows_for_scoring
+from .tasks import TASKS, LeftOut, Sample, rows_for_scoring
+
+ANSWERED_BY = 'answered_by.json'  # what answered each task's predictions file: the model, its files, the reply length
+UNREADABLE = 'image does not open'
 
 
 def _scorer_list() -> str:
     return '; '.join(f'{name}: ' + ', '.join(f'{s} (default)' if s == t.default_scorer else s for s in t.scorers)
                      for name, t in TASKS.items())
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f'{text!r}: a whole number, 1 or more')
+    return int(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,12 +57,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--data', metavar='DIR', help='holds one folder per task (pope/, mme/, …)')
     p.add_argument('--data-for', action='append', default=[], metavar='TASK=DIR', help="one task's folder")
     p.add_argument('--out', required=True, metavar='DIR')
-    p.add_argument('--batch-size', type=int, default=8)
-    p.add_argument('--max-new-tokens', type=int, help="default: each task's (lmms-eval's)")
+    p.add_argument('--batch-size', type=_positive, default=8)
+    p.add_argument('--max-new-tokens', type=_positive, help="default: each task's (lmms-eval's)")
     p.add_argument('--scoring', action='append', default=[], metavar='TASK=NAME',
                    help=f'the reference scorer of a task, or NAME alone for every task asked (repeatable); '
                         f'{_scorer_list()}')
-    p.add_argument('--limit', type=int, help='the first N questions of each task (a smoke run)')
+    p.add_argument('--limit', type=_positive, metavar='N',
+                   help='the first N questions of each task (a smoke run; N ≥ 1, leave it out for every question)')
     p.add_argument('--device', default='cpu')
     return p
 
@@ -87,8 +109,83 @@ def chosen_scorers(tasks: List[str], scoring: List[str]) -> Dict[str, str]:
     return chosen
 
 
-def answer(vlm, samples, batch_size: int, max_new_tokens: int, label: str):
-    """Replies to every sample whose image decodes, in order; the samples left out (unreadable images)."""
+def _weight_files(a) -> List[Path]:
+    """The files of --stage (the run directory's stage/, or the folder itself) and --adapter; DataError naming what
+    is missing, before any model is built."""
+    from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS  # torch: once the data is found
+    files = []
+    if a.stage:
+        folder = Path(a.stage) if (Path(a.stage) / STAGE_CONFIG).is_file() else Path(a.stage) / STAGE_DIR
+        files = [folder / STAGE_CONFIG, folder / STAGE_WEIGHTS]
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            lacks = f'no {" and no ".join(missing)} in {folder}' if Path(a.stage).is_dir() else 'no such folder'
+            raise DataError(f'--stage {a.stage}: {lacks} (a finished stage writes {STAGE_DIR}/{STAGE_CONFIG} and '
+                            f'{STAGE_WEIGHTS}); name the run directory of a finished stage')
+    if a.adapter:
+        if not Path(a.adapter).is_dir():
+            raise DataError(f'--adapter {a.adapter}: no such folder; name the adapter/ folder diffzoo.train.vlm wrote')
+        files += sorted(p for p in Path(a.adapter).iterdir() if p.is_file())
+    return files
+
+
+def _answered_by(a, weights: List[Path], max_new_tokens: int) -> Dict:
+    """What a task's replies depend on: the model as named (and its recipe file's sha256), the size and time of
+    the stage's and adapter's files, and the reply length."""
+    recipe = hashlib.sha256(Path(a.model).read_bytes()).hexdigest() if Path(a.model).is_file() else None
+    return {'model': a.model, 'recipe_sha256': recipe, 'stage': a.stage, 'adapter': a.adapter,
+            'max_new_tokens': max_new_tokens,
+            'files': {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns] for p in weights}}
+
+
+def _write_json(path: Path, value) -> None:
+    """Written whole or not at all (a run cut while writing keeps the last one)."""
+    partial = path.with_name(path.name + '.partial')
+    partial.write_text(json.dumps(value, indent=1) + '\n')
+    os.replace(partial, path)
+
+
+def _set_aside(path: Path) -> Path:
+    """Move a predictions file to the first free <task>_predictions.N.jsonl beside it."""
+    n = 1
+    while (aside := path.with_name(f'{path.stem}.{n}.jsonl')).exists():
+        n += 1
+    os.replace(path, aside)
+    return aside
+
+
+def previous_replies(path: Path, label: str) -> Dict[Tuple[str, str], str]:
+    """{(id, prompt): reply} of the rows a predictions file holds. A half-written last line (a run killed while
+    writing) is cut off the file; any other line that is not a row is named and skipped; its question is asked
+    again."""
+    if not path.is_file():
+        return {}
+    data = path.read_bytes()
+    whole = data.rfind(b'\n') + 1
+    if whole < len(data):
+        with open(path, 'r+b') as f:
+            f.truncate(whole)
+        print(f'{label}: the last line of {path} was half-written (a run cut while writing); cut off, its question '
+              f'is asked again', flush=True)
+    replies, bad = {}, []
+    for n, line in enumerate(data[:whole].decode('utf-8', errors='replace').splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ('id', 'prompt', 'prediction')):
+            replies[(row['id'], row['prompt'])] = row['prediction']
+        elif line.strip():
+            bad.append(n)
+    if bad:
+        print(f'{label}: {len(bad)} line(s) of {path} are not prediction rows (line {", ".join(map(str, bad[:5]))}); '
+              f'skipped, their questions are asked again', flush=True)
+    return replies
+
+
+def answer(vlm, samples: List[Sample], batch_size: int, max_new_tokens: int, label: str, predictions=None):
+    """Replies to every sample whose image decodes, in order, each batch's rows appended to the open file
+    `predictions` (and flushed) as they are made; the samples left out (unreadable images)."""
     from tqdm import tqdm
 
     from diffzoo.vlm.data import _load_images
@@ -102,10 +199,22 @@ def answer(vlm, samples, batch_size: int, max_new_tokens: int, label: str):
                 left_out.append(s)
                 print(f'{label}: image {s.image} does not open; its question is left out', flush=True)
             if chunk:
-                for s, text in zip(chunk, vlm.answer(images, [s.prompt for s in chunk], max_new_tokens)):
-                    replies[s.id] = text
+                texts = vlm.answer(images, [s.prompt for s in chunk], max_new_tokens)
+                replies.update((s.id, text) for s, text in zip(chunk, texts))
+                if predictions is not None:
+                    predictions.write(''.join(json.dumps(_row(s, text)) + '\n' for s, text in zip(chunk, texts)))
+                    predictions.flush()
             bar.update(len(batch))
     return replies, left_out
+
+
+def _row(s: Sample, reply: str) -> Dict:
+    return {'id': s.id, 'image': str(s.image), 'prompt': s.prompt, 'prediction': reply, **s.meta}
+
+
+def _left_out_lines(task: str, left_out: LeftOut) -> List[str]:
+    return [f'{task}: {n} question(s) left out: {reason} (e.g. {"; ".join(left_out.named[reason][:3])})'
+            for reason, n in left_out.counts().items()]
 
 
 def _summary(task: str, scores: Dict) -> List[str]:
@@ -122,6 +231,35 @@ def _summary(task: str, scores: Dict) -> List[str]:
     return [f'  accuracy {100 * scores["accuracy"]:6.2f}  ({scores["questions"]} q{extra})']
 
 
+def _run_task(vlm, a, task: str, questions: List[Sample], left_out: LeftOut, scorer: str, by: Dict,
+              answered_by: Dict) -> Dict:
+    """Answer one task's questions not answered before in OUT (module docstring), score them by `scorer`, and
+    return its results.json entry; `by` is OUT's record of what answered each task."""
+    out, spec = Path(a.out), TASKS[task]
+    path = out / f'{task}_predictions.jsonl'
+    if path.exists() and by.get(task) != answered_by:
+        print(f'{task}: {path} was written by another model, stage, adapter or reply length (or holds no record of '
+              f'it in {out / ANSWERED_BY}); moved to {_set_aside(path)}, every question is asked anew', flush=True)
+    by[task] = answered_by
+    _write_json(out / ANSWERED_BY, by)  # before the first row it stands for
+    before = previous_replies(path, task)
+    replies = {s.id: before[(s.id, s.prompt)] for s in questions if (s.id, s.prompt) in before}
+    if before:
+        print(f'{task}: {len(replies)} replies reused from {path}; {len(questions) - len(replies)} questions to ask'
+              + (f' ({len(before) - len(replies)} replies there answer no question asked now: kept, not scored)'
+                 if len(before) > len(replies) else ''), flush=True)
+    with open(path, 'a') as predictions:
+        new, unreadable = answer(vlm, [s for s in questions if s.id not in replies], a.batch_size,
+                                 answered_by['max_new_tokens'], task, predictions)
+    for s in unreadable:
+        left_out.add(UNREADABLE, str(s.image))
+    reused, replies = len(replies), {**replies, **new}
+    answered = [s for s in questions if s.id in replies]
+    scores = spec.score(rows_for_scoring(answered, [replies[s.id] for s in answered]), scorer)
+    return {'scores': scores, 'scoring': scorer, 'questions': len(questions), 'answered': len(answered),
+            'reused': reused, 'left_out': left_out.counts(), 'left_out_examples': left_out.examples()}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = parser()
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -131,33 +269,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(str(exc))
     try:
         folders = _folders(a)
-        samples = {}
+        samples, left = {}, {}
         for task, folder in folders.items():
-            samples[task] = TASKS[task].read(folder)[:a.limit] if a.limit else TASKS[task].read(folder)
-            print(f'{task}: {len(samples[task])} questions from {folder}', flush=True)
-    except DataError as exc:
+            questions, left[task] = TASKS[task].questions(folder)
+            samples[task] = questions[:a.limit]
+            print(f'{task}: {len(samples[task])} questions from {folder}'
+                  + (f' (the first {a.limit} of {len(questions)})' if len(questions) > len(samples[task]) else ''),
+                  flush=True)
+            print(''.join(line + '\n' for line in _left_out_lines(task, left[task])), end='', flush=True)
+        weights = _weight_files(a)
+        from diffzoo.vlm.factory import vlm_from_recipe  # torch, transformers: once the data is found
+        vlm = vlm_from_recipe(a.model, a.adapter, a.device, stage=a.stage)
+    except (DataError, RecipeError) as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
-    from diffzoo.vlm.factory import vlm_from_recipe  # torch, transformers: once the data is found
-    vlm = vlm_from_recipe(a.model, a.adapter, a.device, stage=a.stage)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        by = json.loads((out / ANSWERED_BY).read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: every predictions file there is set aside
+        by = {}
     results, table = {}, []
-    for task, task_samples in samples.items():
-        spec = TASKS[task]
-        replies, left = answer(vlm, task_samples, a.batch_size, a.max_new_tokens or spec.max_new_tokens, task)
-        answered = [s for s in task_samples if s.id in replies]
-        with open(out / f'{task}_predictions.jsonl', 'w') as f:
-            for s in answered:
-                f.write(json.dumps({'id': s.id, 'image': str(s.image), 'prompt': s.prompt, 'prediction': replies[s.id],
-                                    **s.meta}) + '\n')
-        scores = spec.score(rows_for_scoring(answered, [replies[s.id] for s in answered]), scoring[task])
-        results[task] = {'scores': scores, 'scoring': scoring[task], 'questions': len(task_samples),
-                         'left_out': len(left), 'data': str(folders[task])}
-        table += [f'{task} ({len(answered)} answered' + (f', {len(left)} left out: unreadable images' if left else '')
-                  + f'; scored as {scoring[task]})', *_summary(task, scores)]
-    settings = dict(vars(a))
-    (out / 'results.json').write_text(json.dumps({'settings': settings, 'results': results}, indent=1) + '\n')
+    for task, questions in samples.items():
+        answered_by = _answered_by(a, weights, a.max_new_tokens or TASKS[task].max_new_tokens)
+        r = _run_task(vlm, a, task, questions, left[task], scoring[task], by, answered_by)
+        results[task] = r = {**r, 'data': str(folders[task])}
+        _write_json(out / 'results.json', {'settings': dict(vars(a)), 'results': results})
+        counts = [f'{r["reused"]} of them reused'] if r['reused'] else []
+        counts += [f'{n} left out: {reason}' for reason, n in r['left_out'].items()]
+        table += [f'{task} ({r["answered"]} answered' + ''.join(f', {c}' for c in counts)
+                  + f'; scored as {r["scoring"]})', *_summary(task, r['scores'])]
     print('\n' + '\n'.join(table) + f'\n\nresults: {out / "results.json"}\npredictions: {out}/<task>_predictions.jsonl')
     return 0
 

@@ -7,13 +7,15 @@ lmms-eval finds it through the entry point group `lmms_eval.models` (pyproject.t
 request brings its prompt (lmms-eval's, from the task's YAML), its generation settings and the document's
 images; `generate_until` answers greedily in batches through the model's own prompt format
 (`diffzoo.vlm.factory.vlm_from_recipe`), cut at the task's `until` strings. Log-likelihood requests (multiple
-choice by likelihood) and multi-round generation are refused by name.
+choice by likelihood) and multi-round generation are refused by name. A document that brings no image or more than
+one (diffzoo's VLMs read one) gets an empty reply, which its task scores as wrong: the first of each task is named
+in a warning, and each batch of requests ends with a line counting them (`skipped_documents` holds their ids).
 
 lmms-eval catches any error of a run, logs it and exits 0 (unless --verbosity DEBUG), so a model that cannot be
 built (a wrong recipe, stage or batch size) ends the process here instead: the error on stderr, exit status 2.
 """
 import sys
-from typing import List
+from typing import Dict, List
 
 from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
@@ -38,6 +40,7 @@ class DiffzooLMM(lmms):
     def __init__(self, recipe: str, stage: str = None, adapter: str = None, device: str = 'cpu', batch_size=8,
                  **_):
         super().__init__()
+        self.skipped_documents: Dict[str, List] = {}  # task → ids of its documents without exactly one image
         # torch, transformers: when lmms-eval builds this model, not whenever it loads the plugins' entry points
         from diffzoo.vlm.factory import vlm_from_recipe
         try:
@@ -55,22 +58,37 @@ class DiffzooLMM(lmms):
         args = simple_parse_args_string(arg_string)
         return cls(**args, **{k: v for k, v in (additional_config or {}).items() if v is not None and k not in args})
 
+    def _skip(self, task: str, doc_id, images: int) -> None:
+        """Count a document without exactly one image; warn at the first of its task."""
+        if task not in self.skipped_documents:
+            print(f'warning: lmms-eval --model diffzoo: {task} document {doc_id} brings {images} images, and '
+                  f'diffzoo\'s VLMs read one; it gets an empty reply (scored as wrong), as will any other such '
+                  f'document of {task} (counted)', file=sys.stderr, flush=True)
+        self.skipped_documents.setdefault(task, []).append(doc_id)
+
     def generate_until(self, requests: List[Instance]) -> List[str]:
-        replies = []
+        replies, before = [], {task: len(ids) for task, ids in self.skipped_documents.items()}
         for i in tqdm(range(0, len(requests), self.batch_size_per_gpu), desc='diffzoo', disable=not requests):
             chunk = requests[i:i + self.batch_size_per_gpu]
-            prompts, images, settings = [], [], []
+            prompts, images, settings = [], [], []  # settings: None for a document left unanswered
             for request in chunk:
                 context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
-                visuals = doc_to_visual(self.task_dict[task][split][doc_id])
+                visuals = doc_to_visual(self.task_dict[task][split][doc_id]) or []
                 if len(visuals) != 1:
-                    raise ValueError(f'{task} document {doc_id} brings {len(visuals)} images; diffzoo\'s VLMs read one')
+                    self._skip(task, doc_id, len(visuals))
+                    settings.append(None)
+                    continue
                 prompts.append(context)
                 images.append(visuals[0].convert('RGB'))
                 settings.append(gen_kwargs)
-            max_new = max(int(s.get('max_new_tokens', 16)) for s in settings)
-            answers = self.vlm.answer(images, prompts, max_new)
-            replies += [_cut(a, s.get('until')) for a, s in zip(answers, settings)]
+            asked = [s for s in settings if s is not None]
+            answers = iter(self.vlm.answer(images, prompts, max(int(s.get('max_new_tokens', 16)) for s in asked))
+                           if asked else [])
+            replies += ['' if s is None else _cut(next(answers), s.get('until')) for s in settings]
+        for task, ids in self.skipped_documents.items():
+            if len(ids) > before.get(task, 0):
+                print(f'diffzoo: {len(ids) - before.get(task, 0)} {task} document(s) without exactly one image got an '
+                      f'empty reply (the first: document {ids[before.get(task, 0)]})', file=sys.stderr, flush=True)
         return replies
 
     def loglikelihood(self, requests):

@@ -70,10 +70,16 @@ def _prf(tp: int, fp: int, fn: int) -> Tuple[float, float, float]:
 
 
 def _by_split(rows: Sequence[Mapping], read: Callable[[str], str]) -> Dict[str, List[Tuple[str, str]]]:
-    """{split: [(read(prediction), label)]}, splits in the order met, labels lower-cased and stripped."""
+    """{split: [(read(prediction), label)]}, splits in the order met, labels lower-cased and stripped. A label
+    that is not yes or no is refused (ValueError naming the row): counted nowhere but in the total, it would
+    change every score silently (the benchmark runner leaves such questions out before asking them)."""
     splits: Dict[str, List] = defaultdict(list)
-    for r in rows:
-        splits[r['split']].append((read(r['prediction']), r['label'].strip().lower()))
+    for n, r in enumerate(rows):
+        label = r['label'].strip().lower() if isinstance(r['label'], str) else r['label']
+        if label not in ('yes', 'no'):
+            raise ValueError(f'POPE row {n} ({r["split"]}): label {r["label"]!r} is not yes or no; leave the '
+                             f'question out, or give it its label')
+        splits[r['split']].append((read(r['prediction']), label))
     return splits
 
 
