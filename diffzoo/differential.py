@@ -40,12 +40,12 @@ import torch.nn as nn
 from open_clip.transformer import ResidualAttentionBlock, TextTransformer
 
 from diffzoo.checkpoint import model_state_dict, read_state_dict
-from diffzoo.clip.text_tower import DiffResidualAttentionBlock
 from diffzoo.layers import VARIANTS, DifferentialAttention, resolve_lambda_init
 from diffzoo.layers.blocks import block_indices
 from diffzoo.layers.diff_attention import LAMBDA_PROJ_INITS
 from diffzoo.layers.pretrained import (HEAD_PAIRINGS, RECORD, PretrainedDifferentialAttention, copy_modules,
                                        differential_heads, read_record)
+from diffzoo.layers.residual import DiffResidualAttentionBlock
 
 SETTINGS = ('variant', 'lambda_init', 'blocks', 'head_pairing', 'lambda_proj_init')  # differentialize's keywords
 
