@@ -115,6 +115,8 @@ def _cmd_llava_qa(a, _) -> int:
     print(f'{"set":<8} {"kept":>10} {"no image":>10} {"no answer":>10}')
     for name, kept, missing, empty in report.rows():
         print(f'{name:<8} {kept:>10,} {missing:>10,} {empty:>10,}')
+    for line in report.notes():  # what else each set left out, by reason
+        print(line)
     print(f'{a.out}: {sum(report.kept.values()):,} conversations; image paths relative to {a.image_root} '
           f'(the recipe\'s data.image_folder)')
     return 0

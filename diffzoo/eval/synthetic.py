@@ -72,7 +72,7 @@ def load_split(directory, preprocess, limit: int = 0) -> Tuple[torch.Tensor, Lis
                 with Image.open(io.BytesIO(members['jpg'])) as image:
                     rgb = image.convert('RGB')
                 scene = json.loads(members['json'])
-            except (OSError, ValueError) as exc:  # PIL's errors, JSONDecodeError, UnicodeDecodeError
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # PIL's, JSONDecodeError, UnicodeDecodeError
                 raise DataError(f'{shard} sample {key}: does not decode ({type(exc).__name__}: {exc}); '
                                 f'{_corpus_fix(directory)}') from None
             images.append(preprocess(rgb))

@@ -7,13 +7,17 @@ The data is LLaVA's JSON (its 558K captions, its 665K instruction mix, TinyLLaVA
 
 with image paths relative to an image folder. `load_conversations(json_path, image_folder)` reads it and
 checks every record once, before any model is built; a missing JSON file or image folder raises
-FileNotFoundError naming the path. A record that cannot train is left out and counted under its
-reason (`Problems`): its image file missing, `<image>` missing from an image sample or repeated, `<image>`
-in a text-only sample, turns not alternating human → gpt, no gpt turn, or not a conversation at all. As
-LLaVA's `preprocess_v1` and TinyLLaVA's templates do, a first turn that is not the human's is dropped (counted
-as a truncation); a conversation that ends on a human turn loses that turn (counted as a truncation, the
-sample kept). As LLaVA's `preprocess_multimodal` does, `<image>` moves to the start of the turn that holds it
-(`<image>\n` + the rest of that turn, stripped: a turn that is only `<image>` stays `<image>`).
+FileNotFoundError naming the path, and a file that is not a JSON list (empty, not UTF-8, cut short) ValueError
+naming it, what is wrong and where. A record that cannot train is left out and counted under its reason
+(`Problems`): an `id` that is not a string or a whole number (a missing or null one becomes `#<position>`); an
+`image` that is not a string, that leaves the image folder (an absolute path or a `..` component, the rule
+`diffzoo.data.shards.hostile_name` applies to shards; symlinks inside the folder are followed), that the system
+refuses as a path (e.g. a name over 255 bytes) or whose file is missing; `<image>` missing from an image sample
+or repeated, `<image>` in a text-only sample, turns not alternating human → gpt, no gpt turn, or not a
+conversation at all. As LLaVA's `preprocess_v1` and TinyLLaVA's templates do, a first turn that is not the
+human's is dropped (counted as a truncation); a conversation that ends on a human turn loses that turn (counted
+as a truncation, the sample kept). As LLaVA's `preprocess_multimodal` does, `<image>` moves to the start of the
+turn that holds it (`<image>\n` + the rest of that turn, stripped: a turn that is only `<image>` stays `<image>`).
 
 How a conversation becomes tokens and labels (the formats: plain, vicuna_v1, qwen2_instruct, chat_template)
 is `diffzoo.vlm.templates`. `<image>` becomes the position where the model splices the image tokens
@@ -24,7 +28,6 @@ left out of the batch (counted), and so is one whose rounds the format's referen
 (`mismatched`, counted; `mismatch='score'` trains on it). An image that does not decode drops its sample as
 `diffzoo.vlm.data` does; the batch then carries `skipped_images` for the trainer.
 """
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from PIL import Image
 
-from .data import UNREADABLE, _skipped_record
+from diffzoo.data.shards import hostile_name
+from .data import UNREADABLE, _skipped_record, read_json
 from .options import CONVERSATION_FORMATS as FORMATS
 from .options import IMAGE_ASPECTS as ASPECTS
 from .options import MISMATCH_RULES
@@ -116,6 +120,22 @@ def _turns(record: Dict, has_image: bool, problems: Problems, record_id: str) ->
     return tuple(out)
 
 
+def _image_file(image, folder: Path) -> Tuple[Optional[str], Optional[str]]:
+    """(the path of a record's image file, None) or (None, why the record cannot use it)."""
+    if not isinstance(image, str):
+        return None, 'image not a string (a path relative to the image folder)'
+    could_leave = '..' in image or image.startswith(('/', '\\')) or image[1:2] == ':'  # where hostile_name may object
+    outside = could_leave and hostile_name(image)
+    if outside:
+        return None, f'image path outside the image folder ({outside})'
+    path = folder / image
+    try:
+        found = path.is_file()
+    except OSError as exc:  # a name over 255 bytes, a folder without permission
+        return None, f'image path refused by the system ({exc.strerror})'
+    return (str(path), None) if found else (None, 'image file missing')
+
+
 def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Path, None] = None
                        ) -> Tuple[List[Conversation], Problems]:
     """The trainable conversations of a LLaVA-format JSON file, and what was left out or cut (module docstring)."""
@@ -123,7 +143,8 @@ def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Pat
     if not json_path.is_file():
         raise FileNotFoundError(f'{json_path}: no such file; point data.json at a LLaVA-format JSON '
                                 f'(a list of {{id, image?, conversations}})')
-    records = json.loads(json_path.read_text())
+    records = read_json(json_path, 'data.json must be a LLaVA-format JSON (a list of {id, image?, conversations}) '
+                                   'in UTF-8; if it was cut short, download or write it again')
     if not isinstance(records, list):
         raise ValueError(f'{json_path}: a {type(records).__name__}, expected a list of {{id, image?, conversations}}')
     folder = None if image_folder is None else Path(image_folder)
@@ -131,20 +152,23 @@ def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Pat
         raise FileNotFoundError(f'{folder}: no such folder; point data.image_folder at the images the JSON names')
     problems, kept = Problems(), []
     for n, record in enumerate(records):
-        record_id = str(record.get('id', f'#{n}')) if isinstance(record, dict) else f'#{n}'
         if not isinstance(record, dict):
-            problems.add('left_out', 'not a conversation (a list of {from: human|gpt, value})', record_id)
+            problems.add('left_out', 'not a conversation (a list of {from: human|gpt, value})', f'#{n}')
             continue
+        record_id = record.get('id')
+        if isinstance(record_id, bool) or not isinstance(record_id, (str, int, type(None))):
+            problems.add('left_out', 'id not a string or a whole number', f'#{n}')
+            continue
+        record_id = f'#{n}' if record_id is None else str(record_id)
         image = record.get('image')
         if image is not None:
-            if folder is None:
+            if folder is None and isinstance(image, str):
                 raise ValueError(f'{json_path}: record {record_id} names image {image!r} but no image folder was '
                                  f'given; set data.image_folder')
-            path = folder / image
-            if not path.is_file():
-                problems.add('left_out', 'image file missing', record_id)
+            image, unusable = _image_file(image, folder)
+            if unusable:
+                problems.add('left_out', unusable, record_id)
                 continue
-            image = str(path)
         turns = _turns(record, image is not None, problems, record_id)
         if turns is not None:
             kept.append(Conversation(record_id, turns, image))

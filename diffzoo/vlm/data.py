@@ -15,7 +15,8 @@ PaliGemma's task prompt is "answer en {question}\\n" and the target the consensu
 BOS + prompt (bidirectional), suffix = answer + EOS (causal, the only scored tokens), right padding.
 `PaliGemmaCollator` uses a PaliGemma processor, whose `suffix=` does the same for real checkpoints.
 
-An image that does not decode (truncated or corrupt file) drops its sample from the batch; the batch
+An image that does not decode (truncated or corrupt file, or over PIL's decompression-bomb limit: more than
+twice `Image.MAX_IMAGE_PIXELS`, which stays as PIL sets it) drops its sample from the batch; the batch
 then carries `skipped_images` (the dropped samples' `source`s and the positions of the kept ones),
 which `SkippedImages` counts (one entry per distinct file) and the trainer pops before the forward
 pass. A batch with no readable image becomes one placeholder row (a blank image, nothing scored), so
@@ -59,7 +60,8 @@ class VQASample:
             return im.convert('RGB')
 
 
-UNREADABLE = (OSError, SyntaxError)  # PIL: UnidentifiedImageError (an OSError), truncated data, broken chunks
+# PIL: UnidentifiedImageError (an OSError), truncated data, broken chunks, more pixels than its bomb limit
+UNREADABLE = (OSError, SyntaxError, Image.DecompressionBombError)
 
 
 def _load_images(samples: Sequence[VQASample]) -> Tuple[List[int], List[Image.Image], List[str]]:
@@ -141,13 +143,29 @@ def _subset(samples: List[VQASample], fraction: float, seed: int) -> List[VQASam
     return [samples[i] for i in keep]
 
 
+def read_json(path: Path, fix: str):
+    """`path`'s JSON (UTF-8); a file that is not JSON raises ValueError naming it, what is wrong and where, its
+    size and `fix`."""
+    raw = path.read_bytes()
+    size = len(raw)
+    try:
+        text = raw.decode('utf-8-sig')
+    except UnicodeDecodeError as exc:
+        raise ValueError(f'{path}: not UTF-8 text (byte {exc.start:,} of {size:,} is {raw[exc.start:exc.start + 1]!r}: '
+                         f'{exc.reason}); {fix}') from exc
+    del raw  # not held beside the records as they are built
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        what = 'an empty file' if not text.strip() else 'not valid JSON'
+        raise ValueError(f'{path}: {what} ({exc.msg} at line {exc.lineno:,} column {exc.colno:,}; {size:,} bytes); '
+                         f'{fix}') from exc
+
+
 def _read_json(path: Path, key: str) -> List[Dict]:
     """`path`'s list under `key`; a damaged or truncated file is named, with its size."""
-    try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f'{path}: not valid JSON ({exc}; {path.stat().st_size:,} bytes), most likely a truncated '
-                         f'download; download it again (and check that the path is the VQAv2 file)') from exc
+    data = read_json(path, 'most likely a truncated download; download it again (and check that the path is the '
+                           'VQAv2 file)')
     if not isinstance(data, dict) or key not in data:
         raise ValueError(f'{path}: no "{key}" list; expected the official VQAv2 file of that name')
     return data[key]

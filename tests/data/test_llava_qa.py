@@ -106,3 +106,57 @@ def test_a_missing_annotation_file_and_a_set_outside_the_image_root_are_named(tm
                             root / 'okvqa'], tmp_path)
     assert elsewhere.returncode == 2 and 'is not inside --image-root' in elsewhere.stderr
     assert not (tmp_path / 'qa.json').exists()
+
+
+def test_records_that_would_leave_the_image_root_or_are_not_in_the_layout_are_left_out_and_counted(tmp_path):
+    """What the JSON could not hold safely is left out, counted per set under its reason: an image path with `..`
+    or absolute outside --image-root (an absolute one inside it is written relative), an answer that is not a
+    string, a record missing a field or with a field of another type; nothing written holds `..`."""
+    from diffzoo.data.llava_qa import convert
+    root = tmp_path / 'data'
+    _image(tmp_path / 'outside.png')
+    _image(root / 'docvqa' / 'documents' / 'a.png')
+    doc = [{'questionId': 1, 'question': 'q', 'image': '../../outside.png', 'answers': ['a']},
+           {'questionId': 2, 'question': 'q', 'image': 'documents/../documents/a.png', 'answers': ['a']},
+           {'questionId': 3, 'question': 'q', 'image': str(tmp_path / 'outside.png'), 'answers': ['a']},
+           {'questionId': 4, 'question': 'q', 'image': str(root / 'docvqa' / 'documents' / 'a.png'), 'answers': ['a']},
+           {'questionId': 5, 'question': 'q', 'image': 7, 'answers': ['a']},
+           {'questionId': 6, 'question': 'q', 'image': 'x' * 300 + '.png', 'answers': ['a']},
+           {'questionId': 7, 'question': 'q', 'image': 'documents/a.png', 'answers': ['a']}]
+    _write(root / 'docvqa' / 'train_v1.0.json', {'data': doc})
+    _image(root / 'gqa' / 'images' / '1.jpg')
+    _write(root / 'gqa' / 'train_balanced_questions.json', {
+        '10': {'imageId': '1', 'question': 'how many?', 'answer': 2}, '11': {'imageId': '1', 'question': 'q'},
+        '12': {'imageId': '1', 'question': 'any car?', 'answer': 'no'}, '13': ['not', 'a', 'record']})
+    report = convert({'docvqa': root / 'docvqa', 'gqa': root / 'gqa'}, root, tmp_path / 'qa.json')
+    records = json.loads((tmp_path / 'qa.json').read_text())
+    assert {r['id']: r['image'] for r in records} == {'docvqa-4': 'docvqa/documents/a.png',
+                                                       'docvqa-7': 'docvqa/documents/a.png',
+                                                       'gqa-12': 'gqa/images/1.jpg'}
+    assert report.left_out == {'docvqa': {'image path outside --image-root (a ../ component)': 2,
+                                          'image path outside --image-root (an absolute path)': 1,
+                                          "not in the set's layout (a field of another type)": 1,
+                                          'image path refused by the system (File name too long)': 1},
+                               'gqa': {'question or answer not a string': 1,
+                                       "not in the set's layout (no 'answer' field)": 1,
+                                       "not in the set's layout (a field of another type)": 1}}
+    assert report.rows() == [('gqa', 1, 0, 0), ('docvqa', 2, 0, 0)]
+    assert ('docvqa: 2 left out: image path outside --image-root (a ../ component) (e.g. docvqa-1)'
+            in report.notes())
+    done = call(main, ['llava-qa', tmp_path / 'cli.json', '--image-root', root, '--docvqa', root / 'docvqa'],
+                tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert '..' not in (tmp_path / 'cli.json').read_text()
+
+
+def test_an_annotation_file_that_is_not_json_is_named_with_where(tmp_path):
+    root = tmp_path / 'data'
+    _sets(root)
+    (root / 'gqa' / 'train_balanced_questions.json').write_text('{"07333408": {"imageId": "2375429",\n  "question"')
+    done = call(main, ['llava-qa', tmp_path / 'qa.json', '--image-root', root, '--gqa', root / 'gqa'], tmp_path)
+    assert done.returncode == 2
+    assert "train_balanced_questions.json: not valid JSON (Expecting ':' delimiter at line 2 column 13" in done.stderr
+    (root / 'gqa' / 'train_balanced_questions.json').write_bytes(b'{"q": "\xff"}')
+    done = call(main, ['llava-qa', tmp_path / 'qa.json', '--image-root', root, '--gqa', root / 'gqa'], tmp_path)
+    assert done.returncode == 2 and 'train_balanced_questions.json: not UTF-8 text (byte 7' in done.stderr
+    assert not (tmp_path / 'qa.json').exists()

@@ -11,6 +11,7 @@ from PIL import Image
 from diffzoo.vlm import build_vlm
 from diffzoo.vlm.conversations import ConversationCollator, encode, load_conversations
 from tests.vlm.models import CHATML, lm_config
+from tests.vlm.test_data import write_bomb
 
 SYSTEM_WORDS = ['A', 'chat', 'between', 'a', 'curious', 'user', 'and', 'an', 'artificial', 'intelligence',
                 'assistant.', 'The', 'assistant', 'gives', 'helpful,', 'detailed,', 'and', 'polite', 'answers', 'to',
@@ -110,6 +111,61 @@ def test_the_loader_keeps_what_trains_and_counts_each_left_out_record_once(tmp_p
         load_conversations(tmp_path / 'nothere.json', tmp_path / 'images')
     with pytest.raises(FileNotFoundError, match='noimages'):
         load_conversations(tmp_path / 'data.json', tmp_path / 'noimages')
+
+
+def test_records_with_an_unusable_id_or_image_are_left_out_and_counted_under_their_reason(tmp_path):
+    """Ids and images of other JSON types, an image name the system refuses, and image paths that leave the
+    image folder (absolute, `..`): each record left out and counted once; a symlink inside the folder to an
+    image elsewhere is followed, as datasets link their images."""
+    _image(tmp_path / 'images/img/0.jpg')
+    _image(tmp_path / 'elsewhere/1.jpg')
+    (tmp_path / 'images/img/linked.jpg').symlink_to(tmp_path / 'elsewhere/1.jpg')
+    records = [_record('ok'), _record('linked', image='img/linked.jpg'), _record(None),
+               _record('int', image=5), _record('list', image=['img/0.jpg']), _record('dict', image={'path': 'x'}),
+               _record('bool', image=True), _record('long', image='x' * 300 + '.jpg'),
+               _record('up', image='img/../../elsewhere/1.jpg'), _record('up-inside', image='img/../img/0.jpg'),
+               _record('absolute', image=str(tmp_path / 'elsewhere/1.jpg')),
+               _record(['a']), _record(1.5), _record(False), _record(7)]
+    (tmp_path / 'data.json').write_text(json.dumps(records))
+    kept, problems = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+    assert [c.id for c in kept] == ['ok', 'linked', '#2', '7']  # a null id: its position, as a missing one
+    assert kept[1].load_image().size == (32, 32)
+    assert problems.left_out == {'image not a string (a path relative to the image folder)': 4,
+                                 'image path refused by the system (File name too long)': 1,
+                                 'image path outside the image folder (a ../ component)': 2,
+                                 'image path outside the image folder (an absolute path)': 1,
+                                 'id not a string or a whole number': 3}
+    assert problems.examples['image path outside the image folder (a ../ component)'] == ['up', 'up-inside']
+    assert problems.examples['id not a string or a whole number'] == ['#11', '#12', '#13']
+
+
+@pytest.mark.parametrize('content, problem', [
+    (b'', r'an empty file \(Expecting value at line 1 column 1; 0 bytes\)'),
+    (b'[{"id": "caf\xe9"}]', r"not UTF-8 text \(byte 12 of 16 is b'\\xe9'"),
+    (b'[{"id": "a"},\n {"id": "b", "image": ', r'not valid JSON \(Expecting value at line 2 column 23; 36 bytes\)'),
+])
+def test_a_json_file_that_cannot_be_read_is_named_with_what_is_wrong_and_the_fix(tmp_path, content, problem):
+    (tmp_path / 'images').mkdir()
+    (tmp_path / 'data.json').write_bytes(content)
+    with pytest.raises(ValueError, match=rf'{tmp_path / "data.json"}: {problem}.*LLaVA-format JSON'):
+        load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+
+
+def test_an_image_over_pils_decompression_bomb_limit_leaves_its_sample_out_of_the_batch(tmp_path):
+    """A small PNG of more pixels than PIL decodes (Image.DecompressionBombError, not an OSError): its sample is
+    dropped and named like any unreadable image, and PIL's limit stays as it was."""
+    limit = Image.MAX_IMAGE_PIXELS
+    _image(tmp_path / 'images/img/0.jpg')
+    write_bomb(tmp_path / 'images/img/bomb.png')
+    (tmp_path / 'data.json').write_text(json.dumps([_record('good'), _record('bomb', image='img/bomb.png')]))
+    kept, problems = load_conversations(tmp_path / 'data.json', tmp_path / 'images')
+    assert [c.id for c in kept] == ['good', 'bomb'] and not problems.left_out  # it is a file; decoding fails
+    with pytest.raises(Image.DecompressionBombError):
+        kept[1].load_image()
+    batch = ConversationCollator(_tokenizer(), lambda im: torch.zeros(3, 8, 8), 'vicuna_v1')(kept)
+    assert batch['input_ids'].shape[0] == 1
+    assert batch['skipped_images'] == {'sources': [kept[1].image], 'kept': [0], 'placeholder': False}
+    assert Image.MAX_IMAGE_PIXELS == limit
 
 
 def _vlm(tok):

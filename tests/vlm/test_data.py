@@ -1,4 +1,5 @@
 """VQAv2 loading and batching with damaged inputs: truncated annotation files, images that do not decode."""
+import math
 import re
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import transformers
 from accelerate import skip_first_batches
 from PIL import Image
 
-from diffzoo.vlm.data import PaliGemmaCollator, SkippedImages, VLMCollator, load_vqav2
+from diffzoo.vlm.data import PaliGemmaCollator, SkippedImages, VLMCollator, VQASample, _load_images, load_vqav2
 from tests.vlm.models import write_vqav2_split
 
 
@@ -18,6 +19,13 @@ def corrupt(image: Path, how: str) -> None:
         image.write_bytes(image.read_bytes()[:300])
     else:
         image.write_bytes(b'<html>404 Not Found</html>\n' * 8)
+
+
+def write_bomb(path: Path) -> None:
+    """A PNG of a few tens of KB with more pixels than PIL decodes (twice Image.MAX_IMAGE_PIXELS): one bit each."""
+    side = math.isqrt(2 * Image.MAX_IMAGE_PIXELS) + 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new('1', (side, side)).save(path)
 
 
 @pytest.fixture(scope='module')
@@ -129,3 +137,22 @@ def test_evaluation_answers_the_readable_questions_and_names_each_unreadable_fil
     for source in (samples[2].image, samples[4].image):
         assert out.count(f'skipped an unreadable image (its questions are not answered): {source}') == 1
     assert left_out(answers, samples[0:8]) == 4
+
+
+def test_an_image_over_pils_decompression_bomb_limit_is_dropped_and_named(tmp_path, data, language_model_dir):
+    """Image.DecompressionBombError is not an OSError: such an image is unreadable like any other, in training
+    batches and for the benchmark runner (`_load_images`), and PIL's limit stays as it was."""
+    limit = Image.MAX_IMAGE_PIXELS
+    write_bomb(tmp_path / 'bomb.png')
+    assert (tmp_path / 'bomb.png').stat().st_size < 100_000
+    bomb = VQASample(question_id=99, question='what is it?', answer='white', answers=['white'],
+                     image=str(tmp_path / 'bomb.png'))
+    with pytest.raises(Image.DecompressionBombError):
+        bomb.load_image()
+    kept, images, skipped = _load_images([data[0], bomb, data[1]])
+    assert kept == [0, 2] and len(images) == 2 and skipped == [bomb.image]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(language_model_dir)
+    batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))([data[0], bomb])
+    assert batch['input_ids'].shape[0] == 1
+    assert batch['skipped_images'] == {'sources': [bomb.image], 'kept': [0], 'placeholder': False}
+    assert Image.MAX_IMAGE_PIXELS == limit

@@ -235,7 +235,7 @@ def load_subimage(path, size: int) -> Image.Image:
     try:
         with Image.open(path) as image:
             return image.convert('RGB').resize((size, size), Image.Resampling.BICUBIC)
-    except OSError as exc:
+    except (OSError, Image.DecompressionBombError) as exc:  # PIL's errors, an image past its pixel limit
         raise NeedleError(f'{path}: cannot read the image ({exc}); replace it or drop it from the captions file') \
             from None
 
