@@ -125,6 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             a.select_layer = int(a.select_layer)
         except ValueError:
             p.error(f'--select-layer {a.select_layer}: expected a block number (-2: the penultimate) or final_norm')
+    print(f'loading torch and transformers, then the language model {a.language_model} twice (full and eRAM-V) '
+          f'with the tower {a.vision}', flush=True)
     # heavy (torch, transformers): imported after parsing so that --help answers at once
     import torch
     import transformers
@@ -140,6 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f'--new-tokens {a.new_tokens}: must be 0 or more')
     models = {}
     for integration in ('full', 'eramv'):
+        print(f'building the {integration} model', flush=True)
         lm = transformers.AutoModelForCausalLM.from_pretrained(a.language_model)
         torch.manual_seed(0)  # the same tower and projector in both
         kw = {'anchors': a.anchors, 'inject_layers': a.inject_layers} if integration == 'eramv' else {}
@@ -183,8 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _paper(sizes: List[str], out: Optional[str]) -> int:
+    print(f'counting forward FLOPs at the paper\'s shapes on the meta device ({", ".join(sizes)}): loading torch and '
+          f'transformers, then one model per size (a minute on 2 cores)', flush=True)
     from . import eramv_paper
-    print(f'counting forward FLOPs at the paper\'s shapes on the meta device ({", ".join(sizes)})', flush=True)
     report = eramv_paper.reconcile(sizes)
     print(eramv_paper.render(report))
     if out:

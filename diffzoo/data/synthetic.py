@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from PIL import Image, ImageDraw
 
-from diffzoo.eval.lmm.tasks import POPE_SPLITS  # the benchmark's splits, which the POPE-style questions follow
+from .llava_qa import POPE_SPLITS  # the benchmark's splits, which the POPE-style questions follow
 from .shards import DataError, write_sizes
 
 SHAPES = ('circle', 'square', 'triangle')

@@ -112,6 +112,8 @@ def test_every_task_runs_on_a_model_and_its_rows_are_the_official_scores_of_its_
     done = call(main, args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']
+    assert f'predictions: {tmp_path / "out" / "pope_predictions.jsonl"}, {tmp_path / "out" / "mme_predictions.jsonl"}' \
+        in done.stdout  # the files written, by name
     assert (results['pope']['questions'], results['pope']['answered']) == (6, 3)
     assert results['pope']['left_out'] == {'image does not open': 3}  # image 2
     assert results['pope']['left_out_examples']['image does not open'] == [
@@ -152,9 +154,10 @@ def test_a_missing_copy_is_named_before_any_model_is_built(tmp_path):
     done = call(main, ['--model', 'nothing.yaml', '--task', 'gqa', '--data', tmp_path / 'data', '--out',
                        tmp_path / 'out'], tmp_path)
     assert done.returncode == 2 and 'testdev_balanced_questions.json: not found' in done.stderr
-    absent = call(main, ['--model', 'nothing.yaml', '--task', 'mme', '--data', tmp_path / 'nowhere', '--out',
-                         tmp_path / 'out'], tmp_path)
-    assert absent.returncode == 2 and 'nowhere/mme: no such folder' in absent.stderr
+    absent = call(main, ['--model', 'nothing.yaml', '--task', 'mme', '--task', 'pope', '--task', 'gqa', '--data',
+                         tmp_path / 'nowhere', '--out', tmp_path / 'out'], tmp_path)
+    assert absent.returncode == 2 and '3 of the tasks\' folders missing' in absent.stderr
+    assert all(f'nowhere/{task}: no such folder' in absent.stderr for task in ('mme', 'pope', 'gqa'))  # all at once
 
 
 def _pope_lines(root, lines):

@@ -75,7 +75,7 @@ def _folders(a) -> Dict[str, Path]:
         if not sep or task not in TASKS:
             raise DataError(f'--data-for {item!r}: expected TASK=DIR with TASK one of {", ".join(sorted(TASKS))}')
         given[task] = Path(folder)
-    folders = {}
+    folders, missing = {}, []
     for task in a.task:
         if task in given:
             folders[task] = given[task]
@@ -85,8 +85,10 @@ def _folders(a) -> Dict[str, Path]:
             raise DataError(f'--task {task}: no folder; give --data DIR (holding {TASKS[task].folder}/) or --data-for '
                             f'{task}=DIR')
         if not folders[task].is_dir():
-            raise DataError(f'{folders[task]}: no such folder, expected the local copy of {task} '
-                            f'({TASKS[task].expects})')
+            missing.append(f'{folders[task]}: no such folder, expected the local copy of {task} '
+                           f'({TASKS[task].expects})')
+    if missing:  # every one at once, so a second run does not stop at the next
+        raise DataError('\n  '.join([f'{len(missing)} of the tasks\' folders missing:', *missing]))
     return folders
 
 
@@ -299,7 +301,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         counts += [f'{n} left out: {reason}' for reason, n in r['left_out'].items()]
         table += [f'{task} ({r["answered"]} answered' + ''.join(f', {c}' for c in counts)
                   + f'; scored as {r["scoring"]})', *_summary(task, r['scores'])]
-    print('\n' + '\n'.join(table) + f'\n\nresults: {out / "results.json"}\npredictions: {out}/<task>_predictions.jsonl')
+    files = ', '.join(str(out / f'{task}_predictions.jsonl') for task in samples)
+    print('\n' + '\n'.join(table) + f'\n\nresults: {out / "results.json"}\npredictions: {files}')
     return 0
 
 

@@ -48,7 +48,7 @@ SHORT = llava_qa.SHORT_ANSWER  # LLaVA-1.5's short-answer prompt
 OKVQA_PROMPT = "When the provided information is insufficient, respond with 'Unanswerable'.\n" + SHORT
 LETTER_PROMPT = "Answer with the option's letter from the given choices directly."
 MME_SUFFIX = ' Please answer yes or no.'
-POPE_SPLITS = ('random', 'popular', 'adversarial')
+POPE_SPLITS = llava_qa.POPE_SPLITS
 
 
 @dataclass
