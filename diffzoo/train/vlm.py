@@ -16,7 +16,13 @@ state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `d
 - every log line carries λ of each differential layer (`lambda/layer_<i>`, also to tensorboard/wandb);
 - a rerun resumes from the newest complete checkpoint (`last_complete_checkpoint`: a run killed while
   saving leaves a partial `checkpoint-<step>`, which is named, set aside as `incomplete-checkpoint-<step>`
-  and passed over), and is refused when its settings changed (other than how long it runs and what it logs);
+  and passed over), and is refused when its settings changed (other than how long it runs and what it logs); a
+  checkpoint keeps what the data lost so far, so the rerun's records cover the whole run, and a finished run
+  rerun trains nothing; a last log line cut short by the stop is dropped (`diffzoo.train.vlm_resume`);
+- a checkpoint or output that cannot be written (a full disk) ends the run naming the path, the disk's free space
+  and the checkpoint a rerun resumes from;
+- a batch, steps or epochs of 0 or less are refused by key; `chain` checks every stage's recipe, data files and
+  `init_from` before the first trains (`diffzoo.train.vlm_inputs`);
 - an image that does not decode drops its samples (`diffzoo.vlm.data.SkippedImages`): each file is named
   once in the log and listed in `skipped_images.json`; a resumed run skips the trained batches in the
   sampler, so their images are not decoded again;
@@ -35,8 +41,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from diffzoo.recipes import RecipeError, apply_overrides, expand_env, parse_overrides, recipe_names
-from diffzoo.vlm.recipe import VLM_RECIPE, check, load_vlm_recipe
+from diffzoo.recipes import RecipeError, recipe_names
+from diffzoo.vlm.recipe import VLM_RECIPE, checked_recipe, load_vlm_recipe
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,12 +61,19 @@ def _list_recipes() -> int:
 
 def _chain(argv: List[str]) -> int:
     """`chain RECIPE … [--key value …]`: each stage in order (the overrides apply to every one), stopping at the
-    first that fails; a stage already finished resumes at its last step and ends at once."""
+    first that fails; a stage already finished resumes at its last step and ends at once. Every stage's recipe,
+    data files and `init_from` are checked before the first runs (`diffzoo.train.vlm_inputs.check_chain`)."""
     split = next((i for i, a in enumerate(argv) if a.startswith('--')), len(argv))
     names, overrides = argv[:split], argv[split:]
     if not names:
         print('error: chain needs the stage recipes in order, e.g. chain llava-1.5-7b-pretrain llava-1.5-7b-finetune',
               file=sys.stderr)
+        return 2
+    from .vlm_inputs import check_chain  # reads the stages' outputs with torch: imported once the command is parsed
+    try:
+        check_chain(names, overrides)
+    except (RecipeError, ValueError, OSError) as exc:
+        print(f'error: {exc}', file=sys.stderr)
         return 2
     for i, name in enumerate(names):
         print(f'=== stage {i + 1} of {len(names)}: {name}', flush=True)
@@ -83,13 +96,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not args.recipe:
             p.error('--recipe is required (`recipes` lists the shipped ones)')
-        recipe = check(expand_env(apply_overrides(load_vlm_recipe(args.recipe), parse_overrides(rest))))
+        recipe = checked_recipe(args.recipe, rest)
         if recipe['train'] is not None:  # a LLaVA-style stage
             from .vlm_stage import run_stage as run
         else:
             from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
         run(recipe, Path(args.recipe).stem)
-    except (RecipeError, ValueError, FileNotFoundError) as exc:
+    except (RecipeError, ValueError, OSError) as exc:  # OSError: a missing file, a failed write (vlm_resume.writing)
         print(f'error: {exc}', file=sys.stderr)
         return 2
     return 0

@@ -20,6 +20,8 @@ The loop is the fine-tuning one (`diffzoo.train.vlm_trainer`: Trainer, λ at `la
 `global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
 """
 import json
+import math
+import os
 from pathlib import Path
 from typing import Dict, Optional, Set
 
@@ -40,8 +42,10 @@ from diffzoo.vlm.model import VisionLanguageModel
 from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, load_stage, model_spec,
                                 stage_output)
 
-from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, resume_point, run_log,
-                          start_run, training_arguments, write_results)
+from .vlm_inputs import check_settings
+from .vlm_resume import resume_point, writing
+from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, run_log, start_run,
+                          training_arguments, write_results)
 
 DATA_PROBLEMS = 'data_problems.json'
 
@@ -120,6 +124,15 @@ class StageTrainer(VLMTrainer):
         copy_tensors(self.model, load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS)), resume_from_checkpoint,
                      '; resume with the recipe that wrote it')
 
+    def data_counts(self) -> Dict:
+        skipped, lost = gathered(self)
+        return {'skipped_images': skipped.record(), **{key: sorted(ids) for key, ids in lost.items()}}
+
+    def restore_data_counts(self, checkpoint: Optional[Path]) -> Dict:
+        counts = super().restore_data_counts(checkpoint)
+        self.lost = {key: set(counts.get(key, ())) for key in LOST}  # ids: the same on every process
+        return counts
+
 
 LOST = ('cut_short', 'left_out_long', 'mismatched')  # the collator's lists of conversation ids (ConversationCollator)
 
@@ -142,8 +155,8 @@ def lost_summary(lost: Dict[str, Set[str]], max_length: int, mismatch: str) -> s
 
 class EpochReport(TrainerCallback):
     """At the end of each epoch, what the data lost so far, over every process: conversations cut to the
-    maximum length (each counted once), those left out after the cut, unreadable images. A resumed run counts
-    from where it resumed (the counts are not in the checkpoints). Not after the last epoch: the stage's
+    maximum length (each counted once), those left out after the cut, unreadable images. A resumed run goes on
+    from the counts its checkpoint kept (`VLMTrainer.data_counts`). Not after the last epoch: the stage's
     closing line gives the same counts for the whole run."""
 
     def __init__(self, max_length: int, mismatch: str):
@@ -181,7 +194,11 @@ def check_rounds(train_set, tokenizer, data: Dict, first: int = 32) -> None:
 def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str, rank: int) -> Path:
     """The stage's output (module docstring): LoRA merged into the weights it adapted, then every held or
     trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
-    (FSDP gathers the shards); rank 0 writes."""
+    (FSDP gathers the shards); rank 0 writes, `stage.json` last (an output without it is not finished), each
+    file under a temporary name first. A stage of no step writes nothing."""
+    if trainer.state.global_step < 1:
+        raise RecipeError(f'{name} trained no step, so {directory} is not written (a stage of 0 steps would start the '
+                          f'next from nothing trained); give it max_steps or epochs above 0, and data for a step')
     model = trainer.model
     keep = {id(p) for p in trainer.kept().values()}
     lm = vlm.model.language_model
@@ -191,11 +208,15 @@ def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str,
         model = vlm.model
     state = {n: _full(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
     if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(directory / STAGE_WEIGHTS))
         config = {'stage': name, 'steps': trainer.state.global_step, 'spec': model_spec(recipe),
                   'tensors': sorted(state)}
-        (directory / STAGE_CONFIG).write_text(json.dumps(config, indent=1) + '\n')
+        with writing(directory, "the stage's output", directory.parent / 'checkpoints'):
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / STAGE_CONFIG).unlink(missing_ok=True)  # a rerun's: unfinished until written again
+            save_file(state, str(directory / f'{STAGE_WEIGHTS}.tmp'))
+            os.replace(directory / f'{STAGE_WEIGHTS}.tmp', directory / STAGE_WEIGHTS)
+            (directory / f'{STAGE_CONFIG}.tmp').write_text(json.dumps(config, indent=1) + '\n')
+            os.replace(directory / f'{STAGE_CONFIG}.tmp', directory / STAGE_CONFIG)
     return directory
 
 
@@ -206,17 +227,9 @@ def run_stage(recipe: Dict, name: str) -> Dict:
 
 def _run_stage(recipe: Dict, name: str) -> Dict:
     data = recipe['data']
-    if data['type'] != 'conversations':
-        raise RecipeError('train: a stage trains on conversations (data.type: conversations); VQAv2 fine-tuning is '
-                          'train: null')
     run_dir = Path(recipe['output']) / name
     cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
-    if recipe['fsdp'] is not None and not cuda:
-        raise RecipeError('fsdp: accelerate shards with FSDP on GPUs only (on CPUs it trains with DDP, every process '
-                          'holding the whole model); run on GPUs, or set fsdp: null')
-    if recipe['fsdp'] is not None and recipe['train']['language_model'] == 'lora':
-        raise RecipeError('fsdp with train.language_model: lora: LoRA trains a few adapters, which DDP holds; FSDP is '
-                          'for training a large language model in full (set fsdp: null)')
+    check_settings(recipe)
     start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
     train_set, problems = load_conversations(data['json'], data['image_folder'])  # a missing path stops here
     args = training_arguments(recipe, run_dir, cuda)
@@ -227,7 +240,7 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
         raise RecipeError(f'{len(train_set)} conversations make no optimizer step of {samples_per_step} samples '
                           f'({recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world} processes); lower '
                           f'the batch or add data')
-    max_steps = recipe['max_steps'] or int(steps_per_epoch * recipe['epochs'])
+    max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
     checkpoint = resume_point(recipe, run_dir, args, weights=STAGE_WEIGHTS)
 
     torch.manual_seed(recipe['seed'])  # the projector (and eRAM-V's post-MLP) a first stage starts from
@@ -259,6 +272,7 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
                            callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step), report],
                            lambda_lr=recipe['lambda_lr'], held=held)
     report.trainer = trainer
+    trainer.restore_data_counts(checkpoint)
     if rank == 0 and recipe['fsdp'] is not None:
         print(f'FSDP{recipe["fsdp"]["version"]}: ' + (f'the model sharded over {world} processes' if
               trainer.is_fsdp_enabled else f'not enabled by accelerate ({world} process(es): nothing to shard)'),
@@ -274,8 +288,9 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
                   'left_out_after_cut': len(lost['left_out_long']), 'cut_examples': sorted(lost['cut_short'])[:3],
                   'tokenization_mismatch': len(lost['mismatched']), 'mismatch': data['mismatch'],
                   'mismatch_examples': sorted(lost['mismatched'])[:3]}
-        (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
-        (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
+        with writing(run_dir / DATA_PROBLEMS, "the stage's records", run_dir / 'checkpoints'):
+            (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
+            (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
         log = run_log(run_dir)
         results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
                        data_problems=report, stage=str(output))

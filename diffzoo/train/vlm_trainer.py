@@ -1,20 +1,20 @@
 """The fine-tuning `python -m diffzoo.train.vlm` runs (`diffzoo.train.vlm` parses the command): `VLMTrainer`,
-transformers' `Trainer` with diffzoo's additions, its log callback, the choice of checkpoint to resume from, and
-`run`, which takes a checked recipe from data to results.json."""
+transformers' `Trainer` with diffzoo's additions, its log callback, and `run`, which takes a checked recipe from
+data to results.json. The choice of checkpoint to resume from, and what a stopped run left, are
+`diffzoo.train.vlm_resume`."""
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import matplotlib
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_pt_utils import safe_globals
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers, left_out
@@ -22,75 +22,13 @@ from diffzoo.recipes import RecipeError
 from diffzoo.vlm.data import SkippedImages, load_vqav2
 from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
 from diffzoo.vlm.factory import load_vlm
-from diffzoo.vlm.lora import (ADAPTER_WEIGHTS, EXTRA_CONFIG, EXTRA_WEIGHTS, load_adapter_weights, save_adapter,
-                              trainable_parameters)
-from diffzoo.vlm.recipe import RESUMABLE_CHANGES
+from diffzoo.vlm.lora import load_adapter_weights, save_adapter, trainable_parameters
 
 from .metrics import drop_records_after
+from .vlm_inputs import check_settings
+from .vlm_resume import DATA_COUNTS, RUN_RECIPE, repair_log, resume_point, writing
 
-RUN_RECIPE = 'recipe.json'
 SKIPPED_IMAGES = 'skipped_images.json'
-INCOMPLETE = 'incomplete-'  # set-aside checkpoints: not `checkpoint-*`, so Trainer neither resumes nor rotates them
-ADAPTER_CONFIG = 'adapter_config.json'  # peft's
-
-
-def checkpoint_problem(checkpoint: Path, weights: Optional[str] = None) -> Optional[str]:
-    """Why `checkpoint` cannot be resumed from, or None when every file a checkpoint save writes is there
-    and loads: trainer_state.json (written last), the adapter and extra tensors with their settings (or,
-    for a stage, its `weights` file), optimizer, scheduler, the RNG state of each process (and the gradient
-    scaler, when there is one)."""
-    def torch_file(path: Path):
-        with safe_globals():  # Trainer's allow-list for numpy RNG states
-            torch.load(path, map_location='cpu', weights_only=True)
-
-    model_files = [(weights, lambda p: load_file(str(p)))] if weights else [
-        (ADAPTER_CONFIG, lambda p: json.loads(p.read_text())), (EXTRA_CONFIG, lambda p: json.loads(p.read_text())),
-        (ADAPTER_WEIGHTS, lambda p: load_file(str(p))), (EXTRA_WEIGHTS, lambda p: load_file(str(p)))]
-    loaders = [(TRAINER_STATE_NAME, lambda p: json.loads(p.read_text())['global_step']), *model_files,
-               (OPTIMIZER_NAME, torch_file), (SCHEDULER_NAME, torch_file)]
-    rng = sorted(p.name for p in checkpoint.glob('rng_state*.pth'))
-    if not rng:
-        return 'no rng_state*.pth'
-    optional = [SCALER_NAME] if (checkpoint / SCALER_NAME).exists() else []
-    loaders += [(name, torch_file) for name in rng + optional]
-    for name, load in loaders:
-        path = checkpoint / name
-        if not path.is_file():
-            return f'no {name}'
-        try:
-            load(path)
-        except Exception as exc:  # any failure to read it back makes the checkpoint unusable
-            return f'{name} does not load ({type(exc).__name__}: {str(exc)[:200]})'
-    return None
-
-
-def last_complete_checkpoint(folder: Path, set_aside: bool = True, weights: Optional[str] = None
-                             ) -> Tuple[Optional[Path], List[Tuple[Path, str, Optional[Path]]]]:
-    """The newest `checkpoint-<step>` in `folder` that `checkpoint_problem` passes, and the newer ones passed
-    over as (path, reason, where it was set aside). Unlike transformers' `get_last_checkpoint` (the highest
-    step, complete or not), a run killed while saving resumes from the checkpoint before. With `set_aside`
-    the incomplete ones are renamed `incomplete-checkpoint-<step>` (kept for inspection, out of Trainer's
-    resume and rotation). `weights`: a stage's model file (`checkpoint_problem`)."""
-    folder = Path(folder)
-    steps = {}
-    for path in folder.glob(f'{PREFIX_CHECKPOINT_DIR}-*') if folder.is_dir() else []:
-        step = path.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
-        if step.isdigit() and path.is_dir():
-            steps[int(step)] = path
-    skipped = []
-    for step in sorted(steps, reverse=True):
-        problem = checkpoint_problem(steps[step], weights)
-        if problem is None:
-            return steps[step], skipped
-        target = None
-        if set_aside:
-            target, n = folder / f'{INCOMPLETE}{steps[step].name}', 1
-            while target.exists():
-                n += 1
-                target = folder / f'{INCOMPLETE}{steps[step].name}.{n}'
-            steps[step].rename(target)
-        skipped.append((steps[step], problem, target))
-    return None, skipped
 
 
 class VLMTrainer(Trainer):
@@ -134,6 +72,45 @@ class VLMTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         load_adapter_weights(self.model, resume_from_checkpoint)
 
+    def _run_epoch(self, *args, **kwargs) -> None:
+        """Trainer's epoch, none once `max_steps` are done: a finished run rerun from a checkpoint in mid-epoch
+        would otherwise take one more step (Trainer checks the count only after a step) and rewrite its output."""
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return
+        super()._run_epoch(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint with the data's counts so far (`data_counts`, before trainer_state.json, which
+        Trainer writes last); a write that fails ends the run naming the disk (`vlm_resume.writing`)."""
+        counts = self.data_counts()  # every process saves: the collective is met by all
+        folder = Path(self._get_output_dir(trial=trial)) / f'{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}'
+        with writing(folder, 'a checkpoint', folder.parent):
+            if self.args.should_save:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / DATA_COUNTS).write_text(json.dumps(counts) + '\n')
+            super()._save_checkpoint(model, trial)
+
+    def data_counts(self) -> Dict:
+        """What the data lost so far over every process, as a checkpoint keeps it (a collective under DDP)."""
+        parts = all_gathered(self.skipped_images, self.args.world_size)
+        return {'skipped_images': parts[0].merge(parts[1:]).record()}
+
+    def restore_data_counts(self, checkpoint: Optional[Path]) -> Dict:
+        """Take up the counts `checkpoint` kept, so a resumed run's records cover the whole run (a rerun of a
+        finished one writes them unchanged): the files on every process (each named once), the sample counts
+        on the first (the processes' counts add up). Returns them ({} for a new run or an older checkpoint)."""
+        path = None if checkpoint is None else Path(checkpoint) / DATA_COUNTS
+        if path is None or not path.is_file():
+            return {}
+        counts = json.loads(path.read_text())
+        record = counts['skipped_images']
+        self.skipped_images = SkippedImages(record['files'])
+        if self.args.process_index == 0:
+            self.skipped_images.samples_skipped = record['samples_skipped']
+            self.skipped_images.samples_trained = record['samples_trained']
+        return counts
+
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         if 'loss' in logs:
             logs.update({f'lambda/layer_{i}': lam for i, lam in layer_lambdas(self.model).items()})
@@ -143,7 +120,7 @@ class VLMTrainer(Trainer):
 class RunLog(TrainerCallback):
     """log.jsonl and a progress line per logged step (rank 0); a log and a checkpoint at the last step. A run
     resumed from step S drops the records after S that the stopped run wrote (it logs those steps again), so
-    the file holds each optimizer step once."""
+    the file holds each optimizer step once; a last line the stop cut short is dropped (`vlm_resume.repair_log`)."""
 
     def __init__(self, path: Path, samples_per_step: int):
         self.path, self.samples_per_step = path, samples_per_step
@@ -152,6 +129,11 @@ class RunLog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_step, self.last_time = state.global_step, time.time()
         if state.is_world_process_zero and self.path.exists():  # state.global_step: the checkpoint's, on resume
+            cut = repair_log(self.path)
+            if cut is not None:
+                print(f'{self.path}: its last line was cut short ({cut[:60]!r}…), most likely by a run stopped while '
+                      f'writing it; dropped (the steps after {state.global_step}, where this run resumes, are trained '
+                      f'and logged again)', flush=True)
             removed = drop_records_after(self.path, state.global_step)
             if removed:
                 print(f'{self.path}: {removed} record(s) after step {state.global_step} removed (the stopped run '
@@ -187,16 +169,6 @@ def plot_loss(log: List[Dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _check_resume(recipe: Dict, run_dir: Path) -> None:
-    """A run directory with checkpoints of other settings is refused (only RESUMABLE_CHANGES may differ)."""
-    stored = json.loads((run_dir / RUN_RECIPE).read_text())
-    changed = sorted(k for k in set(stored) | set(recipe)
-                     if k not in RESUMABLE_CHANGES and stored.get(k) != recipe.get(k))
-    if changed:
-        raise RecipeError(f'{run_dir}: the checkpoint was trained with other settings for {changed}; resume with '
-                          f'the same recipe (only {", ".join(RESUMABLE_CHANGES)} may change) or set --output elsewhere')
-
-
 def accumulation(recipe: Dict, world: int) -> int:
     """Micro-batches per optimizer step: `grad_accum`, or what `global_batch_size` makes of batch_size × world."""
     total = recipe.get('global_batch_size')
@@ -219,22 +191,6 @@ def warmup(recipe: Dict) -> float:
     if not 0 <= ratio < 1:
         raise RecipeError(f'warmup_ratio {ratio}: a fraction of the steps in [0, 1)')
     return ratio
-
-
-def resume_point(recipe: Dict, run_dir: Path, args: TrainingArguments, weights: Optional[str] = None
-                 ) -> Optional[Path]:
-    """The checkpoint a rerun resumes from (`last_complete_checkpoint`; rank 0 sets incomplete ones aside and
-    names them), its settings checked against the recipe's (`_check_resume`); None for a new run."""
-    rank = args.process_index
-    with args.main_process_first(local=False, desc='choosing the checkpoint'):
-        checkpoint, incomplete = last_complete_checkpoint(Path(args.output_dir), set_aside=rank == 0, weights=weights)
-    if rank == 0:
-        for path, problem, target in incomplete:
-            print(f'skipping {path}: incomplete ({problem}), most likely a run stopped while saving it; '
-                  f'set aside as {target.name}', flush=True)
-    if checkpoint is not None:
-        _check_resume(recipe, run_dir)
-    return checkpoint
 
 
 def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArguments:
@@ -309,14 +265,12 @@ def run(recipe: Dict, name: str) -> Dict:
 
 
 def _run(recipe: Dict, name: str) -> Dict:
+    check_settings(recipe)
     run_dir = Path(recipe['output']) / name
     cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
     args = training_arguments(recipe, run_dir, cuda)
     rank, world = args.process_index, args.world_size
     data = recipe['data']
-    if data['type'] != 'vqav2':
-        raise RecipeError(f'data.type {data["type"]}: LoRA fine-tuning (train: null) reads VQAv2; conversations train '
-                          f'in a stage (train: {{projector, vision, language_model, …}})')
     seed = recipe['seed'] if data['seed'] is None else data['seed']
     train_set = load_vqav2(data['root'], data['split'], data['fraction'], seed)
     val_set = load_vqav2(data['root'], data['val_split'], data['val_fraction'], seed) if data['val_split'] else []
@@ -325,7 +279,7 @@ def _run(recipe: Dict, name: str) -> Dict:
         raise RecipeError(f'{len(train_set)} training samples make no optimizer step at batch {recipe["batch_size"]} × '
                           f'accumulation {args.gradient_accumulation_steps} × {world} processes; lower batch_size or '
                           f'raise data.fraction')
-    max_steps = recipe['max_steps'] or int(steps_per_epoch * recipe['epochs'])
+    max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
     checkpoint = resume_point(recipe, run_dir, args)
 
     torch.manual_seed(recipe['seed'])  # a build_vlm projector (and eRAM-V post-MLP) starts from this seed
@@ -340,6 +294,7 @@ def _run(recipe: Dict, name: str) -> Dict:
     trainer = VLMTrainer(model=vlm.model, args=args, train_dataset=train_set,
                          data_collator=vlm.collator(train=True, max_length=data['max_length']),
                          callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step)], lambda_lr=recipe['lambda_lr'])
+    trainer.restore_data_counts(checkpoint)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     parts = all_gathered(trainer.skipped_images, world)
     skipped = parts[0].merge(parts[1:])
@@ -360,7 +315,8 @@ def _run(recipe: Dict, name: str) -> Dict:
         (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
         print(f'{name}: {skipped.summary()}' + (f' ({run_dir / SKIPPED_IMAGES})' if skipped.files else ''),
               flush=True)
-        save_adapter(vlm.model, run_dir / 'adapter')
+        with writing(run_dir / 'adapter', 'the adapter', run_dir / 'checkpoints'):
+            save_adapter(vlm.model, run_dir / 'adapter')
         log = run_log(run_dir)
         results['final_loss'] = log[-1]['loss'] if log else None
         if val_set:

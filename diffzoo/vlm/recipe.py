@@ -25,9 +25,10 @@ holds `differential`: differentialize's settings, or None for vanilla attention.
 
 `python -m diffzoo.train.vlm recipes` lists the shipped recipes; `--help` lists every key.
 """
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Sequence
 
-from diffzoo.recipes import REQUIRED, Key, RecipeError, Section, Typed, load_recipe, unknown_keys_error, validate
+from diffzoo.recipes import (REQUIRED, Key, RecipeError, Section, Typed, apply_overrides, expand_env, load_recipe,
+                             parse_overrides, unknown_keys_error, validate)
 
 from .options import (CONVERSATION_FORMATS, FINAL_NORM, IMAGE_ASPECTS, INJECTED_QUERIES, INTEGRATIONS, MISMATCH_RULES,
                       MLPS, PROJECTOR_NAMES, SEQUENCE_MASKS, VARIANTS, check_select_layer)
@@ -44,6 +45,18 @@ class SelectLayerKey(Key):
                 check_select_layer(value)
             except ValueError as exc:
                 raise RecipeError(f'recipe key {where}: {exc}') from None
+        return value
+
+
+class PositiveKey(Key):
+    """A count or a length above 0 (a batch, steps, epochs): 0 or less would train nothing, or divide by it;
+    null where the key's default is null."""
+
+    def check(self, value, where: str):
+        value = super().check(value, where)
+        if value is not None and value <= 0:
+            null = ' or null' if self.default is None else ''
+            raise RecipeError(f'recipe key {where}: {value!r}; it must be above 0{null} ({self.doc})')
         return value
 
 
@@ -155,12 +168,12 @@ VLM_RECIPE = Section({
     'lr': Key((float,), REQUIRED, 'learning rate of the LoRA adapters (and projector)'),
     'lambda_lr': Key((float,), None, 'learning rate of λ and the sub-norm (default: lr)'),
     'weight_decay': Key((float,), 0.0, 'AdamW weight decay'),
-    'batch_size': Key((int,), 4, 'samples per process and micro-batch'),
-    'grad_accum': Key((int,), 1, 'micro-batches per optimizer step'),
-    'global_batch_size': Key((int,), None, 'samples per optimizer step over every process: sets grad_accum from '
-                                           'batch_size and the number of processes'),
-    'epochs': Key((int, float), 1, 'training epochs (when max_steps is null)'),
-    'max_steps': Key((int,), None, 'optimizer steps (overrides epochs)'),
+    'batch_size': PositiveKey((int,), 4, 'samples per process and micro-batch'),
+    'grad_accum': PositiveKey((int,), 1, 'micro-batches per optimizer step'),
+    'global_batch_size': PositiveKey((int,), None, 'samples per optimizer step over every process: sets grad_accum '
+                                                   'from batch_size and the number of processes'),
+    'epochs': PositiveKey((int, float), 1, 'training epochs (when max_steps is null)'),
+    'max_steps': PositiveKey((int,), None, 'optimizer steps (overrides epochs; null: epochs decide)'),
     'lr_scheduler': Key((str,), 'constant', "transformers' lr_scheduler_type: constant, linear, cosine, …"),
     'warmup_steps': Key((int,), 0, 'linear warm-up steps'),
     'warmup_ratio': Key((float,), None, 'linear warm-up as a fraction of the steps (LLaVA: 0.03); instead of '
@@ -170,8 +183,8 @@ VLM_RECIPE = Section({
     'seed': Key((int,), 0, 'seed of the model init, data order and subsets'),
     'device': Key((str,), 'auto', 'auto, cpu or cuda', ('auto', 'cpu', 'cuda')),
     'workers': Key((int,), 0, 'data loader workers per process'),
-    'log_every': Key((int,), 10, 'optimizer steps between log lines'),
-    'save_every': Key((int,), 500, 'optimizer steps between checkpoints'),
+    'log_every': PositiveKey((int,), 10, 'optimizer steps between log lines'),
+    'save_every': PositiveKey((int,), 500, 'optimizer steps between checkpoints'),
     'eval_max_new_tokens': Key((int,), 8, 'answer length when scoring VQA'),
     'report_to': Key((str,), 'tensorboard', 'tensorboard, wandb, both comma-separated, or none'),
     'output': Key((str,), 'runs/vlm', 'run directories go to <output>/<recipe name>'),
@@ -184,6 +197,12 @@ RESUMABLE_CHANGES = ('max_steps', 'epochs', 'log_every', 'save_every', 'eval_max
 def load_vlm_recipe(name_or_path: str) -> Dict:
     """A VLM recipe with its `base` chain merged (not yet validated: overrides may follow)."""
     return load_recipe(name_or_path, kind='vlm')
+
+
+def checked_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> Dict:
+    """The recipe a command runs: loaded, its `--key value` overrides applied, `${VAR}`s expanded, validated
+    (`check`)."""
+    return check(expand_env(apply_overrides(load_vlm_recipe(name_or_path), parse_overrides(list(overrides)))))
 
 
 MODEL_PART = Section({k: VLM_RECIPE.keys[k] for k in ('model', 'attention')}, doc='the model a recipe builds')

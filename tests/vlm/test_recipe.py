@@ -44,6 +44,16 @@ def recipe(tmp_path):
     (['--attention.type', 'differential', '--attention.mlp', 'gelu'],
      "recipe key attention.mlp: 'gelu' is not one of original, swiglu"),
     (['--differential.variant', 'split'], 'recipe key differential .* is retired: write attention'),
+    # a batch, steps or epochs of 0 or less trained nothing (a finished stage of 0 steps) or divided by zero
+    (['--global_batch_size', '-8'], 'recipe key global_batch_size: -8; it must be above 0 or null'),
+    (['--global_batch_size', '0'], 'recipe key global_batch_size: 0; it must be above 0 or null'),
+    (['--batch_size', '0'], 'recipe key batch_size: 0; it must be above 0 '),
+    (['--grad_accum', '0'], 'recipe key grad_accum: 0; it must be above 0 '),
+    (['--max_steps', '-5'], 'recipe key max_steps: -5; it must be above 0 or null'),
+    (['--max_steps', '0'], 'recipe key max_steps: 0; it must be above 0 or null'),
+    (['--epochs', '0', '--max_steps', 'null'], 'recipe key epochs: 0; it must be above 0 '),
+    (['--epochs', '-0.5'], r'recipe key epochs: -0\.5; it must be above 0 '),
+    (['--save_every', '0'], 'recipe key save_every: 0; it must be above 0 '),
 ])
 def test_bad_overrides_are_refused_with_the_valid_keys(recipe, args, message, capsys):
     assert main(['--recipe', str(recipe), *args]) == 2

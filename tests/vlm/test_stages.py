@@ -3,8 +3,10 @@ over drawn scenes, stage 1 (projector, captions) → 2 (vision tower and project
 (projector and the differential language model in full, multi-turn with text-only samples), each a real
 Trainer run of `python -m diffzoo.train.vlm` on real files, the loss falling in each, then a LoRA stage 4
 whose adapters are merged into what it holds; what each stage holds and leaves frozen, a chain's mismatched
-model refused, and a rerun resuming."""
+model refused, a chain's stages checked before the first trains, and a rerun resuming."""
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -164,7 +166,68 @@ def test_one_command_runs_a_chain_and_stops_at_the_first_failing_stage(chain):
     assert '=== stage 2 of 2' in done.stdout
     assert json.loads((root / 'chained' / 'stage2' / 'stage' / 'stage.json').read_text())['steps'] == 2
     stopped = call(main, ['chain', root / 'stage2.yaml', root / 'stage3.yaml', '--output', root / 'empty'], root)
-    assert stopped.returncode == 2 and "init_from='stage1'" in stopped.stderr and '=== stage 2' not in stopped.stdout
+    assert stopped.returncode == 2 and "init_from='stage1'" in stopped.stderr and '=== stage 1' not in stopped.stdout
+
+
+def test_a_chain_checks_every_stage_before_the_first_trains(chain, tmp_path):
+    """A later stage that cannot run is named before stage 1 trains (hours at scale), exit 2, nothing written:
+    its JSON or image folder missing, a file that is no JSON list, a mistyped key, a batch of no step, a start
+    from a stage of another model, or from a stage listed after it."""
+    root, _ = chain
+    stage2 = yaml.safe_load((root / 'stage2.yaml').read_text())
+    (tmp_path / 'mapping.json').write_text('{"id": "q0"}')
+    data = stage2['data']
+    cases = {
+        'no-json': (dict(data=dict(data, json=str(tmp_path / 'gone.json'))), f'{tmp_path / "gone.json"}: no such file'),
+        'no-images': (dict(data=dict(data, image_folder=str(tmp_path / 'gone'))),
+                      f'{tmp_path / "gone"}: no such folder'),
+        'not-a-list': (dict(data=dict(data, json=str(tmp_path / 'mapping.json'))),
+                       'mapping.json: starts with b\'{"id": "q0"}\', not a JSON list'),
+        'typo': (dict(lr_schedulr='linear'), 'lr_schedulr (did you mean lr_scheduler?)'),
+        'no-step': (dict(global_batch_size=-8), 'recipe key global_batch_size: -8; it must be above 0'),
+        'other-model': (dict(model=dict(stage2['model'], select_layer=-1)),
+                        "init_from='stage1': stage 1 of the chain trains another model (model.select_layer"),
+    }
+    for case, (change, message) in cases.items():
+        path = tmp_path / f'{case}.yaml'
+        path.write_text(yaml.safe_dump(dict(stage2, **change)))
+        out = tmp_path / case
+        refused = call(main, ['chain', root / 'stage1.yaml', path, '--output', out], root)
+        assert refused.returncode == 2, (case, refused.stdout[-2000:])
+        assert f'stage 2 of 2 ({path}), checked before any stage runs: ' in refused.stderr, (case, refused.stderr)
+        assert message in refused.stderr, (case, refused.stderr)
+        assert '=== stage 1' not in refused.stdout and not out.exists()
+    order = call(main, ['chain', root / 'stage3.yaml', root / 'stage2.yaml', '--output', tmp_path / 'order'], root)
+    assert order.returncode == 2 and not (tmp_path / 'order').exists()
+    assert "init_from='stage2' is stage 2 of the chain, which runs after this one" in order.stderr
+
+
+def test_a_stage_output_of_no_step_or_cut_short_is_refused_as_a_start_naming_the_fix(chain, tmp_path):
+    """init_from a stage.json of 0 steps (the old code wrote one for --epochs 0) or a stage_model.safetensors cut
+    short (a copy or save stopped) is refused by name, with its fix, by a stage, a chain and a model loaded from
+    it; nothing is written (safetensors' own error named no file)."""
+    from diffzoo.recipes import RecipeError
+    from diffzoo.vlm.factory import vlm_from_recipe
+    root, _ = chain
+    zero, cut = tmp_path / 'zero', tmp_path / 'cut'
+    for run in (zero, cut):
+        shutil.copytree(root / 'runs' / 'stage1' / 'stage', run / 'stage')
+    config = json.loads((zero / 'stage' / 'stage.json').read_text())
+    (zero / 'stage' / 'stage.json').write_text(json.dumps(dict(config, steps=0)))
+    weights = cut / 'stage' / 'stage_model.safetensors'
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    rerun = 'rerun that stage (its recipe, with its output): it resumes from its last complete checkpoint'
+    for run, message in ((zero, 'stage.json records 0 steps: that stage trained nothing; rerun it with max_steps or '
+                                'epochs above 0'),
+                         (cut, f'stage_model.safetensors holds {weights.stat().st_size:,} bytes of the')):
+        for command in (['--recipe'], ['chain']):
+            refused = call(main, [*command, root / 'stage2.yaml', '--init_from', run, '--output', tmp_path / 'out'],
+                           root)
+            assert refused.returncode == 2 and f"init_from='{run}': {run / 'stage'}: {message}" in refused.stderr, \
+                refused.stderr
+    assert rerun in refused.stderr and not (tmp_path / 'out').exists()
+    with pytest.raises(RecipeError, match=f'{weights} does not load .*; {re.escape(rerun)}'):
+        vlm_from_recipe(yaml.safe_load((root / 'stage2.yaml').read_text()), stage=cut)
 
 
 def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_place(chain):
