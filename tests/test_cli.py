@@ -125,3 +125,15 @@ def test_usage_errors_go_to_stderr_with_exit_2(module, argv, message):
                           cwd=ROOT)
     assert done.returncode == 2 and done.stdout == ''
     assert done.stderr.startswith('usage: ') and message in done.stderr, done.stderr[-2000:]
+
+
+def test_chain_help_answers_and_the_stage_help_says_its_whole_first_paragraph(capsys):
+    """`chain --help` printed an error; the --help description stopped mid-sentence at the docstring's first line."""
+    from diffzoo.train.vlm import main
+    assert main(['chain', '--help']) == 0
+    out = capsys.readouterr().out
+    assert out.startswith('usage: python -m diffzoo.train.vlm chain STAGE') and 'checked before the first' in out
+    with pytest.raises(SystemExit) as done:
+        main(['--help'])
+    assert done.value.code == 0
+    assert 'LoRA fine-tuning of a VLM on VQAv2, or\none LLaVA-style stage' in capsys.readouterr().out

@@ -47,7 +47,7 @@ from diffzoo.vlm.recipe import VLM_RECIPE, checked_recipe, load_vlm_recipe
 
 def parser() -> argparse.ArgumentParser:
     keys = '\n'.join(f'  {k:<20} {v.doc}' for k, v in VLM_RECIPE.keys.items())
-    p = argparse.ArgumentParser(prog='python -m diffzoo.train.vlm', description=__doc__.split('\n')[0],
+    p = argparse.ArgumentParser(prog='python -m diffzoo.train.vlm', description=__doc__.split('\n\n')[0],
                                 epilog=f'recipe keys:\n{keys}', formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--recipe', help='a YAML file or a shipped name (`recipes` lists them)')
     return p
@@ -59,10 +59,24 @@ def _list_recipes() -> int:
     return 0
 
 
+CHAIN_HELP = """usage: python -m diffzoo.train.vlm chain STAGE … [--key value …]
+
+Run LLaVA-style stages in order, each STAGE a recipe (file or shipped name) with `train:`; `--key value` overrides
+apply to every stage. Every stage's recipe, data files and init_from are checked before the first trains; the
+chain stops at the first stage that fails, and a stage already finished ends at once.
+
+  e.g. python -m diffzoo.train.vlm chain llava-1.5-7b-pretrain llava-1.5-7b-finetune --output runs/vlm
+       torchrun --nproc-per-node 8 -m diffzoo.train.vlm chain eramv-vicuna-7b-pretrain eramv-vicuna-7b-continue \\
+           eramv-vicuna-7b-finetune"""
+
+
 def _chain(argv: List[str]) -> int:
     """`chain RECIPE … [--key value …]`: each stage in order (the overrides apply to every one), stopping at the
     first that fails; a stage already finished resumes at its last step and ends at once. Every stage's recipe,
     data files and `init_from` are checked before the first runs (`diffzoo.train.vlm_inputs.check_chain`)."""
+    if argv[:1] in (['-h'], ['--help']):
+        print(CHAIN_HELP)
+        return 0
     split = next((i for i, a in enumerate(argv) if a.startswith('--')), len(argv))
     names, overrides = argv[:split], argv[split:]
     if not names:
