@@ -43,5 +43,6 @@ else
     launch+=(--standalone)  # one node, a free port chosen by torchrun
 fi
 
-# `-m --`: torchrun parses nothing after it, so the recipe's own flags (--logs, …) arrive intact.
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" -m -- diffzoo.train --recipe "$recipe" "$@"
+# torchrun (`python -m diffzoo.train torchrun`), exiting with the training's own status: a failed run ends on its
+# `error:` line, not on torchrun's report of it. After `--` torchrun parses nothing, so the recipe's flags arrive intact.
+exec "$PYTHON" -m diffzoo.train torchrun "${launch[@]}" -- --recipe "$recipe" "$@"

@@ -197,7 +197,10 @@ def repeat_warning(record: Dict, args) -> Optional[str]:
     --train-num-samples declaring more samples than the shards hold (known exactly once every worker has read
     all of its shards), or a worker asked for more full batches than its own shards fill (shards that do not
     split evenly over the data-loader workers of every rank; an epoch rounded up to whole batches), which
-    starts its shards again while others may still be on their first pass."""
+    starts its shards again while others may still be on their first pass. No warning when the shards hold what
+    was declared and the repeats are at most a batch per worker: the epoch rounded up to whole batches (416
+    samples for 400 in batches of 32) repeats that many whatever the shards (only --train-num-samples of whole
+    batches avoids it); the epoch's summary counts them all the same."""
     repeats = record['samples_repeated']
     if getattr(args, 'dataset_resampled', False) or not repeats:
         return None
@@ -220,6 +223,8 @@ def repeat_warning(record: Dict, args) -> Optional[str]:
         return (f'{source} more samples than the shards hold ({readable} readable ones): {trained}; '
                 f'{fix}--train-num-samples {readable}')
     workers = max(1, getattr(args, 'workers', 1) or 1) * len(record['ranks'])
+    if exact and declared == readable and repeats <= (getattr(args, 'batch_size', 0) or 0) * workers:
+        return None  # the epoch rounded up to whole batches (docstring)
     declared = f'{declared} samples declared by ' + ('--train-num-samples' if folder is None else 'sizes.json')
     return (f'{trained}: a data-loader worker ({workers} in all, {len(record["ranks"])} process(es)) was asked for '
             f'more full batches than its shards hold and started them again (open_clip rounds the epoch up to whole '

@@ -19,7 +19,7 @@ from .recipe import (
     DERIVED, Plan, RecipeError, check_batches_fill, check_shard_count, expand_shards, find_recipe, load_recipe,
     open_clip_defaults, parse_overrides, resolve, shard_sizes,
 )
-from .resume import epoch_checkpoints, restore_latest
+from .resume import epoch_checkpoints, latest_checkpoint, restore_latest
 from .run_record import check_run_dir, pop_accept, resumed_epoch
 from .saving import NoSpaceError, checkpoint_bytes, free_bytes, no_space_message
 
@@ -67,7 +67,8 @@ def check_space(args, run_dir: Optional[str]) -> None:
 
 def print_plan(plan: Optional[Plan], source: Optional[str], argv: List[str], run_dir: Optional[str]) -> None:
     if plan is not None:
-        print(f'diffzoo.train: recipe {plan.name} ({source})')
+        recipe = os.path.basename(source)[:-len('.yaml')]
+        print(f'diffzoo.train: recipe {recipe} ({source})' + (f', run {plan.name}' if plan.name != recipe else ''))
         width = max(len(k) for k in plan.recipe)
         for key, value in plan.recipe.items():
             print(f'  {key:<{width}}  {value}')
@@ -129,16 +130,22 @@ def run(argv: List[str], doc: str = '') -> int:
             restored = restore_latest(os.path.join(run_dir, 'checkpoints'))  # else open_clip_train starts over
             if restored:
                 print(f'warning: {restored}', file=sys.stderr, flush=True)
-    done = resumed_epoch(os.path.join(run_dir, 'checkpoints')) if run_dir and args.resume == 'latest' else None
+    checkpoints = os.path.join(run_dir, 'checkpoints') if run_dir else None
+    done = resumed_epoch(checkpoints) if checkpoints and args.resume == 'latest' else None
     if done is not None and done >= args.epochs:  # open_clip_train would load it, log, and train nothing
         if rank == 0:
             print(f'{run_dir}: finished, epoch {done} of {args.epochs}; nothing to train. To train longer, run the '
                   f'same command with --epochs N (N > {done}): it resumes from epoch {done}.', flush=True)
         return 0
+    if done is not None and rank == 0:
+        print(f'resuming {args.name} from epoch {done} of {args.epochs} (checkpoint {latest_checkpoint(checkpoints)})',
+              flush=True)
 
     with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr):
         try:
             result = open_clip_train.main.main(argv)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(_interrupted_message(checkpoints, args.resume) if rank == 0 else '') from None
         except DataError as exc:  # from a data-loader worker, whose traceback torch wraps into the message
             raise DataError(str(exc).rsplit(f'{DataError.__name__}: ', 1)[-1].strip()) from None
         except (torch.distributed.DistError, RuntimeError) as exc:
@@ -155,6 +162,17 @@ LOST = ('connection closed by peer', 'connection reset by peer', 'broken pipe', 
 
 class LostContact(RuntimeError):
     """A collective failed because another process of the job stopped (a node lost, a process killed)."""
+
+
+def _interrupted_message(checkpoints: Optional[str], resume: Optional[str]) -> str:
+    """What Ctrl-C during training leaves: the checkpoint the same command resumes from, or that it starts over."""
+    latest = latest_checkpoint(checkpoints) if checkpoints else None
+    done = resumed_epoch(checkpoints) if latest else None
+    if done is None:
+        return 'no epoch was checkpointed yet; the same command starts the run over'
+    if resume != 'latest':
+        return f'epoch {done} is checkpointed in {latest}; add --resume latest to the same command to go on from it'
+    return f'run the same command again to resume from epoch {done} (checkpoint {latest})'
 
 
 def _lost_contact(exc: BaseException) -> bool:

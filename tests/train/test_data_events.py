@@ -63,6 +63,25 @@ def test_a_wrapped_epoch_counts_distinct_samples_and_calls_the_rest_repeats(tmp_
     assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=20, dataset_resampled=True)) is None
 
 
+def test_an_epoch_rounded_up_to_whole_batches_is_counted_without_a_warning(tmp_path, monkeypatch):
+    """3 clean shards of 4, declared 12, batches of 5, one worker: open_clip's epoch is 3 batches (15 samples), a pass
+    makes 2 (the partial batch of 2 dropped), so the third comes from the next pass: 5 repeats, a batch, whatever
+    the shards (as the demo corpus's 400 samples in batches of 32). The summary counts them; no warning, which
+    nothing but --train-num-samples 10 would answer. A repeat more than a batch per worker still warns."""
+    write_shards(tmp_path / 'shards', 3, 4)
+    urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(3)]
+    monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
+    (tmp_path / 'events').mkdir()
+    record = data_report.epoch_record(1, [_epoch(tmp_path / 'events', urls, 0, batches=3, batch_size=5)])
+    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (15, 10, 5)
+    assert record['samples_readable'] == 12 and record['all_shards_read']
+    assert '15 samples trained (10 distinct, 5 repeats' in data_report.summary(record)
+    args = argparse.Namespace(train_num_samples=12, dataset_resampled=False, workers=1, batch_size=5)
+    assert data_report.repeat_warning(record, args) is None
+    args = argparse.Namespace(train_num_samples=12, dataset_resampled=False, workers=1, batch_size=4)
+    assert data_report.repeat_warning(record, args).startswith('each sample is trained ~1.2× per epoch (5 repeats')
+
+
 def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_path, monkeypatch):
     """As with --dataset-resampled: rank 0 reads shards 3 (empty), 0, 1 and rank 1 shards 3, 1, 2, a batch of 7 each;
     shard 1 holds a sample without caption. The union: 11 distinct samples, shard 1's 3 readable ones trained twice,

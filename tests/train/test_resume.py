@@ -63,12 +63,34 @@ def test_a_run_resumed_at_an_epoch_boundary_trains_the_same_weights(whole_run, t
     result = call(main, ARGV, cwd=checkpoints.parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert '(epoch 1)' in result.stderr  # open_clip's "=> resuming checkpoint … (epoch 1)"
+    assert (f'\nrun directory: runs/{RECIPE}\nresuming {RECIPE} from epoch 1 of 2 (checkpoint '
+            f'runs/{RECIPE}/checkpoints/epoch_latest.pt)\n') in result.stdout  # said before open_clip_train starts
     _assert_same_weights(checkpoints / 'epoch_2.pt', whole_run / 'runs' / RECIPE / 'checkpoints' / 'epoch_2.pt')
     # the stopped run had reported epoch 2 (then lost its checkpoint): data.jsonl counts it once, as lambda.jsonl
     epochs = [json.loads(line)['epoch'] for line in (checkpoints.parent / 'data.jsonl').read_text().splitlines()]
     assert epochs == [1, 2]
     steps = [json.loads(line)['step'] for line in (checkpoints.parent / 'lambda.jsonl').read_text().splitlines()]
     assert steps == sorted(set(steps))
+
+
+def test_ctrl_c_ends_on_a_line_naming_what_the_same_command_resumes_from(whole_run, tmp_path, monkeypatch):
+    """KeyboardInterrupt in open_clip_train's loop: one line, no traceback, exit 130 (scripts/train.sh's real
+    Ctrl-C: tests/train/test_train_sh.py)."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(open_clip_train.main, 'main', interrupted)
+    checkpoints = _stopped_after_epoch_1(whole_run, tmp_path)
+    result = call(main, ARGV, cwd=checkpoints.parents[2])
+    assert result.returncode == 130 and 'Traceback' not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f'interrupted: run the same command again to resume from epoch 1 (checkpoint '
+        f'runs/{RECIPE}/checkpoints/epoch_latest.pt)')
+    write_shards(tmp_path / 'new' / 'shards', 2, 8)
+    result = call(main, ARGV, cwd=tmp_path / 'new')
+    assert result.returncode == 130
+    assert result.stderr.strip().splitlines()[-1] == (
+        'interrupted: no epoch was checkpointed yet; the same command starts the run over')
 
 
 def test_a_cut_latest_checkpoint_gives_way_to_the_newest_intact_one(whole_run, tmp_path):

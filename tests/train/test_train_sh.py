@@ -2,6 +2,7 @@
 then restarted on both, resuming with nothing lost or repeated (c10d rendezvous, then a static master)."""
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -85,6 +86,58 @@ def test_a_lost_node_ends_the_job_clearly_and_a_restart_of_both_resumes(tmp_path
         assert all(shards) and len(set().union(*shards)) == sum(map(len, shards)) == 4  # a shard per rank
     assert torch.load(run_dir / 'checkpoints' / 'epoch_2.pt', weights_only=True)['epoch'] == 2
     assert _steps(run_dir) == list(range(13))  # every optimizer step logged once (step 0: before training)
+
+
+def _epoch(checkpoint):
+    return torch.load(checkpoint, map_location='cpu', weights_only=True, mmap=True)['epoch']
+
+
+def test_ctrl_c_ends_on_one_line_naming_the_checkpoint_and_the_same_command_resumes_from_it(tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) once epoch 1 is checkpointed: the
+    output ends on one line naming the checkpoint, exit 130, no traceback; the same command again says first that
+    it resumes from that epoch, and the plan's header names the recipe and the run."""
+    write_shards(tmp_path / 'shards', 2, 8)
+    cmd = ['bash', TRAIN_SH, 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '100', '--global_batch_size',
+           '8', '--name', 'first']
+    latest = tmp_path / 'runs' / 'first' / 'checkpoints' / 'epoch_latest.pt'
+
+    def interrupted(ready, name):
+        out, err = tmp_path / f'{name}.out', tmp_path / f'{name}.err'
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=python_env(NPROC_PER_NODE=1), text=True,
+                                stdout=open(out, 'w'), stderr=open(err, 'w'), start_new_session=True)
+        try:
+            start = time.monotonic()
+            while not ready(out.read_text()) and proc.poll() is None and time.monotonic() - start < 240:
+                time.sleep(0.05)
+            assert proc.poll() is None, err.read_text()[-3000:]
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=120)
+        finally:
+            kill_tree(proc.pid)
+        return proc.returncode, out.read_text(), err.read_text()
+
+    code, out, err = interrupted(lambda _: latest.exists(), 'first')
+    assert out.startswith(f'diffzoo.train: recipe clip-tiny-baseline ({ROOT}/diffzoo/recipes/clip-tiny-baseline.yaml)'
+                          f', run first\n'), out[:300]
+    epoch = _epoch(latest)
+    assert code == 130 and 'Traceback' not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f'interrupted: run the same command again to resume from epoch {epoch} '
+                                            f'(checkpoint runs/first/checkpoints/epoch_latest.pt)'), err[-3000:]
+
+    resuming = f'resuming first from epoch {epoch} of 100 (checkpoint runs/first/checkpoints/epoch_latest.pt)'
+    code, out, err = interrupted(lambda text: resuming in text, 'again')
+    assert out.splitlines()[out.splitlines().index('run directory: runs/first') + 1] == resuming
+    assert code == 130 and 'Traceback' not in err, err[-3000:]
+
+
+def test_a_failed_run_ends_on_its_own_error_and_exit_status(tmp_path):
+    """torchrun's report of a failed process (ChildFailedError's traceback, its summary) is left out: the last line
+    is diffzoo's error, and the exit status the process's own (2: a bad input)."""
+    result = run(['bash', TRAIN_SH, 'diffclip-tiny', '--train_data', 'missing'], cwd=tmp_path, NPROC_PER_NODE=1)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: train_data 'missing' matches no shard (. holds 0 *.tar files); pass --train_data DIR")
+    assert 'Traceback' not in result.stderr and 'ChildFailedError' not in result.stderr
 
 
 def test_usage_without_a_recipe(tmp_path):
