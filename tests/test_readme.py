@@ -54,6 +54,10 @@ SKIPPED = {
         f'8 GPUs, {WEIGHTS} (PaliGemma), {DATA} (VQAv2)',
     'python -m diffzoo.train.vlm --recipe diffclip-b16-qwen2.5-0.5b-pretrain':
         f'{WEIGHTS} (DiffCLIP, Qwen2.5-0.5B), {DATA} (LLaVA 558K), {GPU} (tests/vlm/test_stages.py runs a chain)',
+    'python -m diffzoo.train.vlm chain diffclip-b16-qwen2.5-0.5b-pretrain diffclip-b16-qwen2.5-0.5b-finetune':
+        f'{WEIGHTS} (DiffCLIP, Qwen2.5-0.5B), {DATA} (LLaVA 558K and COCO instructions), {GPU} (tests/vlm/test_stages.py '
+        f'runs a chain)',
+    'python -m diffzoo.bench.eramv': 'a minute of FLOP counting on the meta device (tests/bench tests its tables)',
     'python -m diffzoo.train.vlm --recipe diffclip-b16-qwen2.5-0.5b-finetune':
         f'{WEIGHTS}, {DATA} (LLaVA COCO instructions), {GPU}, the pretrain stage',
     'torchrun --nproc-per-node 8 -m diffzoo.train.vlm chain eramv-vicuna-7b-pretrain eramv-vicuna-7b-continue '
