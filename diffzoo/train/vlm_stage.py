@@ -157,16 +157,20 @@ class EpochReport(TrainerCallback):
     """At the end of each epoch, what the data lost so far, over every process: conversations cut to the
     maximum length (each counted once), those left out after the cut, unreadable images. A resumed run goes on
     from the counts its checkpoint kept (`VLMTrainer.data_counts`). Not after the last epoch: the stage's
-    closing line gives the same counts for the whole run."""
+    closing line gives the same counts for the whole run; nor where nothing was lost since the epoch before (a
+    line that would only repeat the last one's losses)."""
 
     def __init__(self, max_length: int, mismatch: str):
         self.max_length, self.mismatch, self.trainer = max_length, mismatch, None
+        self.last_lost = None  # what the last printed line counted
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:  # the same on every rank: none enters the collective below
             return
         skipped, lost = gathered(self.trainer)
-        if state.is_world_process_zero:
+        counted = (len(skipped.files), skipped.samples_skipped, {key: len(ids) for key, ids in lost.items()})
+        if state.is_world_process_zero and counted != self.last_lost:
+            self.last_lost = counted
             print(f'epoch {round(state.epoch)}: {lost_summary(lost, self.max_length, self.mismatch)}; '
                   f'{skipped.summary()}', flush=True)
 

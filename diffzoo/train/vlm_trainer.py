@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import matplotlib
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -29,6 +29,7 @@ from .vlm_inputs import check_settings
 from .vlm_resume import DATA_COUNTS, RUN_RECIPE, repair_log, resume_point, writing
 
 SKIPPED_IMAGES = 'skipped_images.json'
+PROGRESS_EVERY = 10  # seconds between a run's progress lines on the console; log.jsonl keeps every logged step
 
 
 class VLMTrainer(Trainer):
@@ -36,6 +37,7 @@ class VLMTrainer(Trainer):
 
     def __init__(self, *args, lambda_lr: Optional[float] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.remove_callback(PrinterCallback)  # a dict per logged step; RunLog prints the progress (no tqdm bar)
         self.lambda_lr = lambda_lr
         self.skipped_images = SkippedImages()
 
@@ -118,16 +120,21 @@ class VLMTrainer(Trainer):
 
 
 class RunLog(TrainerCallback):
-    """log.jsonl and a progress line per logged step (rank 0); a log and a checkpoint at the last step. A run
-    resumed from step S drops the records after S that the stopped run wrote (it logs those steps again), so
-    the file holds each optimizer step once; a last line the stop cut short is dropped (`vlm_resume.repair_log`)."""
+    """log.jsonl, a record per logged step, and on the console (rank 0) one progress line every `every` seconds
+    and at the last step: steps done out of the run's, loss, elapsed, eta. A log and a checkpoint at the last step.
+    A run resumed from step S drops the records after S that the stopped run wrote (it logs those steps again),
+    so the file holds each optimizer step once; a last line the stop cut short is dropped
+    (`vlm_resume.repair_log`)."""
 
-    def __init__(self, path: Path, samples_per_step: int):
-        self.path, self.samples_per_step = path, samples_per_step
+    def __init__(self, path: Path, samples_per_step: int, every: float = PROGRESS_EVERY):
+        self.path, self.samples_per_step, self.every = path, samples_per_step, every
         self.last_step, self.last_time = 0, time.time()
+        self.first_step, self.started = 0, self.last_time  # this process's start: elapsed and eta count from it
+        self.shown = self.started  # when the last progress line was printed
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_step, self.last_time = state.global_step, time.time()
+        self.first_step, self.started, self.shown = self.last_step, self.last_time, self.last_time
         if state.is_world_process_zero and self.path.exists():  # state.global_step: the checkpoint's, on resume
             cut = repair_log(self.path)
             if cut is not None:
@@ -153,8 +160,16 @@ class RunLog(TrainerCallback):
         self.last_step, self.last_time = state.global_step, now
         with open(self.path, 'a') as f:
             f.write(json.dumps(record) + '\n')
-        print(f'step {record["step"]}/{state.max_steps}  loss {record["loss"]:.4f}  '
-              f'{record["samples_per_s"]:.1f} samples/s', flush=True)
+        if now - self.shown >= self.every or state.global_step >= state.max_steps:
+            self.shown = now
+            print(self.progress(record, state.max_steps, now), flush=True)
+
+    def progress(self, record: Dict, max_steps: int, now: float) -> str:
+        """The console's line for a log record: `RUN: step S/MAX  loss L  elapsed Ts  eta Ts  (N samples/s)`."""
+        elapsed, done = now - self.started, record['step'] - self.first_step
+        eta = elapsed / done * (max_steps - record['step']) if done > 0 else float('nan')
+        return (f'  {self.path.parent.name}: step {record["step"]}/{max_steps}  loss {record["loss"]:.4f}  '
+                f'elapsed {elapsed:.0f}s  eta {eta:.0f}s  ({record["samples_per_s"]:.1f} samples/s)')
 
 
 def plot_loss(log: List[Dict], path: Path) -> None:
@@ -211,7 +226,7 @@ def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArgum
         logging_steps=recipe['log_every'], save_steps=recipe['save_every'], save_total_limit=2,
         seed=recipe['seed'], use_cpu=not cuda, dataloader_drop_last=True,
         dataloader_num_workers=recipe['workers'], remove_unused_columns=False, report_to=report or 'none',
-        log_level='warning', disable_tqdm=False)
+        log_level='warning', disable_tqdm=True)  # RunLog prints the progress
 
 
 @contextlib.contextmanager
