@@ -2,20 +2,24 @@
 in order for the command's parsed arguments."""
 import io
 import json
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from matplotlib.figure import Figure
 from PIL import Image
+from scipy.stats import binomtest
 
 from diffzoo.analysis import maps, plots, report
+from diffzoo.checkpoint import run_settings
 from diffzoo.data.shards import iter_samples, list_shards
 from diffzoo.data.synthetic import CorpusConfig, class_names, write_corpus
 from diffzoo.eval.models import load as load_model
@@ -28,6 +32,7 @@ METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('imag
 PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
 PROGRESS_EVERY = 10  # seconds between progress lines when the output is not a terminal (a pipe, a CI log)
 ATTENTION_IMAGES = 3
+CONFIDENCE = 0.95  # of the interval around each accuracy in the table
 
 
 class TrainingFailed(RuntimeError):
@@ -92,9 +97,46 @@ def train(model: str, out: Path, args) -> Path:
     return last
 
 
+def val_samples(out: Path) -> List[Dict[str, bytes]]:
+    """The val split's samples (webdataset members by extension), in key order."""
+    return [members for shard in list_shards(out / 'data' / 'val') for _, members in iter_samples(shard)]
+
+
 def evaluate(models: Dict, out: Path) -> Dict[str, Dict[str, float]]:
     return {name: evaluate_synthetic(m.model, m.preprocess, m.tokenizer, out / 'data' / 'val')
             for name, m in models.items()}
+
+
+def sample_counts(scenes: List[Dict]) -> Dict[str, int]:
+    """How many trials each metric counts hits over: every val scene (zero-shot, image→text), every
+    distinct caption (text→image; `diffzoo.eval.synthetic` deduplicates the captions it queries with)."""
+    captions = len({s['caption'] for s in scenes})
+    return {m: captions if m.startswith('text_to_image') else len(scenes) for m in METRICS}
+
+
+def interval(percent: float, n: int) -> Tuple[int, float, float]:
+    """The hits behind `percent` of `n` trials and their Wilson score interval (CONFIDENCE), in percent."""
+    hits = round(percent * n / 100)
+    if abs(100 * hits / n - percent) > 1e-3:
+        raise ValueError(f'{percent}% is no whole number of hits out of {n}; the val split changed since the '
+                         f'evaluation? Re-run the demo with --fresh')
+    ci = binomtest(hits, n).proportion_ci(CONFIDENCE, method='wilson')
+    return hits, float(100 * ci.low), float(100 * ci.high)  # Python floats: results.json holds them
+
+
+def compare(results: Dict[str, Dict[str, float]], baseline: str, model: str,
+            n: Dict[str, int]) -> Dict[str, Dict]:
+    """Per metric: its trials, each model's hits and interval, and `model − baseline`, which is within
+    chance where the two intervals overlap."""
+    rows = {}
+    for metric in METRICS:
+        cells = {name: interval(results[name][metric], n[metric]) for name in (baseline, model)}
+        (_, a_low, a_high), (_, b_low, b_high) = cells[baseline], cells[model]
+        rows[metric] = {'n': n[metric], 'hits': {name: c[0] for name, c in cells.items()},
+                        'interval': {name: [c[1], c[2]] for name, c in cells.items()},
+                        'difference': results[model][metric] - results[baseline][metric],
+                        'within_chance': a_low <= b_high and b_low <= a_high}
+    return rows
 
 
 def chance() -> Dict[str, float]:
@@ -102,33 +144,63 @@ def chance() -> Dict[str, float]:
     return {f'zero_shot_{task}': 100.0 / len(names) for task, names in class_names().items()}
 
 
-def table(results: Dict[str, Dict[str, float]], baseline: str, model: str, reference: Dict[str, float]) -> str:
-    head = f'  {"metric (val split, %)":<24}{baseline:>20}{model:>16}{"Δ":>8}{"chance":>9}'
+def table(results: Dict[str, Dict[str, float]], baseline: str, model: str, reference: Dict[str, float],
+          comparison: Dict[str, Dict]) -> str:
+    """Both models per metric with their intervals (`compare`), the chance level, and the difference or
+    "within chance"; below it, what the intervals are and which zero-shot results are at chance."""
+    width = max(20, len(baseline) + 2, len(model) + 2)
+    head = f'  {"metric (val split, %)":<22}{baseline:>{width}}{model:>{width}}{"chance":>8}{"n":>6}   difference'
     lines = [head, '  ' + '─' * (len(head) - 2)]
+    at_chance = []
     for metric in METRICS:
-        a, b = results[baseline][metric], results[model][metric]
-        ref = f'{reference[metric]:>9.1f}' if metric in reference else f'{"":>9}'
-        lines.append(f'  {metric:<24}{a:>20.1f}{b:>16.1f}{b - a:>+8.1f}{ref}')
-    return '\n'.join(lines)
+        row = comparison[metric]
+        cells = ''.join(f'{f"{results[name][metric]:.1f} ({low:.1f}–{high:.1f})":>{width}}'
+                        for name, (low, high) in row['interval'].items())
+        ref = f'{reference[metric]:>8.1f}' if metric in reference else f'{"":>8}'
+        verdict = 'within chance' if row['within_chance'] else f'{row["difference"]:+.1f}'
+        lines.append(f'  {metric:<22}{cells}{ref}{row["n"]:>6}   {verdict}')
+        at_chance += [f'{name} {metric}' for name, (low, high) in row['interval'].items()
+                      if metric in reference and low <= reference[metric] <= high]
+    notes = (f'(a–b): Wilson {CONFIDENCE:.0%} interval of each accuracy over its n trials (val scenes; distinct '
+             f'captions for text→image). difference: {model} − {baseline} where the two intervals do not '
+             f'overlap; "within chance" where they overlap: this val split cannot tell the models apart there.')
+    if at_chance:
+        notes += ' At chance (the interval holds the chance level): ' + ', '.join(at_chance) + '.'
+    return '\n'.join(lines + [''] + textwrap.wrap(notes, width=len(head), initial_indent='  ',
+                                                   subsequent_indent='  ', break_on_hyphens=False))
+
+
+def global_batch(run_dir: Path) -> int:
+    """Pairs the contrastive loss of a run compares at each step."""
+    settings = run_settings(run_dir)
+    return settings['batch_size'] * settings.get('accum_freq', 1) * settings.get('world_size', 1)
 
 
 def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
-    """Training loss against optimizer step for every run, raw and smoothed."""
+    """Training loss against optimizer step for every run, raw and smoothed, with the loss of a model that
+    matches no pair better than guessing: ln(global batch)."""
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
+    smoothed = False
     for (name, run_dir), colour in zip(runs.items(), ('tab:blue', 'tab:red', 'tab:green')):
         by_step = {r['step']: r['loss'] for r in read_lambda_log(str(run_dir)) if r.get('loss') is not None}
         steps = sorted(by_step)
         losses = [by_step[s] for s in steps]
         window = max(1, len(losses) // 25)
+        smoothed |= window > 1
         smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
                   for i in range(len(losses))]
         ax.plot(steps, losses, color=colour, alpha=0.2, linewidth=0.8)
         ax.plot(steps, smooth, color=colour, label=name if window == 1 else f'{name} (mean of {window} steps)')
+    for batch in sorted({global_batch(run_dir) for run_dir in runs.values()}):
+        ax.axhline(math.log(batch), color='grey', linestyle='--', linewidth=1,
+                   label=f'ln {batch} = {math.log(batch):.2f}: chance (batch of {batch})')
     ax.set_xlabel('optimizer step')
     ax.set_ylabel('contrastive loss')
+    ax.set_title('training loss of both runs (same recipe and data)' + ('; faint: every step' if smoothed else ''),
+                 fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     return out_png
@@ -136,14 +208,14 @@ def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
 
 def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], Dict[str, list]]:
     """Attention overlays and entropy for both models, λ and loss plots. Returns PNG paths, entropies."""
-    samples = [members for shard in list_shards(out / 'data' / 'val') for _, members in iter_samples(shard)]
+    samples = val_samples(out)
     pil = [Image.open(io.BytesIO(m['jpg'])).convert('RGB') for m in samples]
     scenes = [json.loads(m['json']) for m in samples]
     # two-object scenes, each queried with its own objects ("blue square", "purple triangle")
     shown = [i for i, s in enumerate(scenes) if len(s['objects']) == 2][:ATTENTION_IMAGES]
     queries = [[f'{o["colour"]} {o["shape"]}' for o in scenes[i]['objects']] for i in shown]
 
-    cls_maps, query_maps, entropies, n_tokens = {}, {}, {}, {}
+    cls_maps, query_maps, per_image, n_tokens = {}, {}, {}, {}
     for name, loaded in models.items():
         model, preprocess, tokenizer = loaded.model, loaded.preprocess, loaded.tokenizer
         images = torch.stack([preprocess(pil[i]) for i in shown])
@@ -151,9 +223,10 @@ def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], D
                                       for image, texts in zip(images, queries)])  # (B, 2, gh, gw)
         with torch.no_grad():
             cls_maps[name] = maps.cls_attention(model, images)
-            entropies[name] = maps.block_entropy(model, torch.stack([preprocess(p) for p in pil[:64]]))
+            per_image[name] = maps.image_entropy(model, torch.stack([preprocess(p) for p in pil[:64]]))
         trunk = maps.vision_trunk(model)
         n_tokens[name] = trunk.patch_embed.num_patches + trunk.num_prefix_tokens
+    entropies = {name: e.mean(0) for name, e in per_image.items()}  # (blocks, heads)
     captions = [scenes[i]['caption'] for i in shown]
     paths = {
         'attention_maps': plots.plot_overlays([pil[i] for i in shown], cls_maps, out / 'attention_maps.png'),
@@ -164,7 +237,7 @@ def figures(models: Dict, out: Path, model_name: str) -> Tuple[Dict[str, str], D
         'loss': loss_curves({n: run_dir(m) for n, m in models.items()}, out / 'loss.png'),
     }
     print('\n      val images in the attention figures: ' + '; '.join(f'"{c}"' for c in captions))
-    print('\n' + report.entropy_table(entropies, n_tokens))
+    print('\n' + report.entropy_table(entropies, n_tokens, per_image))
     return {k: str(v) for k, v in paths.items()}, {n: e.tolist() for n, e in entropies.items()}
 
 
@@ -195,6 +268,8 @@ def run(args) -> int:
     models = {name: load(checkpoint) for name, checkpoint in checkpoints.items()}  # with their runs' transforms
     results = evaluate(models, out)
     reference = chance()
+    comparison = compare(results, args.baseline, args.model,
+                         sample_counts([json.loads(m['json']) for m in val_samples(out)]))
 
     print('[4/4] figures', flush=True)
     pngs, entropies = figures(models, out, args.model)
@@ -203,13 +278,14 @@ def run(args) -> int:
     summary = {
         'models': {n: {'checkpoint': m.spec.pretrained, 'sha256': m.checkpoint_sha256} for n, m in models.items()},
         'data': str(out / 'data'), 'epochs': args.epochs, 'train_scenes': args.train, 'val_scenes': args.val,
-        'metrics': results, 'chance': reference, 'attention_entropy': entropies, 'figures': pngs,
+        'metrics': results, 'chance': reference, 'comparison': comparison, 'attention_entropy': entropies,
+        'figures': pngs,
         'timings': {k: round(v, 1) for k, v in timings.items()},
     }
     with open(out / 'results.json', 'w') as f:
         json.dump(summary, f, indent=2)
 
-    print('\n' + table(results, args.baseline, args.model, reference))
+    print('\n' + table(results, args.baseline, args.model, reference, comparison))
     print(f'\n  results: {out / "results.json"}')
     for png in pngs.values():
         print(f'  figure:  {png}')

@@ -1,6 +1,8 @@
 """`python -m diffzoo.demo` end to end on a small corpus: data, two trainings, evaluation, figures, reuse."""
 import hashlib
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -8,6 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffzoo import demo_steps
+from diffzoo.data.shards import iter_samples
 from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
@@ -38,20 +42,60 @@ def first_run(tmp_path_factory):
     return out, proc
 
 
+ROW = re.compile(r'^  (\S+)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+(?:([\d.]+)\s+)?'
+                 r'(\d+)   (within chance|[+-][\d.]+)$')
+
+
+def wilson(hits, n, z=1.959963984540054):
+    """The 95 % Wilson score interval of hits/n, in percent, from its formula."""
+    p = hits / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return 100 * (centre - half) / (1 + z * z / n), 100 * (centre + half) / (1 + z * z / n)
+
+
+def table_rows(stdout):
+    """metric → (baseline value, its interval, model value, its interval, chance or None, n, verdict)."""
+    rows = {}
+    for line in stdout.splitlines():
+        match = ROW.match(line)
+        if match and match[1] in METRICS:
+            g = match.groups()
+            rows[g[0]] = (float(g[1]), (float(g[2]), float(g[3])), float(g[4]), (float(g[5]), float(g[6])),
+                          g[7] and float(g[7]), int(g[8]), g[9])
+    return rows
+
+
 def test_trains_both_models_with_one_recipe_and_prints_the_table(first_run):
     out, proc = first_run
     for step in ('[1/4] data', '[2/4] training', '[3/4] evaluating', '[4/4] figures'):
         assert step in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith('metric'))
-    assert header.split()[-4:-2] == list(MODELS)
-    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
-            if line.strip().split()[:1] and line.split()[0] in METRICS}
+    assert header.split()[-5:] == [*MODELS, 'chance', 'n', 'difference']
+    rows = table_rows(proc.stdout)
     assert set(rows) == set(METRICS)
     report = json.loads((out / 'results.json').read_text())
-    for metric, cells in rows.items():
+    scenes = [json.loads(members['json']) for shard in sorted((out / 'data' / 'val').glob('*.tar'))
+              for _, members in iter_samples(shard)]
+    captions = len({s['caption'] for s in scenes})
+    assert len(scenes) == 32
+    for metric, (a, a_ci, b, b_ci, chance, n, verdict) in rows.items():
         baseline, model = report['metrics'][MODELS[0]][metric], report['metrics'][MODELS[1]][metric]
-        assert cells[:3] == [f'{baseline:.1f}', f'{model:.1f}', f'{model - baseline:+.1f}']
-    assert rows['zero_shot_shape'][3] == '33.3' and rows['zero_shot_colour'][3] == '16.7'  # chance column
+        assert (a, b) == (round(baseline, 1), round(model, 1))
+        assert n == (captions if metric.startswith('text_to_image') else 32)  # trials: scenes or distinct captions
+        compared = report['comparison'][metric]
+        assert compared['n'] == n
+        for name, value, shown in ((MODELS[0], baseline, a_ci), (MODELS[1], model, b_ci)):
+            hits = compared['hits'][name]
+            assert 100 * hits / n == pytest.approx(value, abs=1e-3)  # the counts behind the percentages
+            expected = wilson(hits, n)
+            assert shown == pytest.approx(expected, abs=0.05 + 1e-9)  # printed to 0.1
+            assert compared['interval'][name] == pytest.approx(expected, abs=1e-9)
+        (a_low, a_high), (b_low, b_high) = (compared['interval'][name] for name in MODELS)
+        overlap = a_low <= b_high and b_low <= a_high
+        assert compared['within_chance'] == overlap
+        assert verdict == ('within chance' if overlap else f'{model - baseline:+.1f}')
+    assert rows['zero_shot_shape'][4] == 33.3 and rows['zero_shot_colour'][4] == 16.7  # chance column
+    assert 'within chance' in proc.stdout and 'Wilson 95% interval' in proc.stdout
 
     # the two runs differ only in the model
     settings = {}
@@ -66,6 +110,24 @@ def test_trains_both_models_with_one_recipe_and_prints_the_table(first_run):
     for name, entry in report['models'].items():
         digest = hashlib.sha256(open(entry['checkpoint'], 'rb').read()).hexdigest()
         assert entry['sha256'] == digest[:HASH_CHARS]
+
+
+def test_the_table_says_within_chance_only_where_the_intervals_overlap():
+    results = {MODELS[0]: dict.fromkeys(METRICS, 10.0), MODELS[1]: dict.fromkeys(METRICS, 10.0)}
+    results[MODELS[0]].update(zero_shot_shape=33.2, zero_shot_colour=17.8)
+    results[MODELS[1]].update(zero_shot_shape=34.4, zero_shot_colour=60.0)
+    n = dict.fromkeys(METRICS, 500)
+    comparison = demo_steps.compare(results, *MODELS, n)
+    printed = demo_steps.table(results, *MODELS, demo_steps.chance(), comparison)
+    rows = table_rows(printed)
+    assert rows['zero_shot_shape'][1:4:2] == ((29.2, 37.4), (30.4, 38.7))  # overlapping
+    assert rows['zero_shot_shape'][6] == 'within chance'
+    assert rows['zero_shot_colour'][6] == '+42.2' and not comparison['zero_shot_colour']['within_chance']
+    assert comparison['zero_shot_shape']['hits'] == {MODELS[0]: 166, MODELS[1]: 172}
+    assert 'At chance (the interval holds the chance level): clip-tiny-baseline zero_shot_shape, diffclip-tiny ' \
+           'zero_shot_shape, clip-tiny-baseline zero_shot_colour.' in ' '.join(printed.split())
+    with pytest.raises(ValueError, match='no whole number of hits out of 7'):
+        demo_steps.compare(results, *MODELS, dict.fromkeys(METRICS, 7))
 
 
 def test_writes_the_figures(first_run):
@@ -106,21 +168,70 @@ def test_unknown_model_is_refused_before_any_work(tmp_path):
 
 
 def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(first_run):
-    """`python -m diffzoo.demo_vlm` over the demo's towers (reused, not retrained): the same two stages on each,
-    recipes identical but for the tower, POPE's three splits on val scenes, a table with both towers."""
+    """`python -m diffzoo.demo_vlm --towers` over the demo's towers (reused, not retrained): how much they learned,
+    the same two stages on each, recipes identical but for the tower, POPE's three splits on val scenes, a table
+    with both towers, intervals and the paired test from the answers' counts, one loss figure; on the console
+    the steps counted once, one progress line per stage at these few steps, no per-step dicts or bars."""
+    import re
+
     from diffzoo.demo_vlm import main as demo_vlm
+    from diffzoo.eval.lmm.metrics import pope_answer
+    from diffzoo.train.metrics import read_lambda_log
+    from tests.test_demo_vlm import check_pope_table, wilson_interval
     out, _ = first_run
-    done = call(demo_vlm, ['--out', out, *SMALL, '--scenes', '48', '--pope-scenes', '12', '--steps', '3'], out.parent)
+    done = call(demo_vlm, ['--out', out, '--towers', out, '--scenes', '48', '--pope-scenes', '12', '--steps', '3'],
+                out.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert 'reusing' in done.stdout and 'epoch 1/1' not in done.stdout  # the towers are the demo's
+    assert f'from {out} (128 scenes × 1 epoch), reused as they are' in done.stdout
+    for tower in MODELS:  # the towers are the demo's
+        assert f'{tower}: reusing {out}/runs/{tower}-128x1/checkpoints/epoch_1.pt' in done.stdout
+    assert re.findall(r'^\[(\d)/(\d)\] ', done.stdout, re.M) == [(str(k), '6') for k in range(1, 7)]
+    console = done.stdout + done.stderr
+    progress = re.findall(r'^  \S+-(?:pretrain|finetune): step (\d+)/3  loss [\d.]+  elapsed \d+s  eta (\d+)s', console,
+                          re.M)
+    assert progress == [('3', '0')] * 4  # one line per stage: its last step
+    assert "{'loss'" not in console and 'it/s]' not in console and 'Loading weights' not in console
+    assert len(re.findall(r'^epoch \d+: ', console, re.M)) <= 4  # no stage repeats what it lost each epoch
+    assert len(console.splitlines()) < 130, console  # steps, each stage's and POPE's few lines, the tables
     report = json.loads((out / 'vlm' / 'results.json').read_text())
     assert set(report['pope']) == set(MODELS)
     for tower in MODELS:
         assert set(report['pope'][tower]) == {'random', 'popular', 'adversarial'}
     table = [line.split() for line in done.stdout.splitlines()
-             if line.split()[:1] in (['random'], ['adversarial']) and line.split()[1] in ('accuracy', 'precision',
-                                                                                          'recall', 'f1', 'yes_ratio')]
-    assert len(table) == 10 and all(len(row) == 4 for row in table)  # split, metric, one column per tower
+             if line.split()[:1] in (['random'], ['adversarial']) and line.split()[1] in ('precision', 'recall', 'f1',
+                                                                                          'yes_ratio')]
+    assert len(table) == 8 and all(len(row) == 4 for row in table)  # split, metric, one column per tower
+
+    # the towers' table: their steps and zero-shot accuracy (the demo's own) with intervals from the hits
+    demo = json.loads((out / 'results.json').read_text())
+    for tower in MODELS:
+        learned = report['towers'][tower]
+        steps = max(r['step'] for r in read_lambda_log(str(out / 'runs' / f'{tower}-128x1')) if r['loss'] is not None)
+        assert learned['steps'] == steps and f'{tower} ({steps} steps of 32)' in done.stdout
+        for task, z in learned['zero_shot'].items():
+            assert z['accuracy'] == pytest.approx(demo['metrics'][tower][f'zero_shot_{task}'], abs=1e-6)
+            assert 100 * z['hits'] / 32 == pytest.approx(z['accuracy'])
+            low, high = wilson_interval(z['hits'], 32)
+            assert f'{z["accuracy"]:.1f} ({low:.1f}–{high:.1f})' in done.stdout
+    assert 'synthetic corpus (128 scenes × 1 epoch;' in ' '.join(done.stdout.split())
+
+    # POPE: accuracies, intervals and verdicts from each question's answer by both VLMs
+    pope_dir = out / 'vlm' / 'data' / 'pope'
+    questions = {split: [f'{split}-{json.loads(line)["question_id"]}' for line in
+                         (pope_dir / f'coco_pope_{split}.json').read_text().splitlines()]
+                 for split in ('random', 'popular', 'adversarial')}
+    correct = {}
+    for tower in MODELS:
+        rows = [json.loads(line) for line in
+                (out / 'vlm' / 'pope' / tower / 'pope_predictions.jsonl').read_text().splitlines()]
+        correct[tower] = {r['id']: pope_answer(r['prediction']) == r['label'] for r in rows}
+    check_pope_table(done.stdout, correct, questions)
+
+    # one figure, both towers in each stage
+    assert done.stdout.count('figure:  ') == 1 and f'figure:  {out / "vlm" / "loss.png"}' in done.stdout
+    assert report['figure'] == str(out / 'vlm' / 'loss.png')
+    with Image.open(report['figure']) as image:
+        assert image.size[0] > 800 and len(np.unique(np.asarray(image.convert('L')))) > 20
     import yaml
     first, second = (yaml.safe_load((out / 'vlm' / 'recipes' / f'{t}-finetune.yaml').read_text()) for t in MODELS)
     assert first['model'].pop('vision').startswith(MODELS[0]) and second['model'].pop('vision').startswith(MODELS[1])

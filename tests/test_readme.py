@@ -45,8 +45,9 @@ SKIPPED = {
     '--model clip-b16-baseline,runs/clip-b16-baseline-cc3m/checkpoints/epoch_40.pt --dataset imagenet1k '
     "--dataset cifar10 --dataset wds/mscoco_captions --dataset-root '/data/{dataset}'":
         f'needs trained checkpoints and {DATA}s (ImageNet, CIFAR-10, COCO)',
-    'python -m diffzoo.eval --run-dir runs/diffclip-tiny --every-checkpoint --dataset synthetic '
-    '--dataset-root demo/data': 'needs a training run and the demo corpus (tests/eval/test_cli.py runs one)',
+    'python -m diffzoo.eval --run-dir demo/runs/diffclip-tiny-4000x4 --every-checkpoint --dataset synthetic '
+    '--dataset-root demo/data':
+        '`make demo`\'s corpus and DiffCLIP run; test_the_quick_start_runs_as_written runs it on its smaller demo',
     'python -m diffzoo.analysis.overlays office.jpg --model diffclip-b16,cc3m --model clip-b16-baseline,cc3m '
     '--query mug --query lamp --entropy': f'{WEIGHTS} (cc3m) and an image',
     'python -m diffzoo.train.vlm --recipe paligemma-3b-vqav2-diff': f'{WEIGHTS} (PaliGemma), {DATA} (VQAv2), {GPU}',
@@ -91,7 +92,7 @@ SKIPPED = {
     'clip-b16-baseline': GPU,
     'python -m diffzoo.bench.tune --write': GPU,
     'source .venv/bin/activate': 'activates the environment make built (the quick start test runs the rest in it)',
-    'python -m diffzoo.demo --train 400 --epochs 1 --out quick': QUICK,
+    'python -m diffzoo.demo --train 1000 --epochs 3 --out quick': QUICK,
     'scripts/train.sh diffclip-tiny --train_data quick/data/train --epochs 2 --name first': QUICK,
     'python -m diffzoo.eval --run-dir runs/first --dataset synthetic --dataset-root quick/data': QUICK,
     'python -m diffzoo.train plot-lambda runs/first': QUICK,
@@ -264,3 +265,51 @@ def test_the_quick_start_runs_as_written(tmp_path):
     assert (tmp_path / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
     assert (tmp_path / 'runs' / 'first' / 'eval' / 'results.json').is_file()
     assert (tmp_path / 'runs' / 'first' / 'lambda.png').stat().st_size > 0
+    # docs/evaluation.md's evaluation of `make demo`'s run (demo/, 4000 scenes × 4 epochs), on the smaller demo above
+    demo = quick[0].split()
+    out, scenes, epochs = (demo[demo.index(flag) + 1] for flag in ('--out', '--train', '--epochs'))
+    demo_eval = next(c for c in _commands() if c.startswith('python -m diffzoo.eval --run-dir demo/runs/'))
+    argv = demo_eval.replace('demo/', f'{out}/').replace('-4000x4', f'-{scenes}x{epochs}').split()
+    done = _run([sys.executable, *argv[1:]], tmp_path, timeout=600)
+    assert done.returncode == 0, (demo_eval, done.stdout[-2000:], done.stderr[-2000:])
+    assert (tmp_path / out / 'runs' / f'diffclip-tiny-{scenes}x{epochs}' / 'eval' / 'results.json').is_file()
+
+
+# `make` installs diffzoo editable through setuptools' import hook, which Python consults after the folders of
+# sys.path: a folder named diffzoo in the current directory (the clone itself, seen from the folder holding it) wins
+# as an empty namespace package (pypa/setuptools#3557); an editable install as a sys.path entry
+# (`pip install -e . --config-settings editable_mode=compat`) or a regular one does not have the problem
+EDITABLE_HOOK = any(name.startswith('__editable___diffzoo') for name in sys.modules)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(EDITABLE_HOOK, strict=True, reason='setuptools\' editable hook comes after the current directory '
+                   '(pypa/setuptools#3557); README.md, "In Python", says so')
+def test_import_diffzoo_from_the_folder_that_holds_the_clone(tmp_path):
+    """Python started in the folder holding the clone, named diffzoo as `git clone …/diffzoo` names it:
+    `import diffzoo` is the installed package and open_clip knows its models."""
+    (tmp_path / 'diffzoo').symlink_to(ROOT, target_is_directory=True)
+    done = _run([sys.executable, '-c', 'import diffzoo, open_clip; print(diffzoo.__file__); '
+                 'print("diffclip-tiny" in open_clip.list_models())'], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    location, registered = done.stdout.split()
+    assert location.endswith(os.path.join('diffzoo', '__init__.py')) and registered == 'True', done.stdout
+
+
+def test_the_demo_run_the_pages_name_is_where_make_demo_writes_it(monkeypatch):
+    """`make demo` (python -m diffzoo.demo, its defaults) writes OUT/runs/MODEL-SCENESxEPOCHS and OUT/data: the
+    run and corpus docs/evaluation.md evaluates (the quick start test runs that command on a smaller demo)."""
+    import logging
+
+    from diffzoo import demo, demo_steps
+    seen = []
+    monkeypatch.setattr(demo_steps, 'run', lambda args: seen.append(args) or 0)
+    level = logging.getLogger().level
+    try:
+        assert demo.main([]) == 0
+    finally:
+        logging.getLogger().setLevel(level)
+    args = seen[0]
+    run_dir, data = f'{args.out}/runs/{args.model}-{args.train}x{args.epochs}', f'{args.out}/data'
+    page = TEXTS['docs/evaluation.md']
+    assert f'--run-dir {run_dir} ' in page and f'--dataset-root {data}' in page

@@ -65,11 +65,11 @@ from diffzoo._lazy import lazy_exports
 # `python -m diffzoo.analysis --help` imports this package before it parses
 _EXPORTS = {
     'layers': ('DEFINITIONS', 'analyse_clip', 'analyse_vlm'),
-    'maps': ('attention_maps', 'block_entropy', 'cls_attention', 'query_attention', 'vision_trunk'),
+    'maps': ('attention_maps', 'block_entropy', 'cls_attention', 'image_entropy', 'query_attention', 'vision_trunk'),
     'metrics': ('CATEGORIES', 'CLIP_METRICS', 'SPECIAL', 'TEXT', 'TOP_K', 'VISUAL', 'VLM_METRICS', 'attention_entropy',
                 'attention_mass', 'average_cosine_similarity', 'jaccard', 'layer_metrics', 'token_categories',
                 'top_k_tokens'),
-    'plots': ('plot_analysis', 'plot_entropy', 'plot_overlays'),
+    'plots': ('overlay_figure', 'plot_analysis', 'plot_entropy', 'plot_overlays'),
 }
 _SOURCE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_SOURCE)

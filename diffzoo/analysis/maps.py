@@ -16,7 +16,8 @@ and entries can be negative where the second map cancels the first.
 
 CLS map (no query): the class token's row over the patch tokens, averaged over heads, at one block
 (`--layer`, default the last): m_j = mean_h A_h[cls, j]. Returned signed; overlays show it clipped
-at 0 (a patch the differential map cancels is shown as not attended), divided by its maximum.
+at 0 (a patch the differential map cancels is shown as not attended), as each patch's share of the
+map's total, on one colour scale for every panel of the figure.
 
 Query map (text query "mug"): gradient-weighted attention relevance (Chefer, Gur & Wolf, "Generic
 Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers", ICCV
@@ -100,7 +101,8 @@ def query_attention(model: nn.Module, tokenizer, images: torch.Tensor, queries: 
     """(B, Q, gh, gw) gradient-weighted attention relevance of each image for each text query.
 
     Gradients are enabled inside even when called under `torch.no_grad()`; parameter `.grad`s are
-    left untouched.
+    left untouched. Two queries' maps differ as far as their text embeddings do: a model that learned
+    nothing embeds every text alike and gives every query the same map.
     """
     trunk = vision_trunk(model)
     device = next(model.parameters()).device
@@ -123,11 +125,15 @@ def query_attention(model: nn.Module, tokenizer, images: torch.Tensor, queries: 
     return torch.stack(relevance, 1).reshape(B, len(queries), *_grid(trunk))  # (B, Q, gh, gw)
 
 
-def block_entropy(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
-    """(blocks, heads) mean row entropy over query tokens and images, in nats."""
-    total = None
+def image_entropy(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """(B, blocks, heads) mean row entropy over the query tokens of each image, in nats."""
+    per_batch = []
     for start in range(0, len(images), batch_size):
         maps = attention_maps(model, images[start:start + batch_size])
-        per_layer = torch.stack([attention_entropy(a).sum((0, 2)) / a.shape[2] for a in maps.values()])  # (L, h)
-        total = per_layer if total is None else total + per_layer
-    return total / len(images)
+        per_batch.append(torch.stack([attention_entropy(a).mean(2) for a in maps.values()], 1))  # (b, L, h)
+    return torch.cat(per_batch)  # (B, L, h)
+
+
+def block_entropy(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """(blocks, heads) mean row entropy over query tokens and images, in nats."""
+    return image_entropy(model, images, batch_size).mean(0)

@@ -48,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from diffzoo.eval.models import parse_model
 
-    from .maps import block_entropy, cls_attention, query_attention, vision_trunk
+    from .maps import cls_attention, image_entropy, query_attention, vision_trunk
     from .plots import plot_entropy, plot_overlays
     from .report import entropy_table
     args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps = 2 + len(args.models)
     print(f'[1/{steps}] {len(pil)} image(s): {", ".join(args.images)}', flush=True)
 
-    maps, entropies, n_tokens = {}, {}, {}
+    maps, per_image, n_tokens = {}, {}, {}
     for step, (name, pretrained) in enumerate(((s.name, s.pretrained) for s in specs), start=2):
         column = f'{name} ({Path(pretrained).name})' if pretrained else name
         print(f'[{step}/{steps}] {column}: building' + ('' if pretrained else ' (random init: no --pretrained)'),
@@ -87,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 2
         if args.entropy:
             print('      attention entropy per block and head', flush=True)
-            entropies[column] = block_entropy(model, images)
+            per_image[column] = image_entropy(model, images)  # (images, blocks, heads)
             n_tokens[column] = trunk.patch_embed.num_patches + trunk.num_prefix_tokens
         del model
 
@@ -95,8 +95,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     written = [plot_overlays(pil, maps, args.out, queries=args.query or None)]
     if args.entropy:
         out = Path(args.out)
+        entropies = {column: e.mean(0) for column, e in per_image.items()}  # (blocks, heads)
         written.append(plot_entropy(entropies, out.with_name(f'{out.stem}_entropy.png'), n_tokens))
-        print('\n' + entropy_table(entropies, n_tokens) + '\n')
+        print('\n' + entropy_table(entropies, n_tokens, per_image) + '\n')
     for path in written:
         print(f'wrote {path}')
     return 0

@@ -20,19 +20,24 @@ def _square(image, side: int = DISPLAY_PX):
 
 
 def _display(heat: torch.Tensor, side: int = DISPLAY_PX) -> torch.Tensor:
-    """(gh, gw) map → (side, side) in [0, 1]: negatives clipped at 0, divided by the maximum."""
+    """(gh, gw) map → (side, side), bilinear: each patch's share of the map's total, negatives clipped at 0.
+    Shares, not raw values, so maps of different totals (softmax rows sum to 1, differential rows to 1 − λ,
+    relevance to whatever the gradients give) compare on one scale; a uniform map is 1 / (gh·gw) everywhere."""
     heat = heat.detach().float().cpu().clamp(min=0)
-    heat = F.interpolate(heat[None, None], size=(side, side), mode='bilinear', align_corners=False)[0, 0]
-    peak = heat.max()
-    return heat / peak if peak > 0 else heat
+    total = heat.sum()
+    heat = heat / total if total > 0 else heat
+    return F.interpolate(heat[None, None], size=(side, side), mode='bilinear', align_corners=False)[0, 0]
 
 
-def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_png,
-                  queries: Optional[Sequence] = None) -> Path:
-    """A PNG grid: one row per image (per image and query for (B, Q, gh, gw) maps), the image and then
-    one column per model (`maps`: model name → (B, gh, gw) or (B, Q, gh, gw)) with its map overlaid.
+def overlay_figure(pil_images: Sequence, maps: Mapping[str, torch.Tensor],
+                   queries: Optional[Sequence] = None) -> Figure:
+    """A grid: one row per image (per image and query for (B, Q, gh, gw) maps), the image and then one
+    column per model (`maps`: model name → (B, gh, gw) or (B, Q, gh, gw)) with its map overlaid.
 
-    `queries` labels the rows: Q strings shared by every image, or one list of Q strings per image."""
+    Each map is shown as each patch's share of its total (negatives clipped at 0), and every panel shares
+    one colour scale, 0 to the largest share in the figure, with the uniform share 1 / (gh·gw) marked on the
+    colour bar: a flat map looks flat and low, and the models compare directly. `queries` labels the rows:
+    Q strings shared by every image, or one list of Q strings per image."""
     if not maps:
         raise ValueError('plot_overlays: no maps; pass {model name: (B, gh, gw) tensor}')
     per_query = {name: m if m.ndim == 4 else m.unsqueeze(1) for name, m in maps.items()}  # (B, Q, gh, gw)
@@ -52,6 +57,8 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
 
     rows = [(b, q) for b in range(len(pil_images)) for q in range(n_queries)]
     cols = 1 + len(per_query)
+    heats = {name: [_display(m[b, q]) for b, q in rows] for name, m in per_query.items()}
+    vmax = max(h.max().item() for panels in heats.values() for h in panels) or 1.0  # all zero: any scale
     fig = Figure(figsize=(2.4 * cols + 0.8, 2.4 * len(rows) + 0.3), layout='constrained')
     axes = fig.subplots(len(rows), cols, squeeze=False)
     shown = None
@@ -59,22 +66,31 @@ def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_pn
     for r, (b, q) in enumerate(rows):
         axes[r, 0].imshow(crops[b])
         axes[r, 0].set_ylabel(f'image {b}' + (f'\n"{labels[b][q]}"' if labels[b][q] is not None else ''))
-        for c, (name, m) in enumerate(per_query.items(), start=1):
+        for c, name in enumerate(per_query, start=1):
             axes[r, c].imshow(crops[b])
-            heat = _display(m[b, q])
-            shown = axes[r, c].imshow(heat.numpy(), cmap='jet', alpha=0.5, vmin=0, vmax=1)
-            # how flat the map is: a near-uniform map fills the panel with one colour, this says so
-            axes[r, c].text(2, DISPLAY_PX - 4, f'min {heat.min().item():.0%} of max', fontsize=7, color='white',
-                            va='bottom', bbox=dict(facecolor='black', alpha=0.5, pad=1, linewidth=0))
+            shown = axes[r, c].imshow(heats[name][r].numpy(), cmap='jet', alpha=0.5, vmin=0, vmax=vmax)
         for ax in axes[r]:
             ax.set_xticks([])
             ax.set_yticks([])
     for c, name in enumerate(['image (centre crop)', *per_query], start=0):
         axes[0, c].set_title(name, fontsize=9)
-    kind = 'gradient-weighted attention relevance per query' if labels[0][0] is not None \
+    per_query_maps = labels[0][0] is not None
+    kind = 'gradient-weighted attention relevance per query' if per_query_maps \
         else 'CLS attention to patches, mean over heads (clipped at 0)'
     fig.suptitle(kind, fontsize=10)
-    fig.colorbar(shown, ax=axes[:, 1:].ravel().tolist(), shrink=0.8, label="share of each map's own maximum")
+    value = 'relevance R[CLS, patch]' if per_query_maps else 'CLS → patch attention'
+    uniform = 1 / next(iter(per_query.values()))[0, 0].numel()
+    bar = fig.colorbar(shown, ax=axes[:, 1:].ravel().tolist(), shrink=0.8,
+                       label=f'share of the map\'s {value} on each patch; one scale for every panel\n'
+                             f'(0 to the figure\'s largest share; black line: uniform, 1/{round(1 / uniform)})')
+    bar.ax.axhline(uniform, color='black', linewidth=1.5)
+    return fig
+
+
+def plot_overlays(pil_images: Sequence, maps: Mapping[str, torch.Tensor], out_png,
+                  queries: Optional[Sequence] = None) -> Path:
+    """`overlay_figure` written to `out_png` (its folder made if missing)."""
+    fig = overlay_figure(pil_images, maps, queries)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100)

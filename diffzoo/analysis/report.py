@@ -5,8 +5,13 @@ from typing import Dict, Mapping, Optional
 import torch
 
 
-def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapping[str, int]] = None) -> str:
-    """Block × model mean-over-heads entropy, then one summary number per model."""
+def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapping[str, int]] = None,
+                  per_image: Optional[Mapping[str, torch.Tensor]] = None) -> str:
+    """Block × model mean-over-heads entropy, then one summary number per model.
+
+    With `per_image` (model name → (B, blocks, heads), `maps.image_entropy` of the same B images for every
+    model) each summary number gets its 95 % interval over the images (Student's t), and two models get
+    a paired t-test of their difference over the images, said to be within chance where p ≥ 0.05."""
     names = list(entropies)
     width = max(14, *(len(n) + 2 for n in names))
     depth = max(e.shape[0] for e in entropies.values())
@@ -20,11 +25,45 @@ def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapp
         lines.append(f'  {"log N":<8}' + ''.join(
             f'{math.log(n_tokens[n]):>{width}.3f}' if n in n_tokens else f'{"":>{width}}' for n in names))
     lines.append('\n  mean attention entropy over layers and heads, in nats (lower = less diffuse/noise):')
+    image_means = {n: e.float().mean((1, 2)).double().numpy() for n, e in (per_image or {}).items()}  # (B,)
     for name, e in entropies.items():
         uniform = f'   (uniform: log {n_tokens[name]} = {math.log(n_tokens[name]):.3f})' \
             if n_tokens and name in n_tokens else ''
-        lines.append(f'    {name:<{width}}{e.float().mean().item():.3f}{uniform}')
+        spread = f'   95 % interval {_t_interval(image_means[name])} over {len(image_means[name])} images' \
+            if len(image_means.get(name, ())) > 1 else ''
+        lines.append(f'    {name:<{width}}{e.float().mean().item():.3f}{spread}{uniform}')
+    if len(names) == 2 and all(len(image_means.get(n, ())) > 1 for n in names):
+        lines.append('  ' + _paired_difference(*names, *(image_means[n] for n in names)))
     return '\n'.join(lines)
+
+
+def _t_interval(values) -> str:
+    """'a–b': the 95 % Student's t interval of the mean of `values`."""
+    from scipy import stats  # optional dependency (it comes with the train extra); only tables with spreads use it
+
+    if values.max() - values.min() < 1e-9:  # the same on every image (a uniform map): no spread to estimate
+        return f'{values.mean():.3f}–{values.mean():.3f}'
+    low, high = stats.ttest_1samp(values, 0.0).confidence_interval(0.95)
+    return f'{low:.3f}–{high:.3f}'
+
+
+def _paired_difference(a: str, b: str, values_a, values_b) -> str:
+    """One line on b − a over the same images: the mean difference, its 95 % interval and a paired t-test."""
+    from scipy import stats  # optional dependency, as in _t_interval
+
+    if len(values_a) != len(values_b):
+        return f'{b} − {a}: not compared (measured on {len(values_b)} and {len(values_a)} images)'
+    diff = values_b - values_a
+    n = len(diff)
+    if diff.max() - diff.min() < 1e-9:  # the same difference on every image: no spread to test against
+        return f'{b} − {a}: {diff.mean():+.3f} nats on every one of the {n} images'
+    test = stats.ttest_rel(values_b, values_a)
+    p = test.pvalue
+    low, high = test.confidence_interval(0.95)
+    shown = 'p < 0.001' if p < 1e-3 else f'p = {p:.2f}'
+    verdict = 'within chance' if p >= 0.05 else 'a difference beyond chance'
+    return (f'{b} − {a}: {diff.mean():+.3f} nats (95 % interval {low:+.3f} to {high:+.3f}), {verdict} '
+            f'(paired t-test over the {n} images, {shown})')
 
 
 def _fmt(value: Optional[float], width: int) -> str:

@@ -7,6 +7,7 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+from scipy import stats as scipy_stats
 import torch.nn.functional as F
 from PIL import Image
 
@@ -185,6 +186,67 @@ def test_entropy_table_and_plot(tmp_path, built):
     png = plots.plot_entropy(entropies, tmp_path / 'entropy.png', n_tokens)
     with Image.open(png) as img:
         assert img.size == (840, 480) and np.asarray(img.convert('L')).std() > 10
+
+
+def test_image_entropy_is_per_image_and_block_entropy_its_mean(built):
+    model, preprocess = built['diffclip-tiny']
+    images = _images(preprocess, 3)
+    per_image = attention.image_entropy(model, images, batch_size=2)
+    assert per_image.shape == (3, 4, 2)  # images, blocks, differential heads
+    torch.testing.assert_close(per_image.mean(0), attention.block_entropy(model, images), rtol=0, atol=1e-6)
+    assert not torch.allclose(per_image[0], per_image[1])  # each image its own
+
+
+def _summary(table):
+    lines = table.splitlines()
+    return lines[lines.index('  mean attention entropy over layers and heads, in nats (lower = less diffuse/noise):'):]
+
+
+def test_entropy_table_gives_each_mean_its_interval_and_tests_the_difference_over_the_images():
+    torch.manual_seed(0)
+    a = 4.0 + 0.05 * torch.randn(40, 4, 4)  # (images, blocks, heads)
+    noise = 0.05 * torch.randn(20, 4, 2)
+    cases = {'beyond chance': a.mean(2, keepdim=True)[..., :2] - 0.1 + noise.repeat(2, 1, 1),
+             'within chance': a.mean(2, keepdim=True)[..., :2] + 0.003 + torch.cat([noise, -noise])}
+    for verdict, b in cases.items():
+        per_image = {'clip': a, 'diffclip': b}
+        summary = _summary(report.entropy_table({n: e.mean(0) for n, e in per_image.items()}, {'clip': 65,
+                                                'diffclip': 65}, per_image))
+        for line, e in zip(summary[1:3], per_image.values()):
+            means = e.mean((1, 2)).double().numpy()
+            half = scipy_stats.t.ppf(0.975, len(means) - 1) * means.std(ddof=1) / math.sqrt(len(means))
+            assert line.split()[1] == f'{means.mean():.3f}'
+            assert f'95 % interval {means.mean() - half:.3f}–{means.mean() + half:.3f} over 40 images' in line
+        mean_a, mean_b = (e.mean((1, 2)).double().numpy() for e in (a, b))
+        diff = mean_b - mean_a
+        p = scipy_stats.ttest_rel(mean_b, mean_a).pvalue
+        assert (p < 0.05) == (verdict == 'beyond chance')
+        assert summary[3].startswith(f'  diffclip − clip: {diff.mean():+.3f} nats')
+        assert (' within chance ' in summary[3]) == (verdict == 'within chance')
+        assert 'paired t-test over the 40 images' in summary[3]
+    flat = {'clip': torch.full((40, 4, 4), math.log(65)), 'diffclip': torch.full((40, 4, 2), 4.0)}
+    summary = _summary(report.entropy_table({n: e.mean(0) for n, e in flat.items()}, None, flat))
+    assert f'95 % interval {math.log(65):.3f}–{math.log(65):.3f} over 40 images' in summary[1]
+    assert summary[3] == f'  diffclip − clip: {4.0 - math.log(65):+.3f} nats on every one of the 40 images'
+
+
+def test_overlay_figure_puts_every_panel_on_one_colour_scale():
+    pil = _scenes(2)
+    flat = torch.full((2, 8, 8), 1 / 65)  # a uniform softmax CLS row: the baseline's map before it learns anything
+    peaked = torch.zeros(2, 8, 8)
+    peaked[:, 2:4, 5:7] = 0.05  # a differential row: 4 patches share it
+    peaked[1, 0, 0] = -0.05  # cancelled by the differential map: shown as 0
+    fig = plots.overlay_figure(pil, {'clip-tiny-baseline': flat, 'diffclip-tiny': peaked})
+    overlays = [im for ax in fig.axes for im in ax.get_images() if im.get_array().ndim == 2]  # not the RGB crops
+    assert len(overlays) == 4  # 2 images × 2 models
+    vmax = max(im.get_array().max() for im in overlays)
+    assert {im.get_clim() for im in overlays} == {(0, vmax)}
+    assert 0.2 < vmax <= 0.25  # each peaked patch holds 1/4 of its map (bilinear upsampling lowers the peak a little)
+    assert min(im.get_array().min() for im in overlays) == 0
+    for im in overlays[0::2]:  # the flat map shows flat at 1/64, not filling its panel with the top colour
+        assert im.get_array().min() == pytest.approx(1 / 64) and im.get_array().max() == pytest.approx(1 / 64)
+    bar = next(ax for ax in fig.axes if 'one scale for every panel' in ax.get_ylabel())  # the colour bar says so
+    assert [line.get_ydata()[0] for line in bar.get_lines()] == [pytest.approx(1 / 64)]  # the uniform share marked
 
 
 def test_plot_overlays_grid_and_shape_checks(tmp_path):
