@@ -120,8 +120,13 @@ def interval(percent: float, n: int) -> Tuple[int, float, float]:
     if abs(100 * hits / n - percent) > 1e-3:
         raise ValueError(f'{percent}% is no whole number of hits out of {n}; the val split changed since the '
                          f'evaluation? Re-run the demo with --fresh')
+    return (hits, *wilson(hits, n))
+
+
+def wilson(hits: int, n: int) -> Tuple[float, float]:
+    """The Wilson score interval (CONFIDENCE) of hits out of n, in percent (Python floats: results.json holds them)."""
     ci = binomtest(hits, n).proportion_ci(CONFIDENCE, method='wilson')
-    return hits, float(100 * ci.low), float(100 * ci.high)  # Python floats: results.json holds them
+    return 100 * float(ci.low), 100 * float(ci.high)
 
 
 def compare(results: Dict[str, Dict[str, float]], baseline: str, model: str,

@@ -29,22 +29,17 @@ is finished. Nothing is tuned for either tower; the numbers are whatever this se
 """
 import argparse
 import json
-import math
 import random
-import re
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from diffzoo.data.llava_qa import SHORT_ANSWER as SHORT  # LLaVA-1.5's short-answer prompt, as POPE asks
 from diffzoo.data.llava_qa import exchange
+from diffzoo.demo_vlm_report import (TOWER_RUN, compare_pope, loss_figure, pope_correct, pope_questions, pope_table,
+                                     scenes_epochs, tower_report, tower_table)
 
-CONFIDENCE = 0.95  # of each accuracy's interval; the paired test's level is 1 − CONFIDENCE
-TOWER_RUN = re.compile(r'(?P<model>.+)-(?P<train>\d+)x(?P<epochs>\d+)')  # demo_steps.train's run names
-STAGES = {'pretrain': 'stage 1: captions', 'finetune': 'stage 2: presence questions'}  # recipe suffix → title
-POPE_CHANCE = 50.0  # POPE asks as many yes as no questions
 
 
 def write_sets(root: Path, scenes: int, pope_scenes: int, seed: int = 0) -> Dict[str, Path]:
@@ -156,194 +151,6 @@ def reusable_towers(directory: Path, models: Sequence[str]) -> Tuple[Tuple[int, 
                           f'--out {directory} [--train N --epochs E], or leave out --towers to train them under --out')
     setting = max(both, key=lambda s: (s[0] * s[1], s))
     return setting, {model: both[setting][model] for model in models}
-
-
-def scenes_epochs(scenes: int, epochs: int) -> str:
-    """A tower's training in words: `4,000 scenes × 4 epochs`."""
-    return f'{scenes:,} scenes × {epochs} epoch' + 's' * (epochs != 1)
-
-
-def wilson(hits: int, n: int) -> Tuple[float, float]:
-    """The Wilson score interval (CONFIDENCE) of hits out of n, in percent."""
-    from scipy.stats import binomtest
-    ci = binomtest(hits, n).proportion_ci(CONFIDENCE, method='wilson')
-    return 100 * float(ci.low), 100 * float(ci.high)
-
-
-def tower_report(towers: Dict[str, Path], val_dir: Path) -> Dict[str, Dict]:
-    """What each tower learned: its run's optimizer steps, batch and last loss (mean of its last 10 steps; ln batch
-    is the contrastive loss of guessing), and its zero-shot shape and colour accuracy on the corpus's val scenes
-    with hits, Wilson interval and chance (1 / classes), `at_chance` where the interval holds chance."""
-    import torch
-
-    from diffzoo.checkpoint import run_settings
-    from diffzoo.data.synthetic import class_names
-    from diffzoo.demo_steps import load
-    from diffzoo.eval.synthetic import encode_images, load_split, zero_shot_accuracy
-    from diffzoo.train.metrics import read_lambda_log
-    report = {}
-    for name, checkpoint in towers.items():
-        run = checkpoint.parents[1]
-        logged = [r for r in read_lambda_log(str(run)) if r.get('loss') is not None]
-        settings = run_settings(run)
-        batch = settings['batch_size'] * settings.get('accum_freq', 1) * settings.get('world_size', 1)
-        match = TOWER_RUN.fullmatch(run.name)
-        loaded = load(checkpoint)
-        images, scenes = load_split(val_dir, loaded.preprocess)
-        zero_shot = {}
-        with torch.no_grad():
-            features = encode_images(loaded.model.eval(), images)
-            for task, classes in class_names().items():
-                accuracy = zero_shot_accuracy(features, scenes, loaded.model, loaded.tokenizer, task)
-                hits, chance = round(accuracy * len(scenes) / 100), 100 / len(classes)
-                low, high = wilson(hits, len(scenes))
-                zero_shot[task] = {'accuracy': accuracy, 'hits': hits, 'n': len(scenes), 'interval': [low, high],
-                                   'chance': chance, 'at_chance': low <= chance <= high}
-        report[name] = {'checkpoint': str(checkpoint), 'train_scenes': int(match['train']) if match else None,
-                        'epochs': int(match['epochs']) if match else None,
-                        'steps': max((r['step'] for r in logged), default=0), 'batch': batch,
-                        'last_loss': sum(r['loss'] for r in logged[-10:]) / max(1, len(logged[-10:])),
-                        'chance_loss': math.log(batch), 'zero_shot': zero_shot}
-    return report
-
-
-def tower_table(report: Dict[str, Dict]) -> str:
-    """The towers' training and zero-shot accuracy against chance, and what that allows the POPE table to say."""
-    tasks = list(next(iter(report.values()))['zero_shot'])
-    label = {name: f'{name} ({r["steps"]:,} steps of {r["batch"]})' for name, r in report.items()}
-    width = max(map(len, label.values())) + 2
-    head = f'  {"tower (its training)":<{width}}' + ''.join(f'{f"zero-shot {t}":>20}' for t in tasks) + \
-        f'{"last loss":>15}'
-    lines = [head, '  ' + '─' * (len(head) - 2)]
-    for name, r in report.items():
-        cells = ''.join(f'{"{:.1f} ({:.1f}–{:.1f})".format(z["accuracy"], *z["interval"]):>20}'
-                        for z in r['zero_shot'].values())
-        lines.append(f'  {label[name]:<{width}}{cells}{r["last_loss"]:>15.2f}')
-    first = next(iter(report.values()))
-    guess = f'ln {first["batch"]} = {first["chance_loss"]:.2f}'
-    lines.append(f'  {"chance":<{width}}' + ''.join(f'{z["chance"]:>20.1f}' for z in first['zero_shot'].values())
-                 + f'{guess:>15}')
-    at_chance = [n for n, r in report.items() if all(z['at_chance'] for z in r['zero_shot'].values())]
-    trained = '; '.join(sorted({scenes_epochs(r['train_scenes'], r['epochs']) for r in report.values()
-                                if r['train_scenes']}))
-    notes = (f'Towers trained on the demo\'s synthetic corpus ({trained}; optimizer steps of the batch shown); '
-             f'zero-shot accuracy on its {first["zero_shot"][tasks[0]]["n"]} val scenes, (a–b) its Wilson '
-             f'{CONFIDENCE:.0%} interval; last loss: the mean contrastive loss of the last 10 steps. ')
-    if len(at_chance) == len(report):
-        notes += ('Both towers are at chance on every zero-shot task (each interval holds it): they learned nothing '
-                  'measurable, so no difference between the VLMs below says anything about DiffCLIP against CLIP. '
-                  'Train them on more scenes or epochs (--train, --epochs), or pass --towers DIR with better-trained '
-                  'ones.')
-    elif at_chance:
-        notes += (f'{" and ".join(at_chance)} is at chance on every zero-shot task: it learned nothing measurable, '
-                  'so a difference between the VLMs below may be the other tower\'s training, not its attention.')
-    else:
-        notes += 'Both towers are above chance on some zero-shot task.'
-    return '\n'.join(lines + [''] + textwrap.wrap(notes, width=len(head), initial_indent='  ',
-                                                   subsequent_indent='  ', break_on_hyphens=False))
-
-
-def pope_questions(pope: Path) -> Dict[str, List[str]]:
-    """The question ids of each POPE split, as `diffzoo.eval.lmm` names them (`<split>-<question_id>`)."""
-    from diffzoo.data.synthetic import POPE_SPLITS
-    return {split: [f'{split}-{json.loads(line)["question_id"]}'
-                    for line in (pope / f'coco_pope_{split}.json').read_text().splitlines() if line.strip()]
-            for split in POPE_SPLITS}
-
-
-def pope_correct(directory: Path) -> Dict[str, bool]:
-    """{question id: right} from `diffzoo.eval.lmm`'s pope_predictions.jsonl in `directory` (each question's last
-    reply, read as POPE's evaluate.py reads it)."""
-    from diffzoo.eval.lmm.metrics import pope_answer
-    rows = [json.loads(line) for line in (directory / 'pope_predictions.jsonl').read_text().splitlines()
-            if line.strip()]
-    return {r['id']: pope_answer(r['prediction']) == r['label'].strip().lower() for r in rows}
-
-
-def compare_pope(correct: Dict[str, Dict[str, bool]], baseline: str, model: str,
-                 questions: Dict[str, List[str]]) -> Dict[str, Dict]:
-    """Per split, over the questions both VLMs answered: each one's hits, accuracy, Wilson interval and whether it
-    holds chance (50 %); the questions only one got right; the exact McNemar test's two-sided p (a binomial
-    test of those at ½) and `within_chance` where p ≥ 1 − CONFIDENCE."""
-    from scipy.stats import binomtest
-    rows = {}
-    for split, ids in questions.items():
-        both = [i for i in ids if i in correct[baseline] and i in correct[model]]
-        row = {'n': len(both)}
-        for name in (baseline, model):
-            hits = sum(correct[name][i] for i in both)
-            low, high = wilson(hits, len(both))
-            row[name] = {'hits': hits, 'accuracy': 100 * hits / len(both), 'interval': [low, high],
-                         'at_chance': low <= POPE_CHANCE <= high}
-        only = {name: sum(correct[name][i] and not correct[other][i] for i in both)
-                for name, other in ((baseline, model), (model, baseline))}
-        discordant = only[baseline] + only[model]
-        p = float(binomtest(only[model], discordant, 0.5).pvalue) if discordant else 1.0
-        rows[split] = {**row, 'only_right': only, 'p_value': p, 'within_chance': p >= 1 - CONFIDENCE,
-                       'difference': row[model]['accuracy'] - row[baseline]['accuracy']}
-    return rows
-
-
-def pope_table(scores: Dict[str, Dict], comparison: Dict[str, Dict], baseline: str, model: str) -> str:
-    """POPE side by side: accuracy (interval) with n, chance and the verdict of the paired test, then precision,
-    recall, F1 and yes-ratio; below, what the intervals and the test are and which accuracies are at chance."""
-    width = max(22, len(baseline) + 2, len(model) + 2)
-    head = f'  {"POPE (%)":<24}{baseline:>{width}}{model:>{width}}{"chance":>8}{"n":>6}   difference'
-    lines = [head, '  ' + '─' * (len(head) - 2)]
-    for split, row in comparison.items():
-        cells = ''.join(f'{"{:.1f} ({:.1f}–{:.1f})".format(row[t]["accuracy"], *row[t]["interval"]):>{width}}'
-                        for t in (baseline, model))
-        p = f'p = {row["p_value"]:.2f}' if row['p_value'] >= 0.01 else 'p < 0.01'
-        verdict = f'within chance ({p})' if row['within_chance'] else f'{row["difference"]:+.1f} ({p})'
-        lines.append(f'  {split:<12}{"accuracy":<12}{cells}{POPE_CHANCE:>8.1f}{row["n"]:>6}   {verdict}')
-        for metric in ('precision', 'recall', 'f1', 'yes_ratio'):
-            lines.append(f'  {split:<12}{metric:<12}' + ''.join(f'{100 * scores[t][split][metric]:>{width}.1f}'
-                                                                for t in (baseline, model)))
-    at_chance = [f'{t} {split}' for split, row in comparison.items() for t in (baseline, model)
-                 if row[t]['at_chance']]
-    apart = [split for split, row in comparison.items() if not row['within_chance']]
-    notes = (f'(a–b): Wilson {CONFIDENCE:.0%} interval of each accuracy over its n questions (half of them yes, so '
-             f'chance is 50). difference: {model} − {baseline} where an exact McNemar test on the questions one VLM '
-             f'got right and the other wrong gives p < {1 - CONFIDENCE:.2f}; "within chance" where it does not: these '
-             f'questions cannot tell the two VLMs apart there. ')
-    notes += (f'The VLMs differ beyond chance on {", ".join(apart)}.' if apart else
-              'On no split do the VLMs differ beyond chance.')
-    if at_chance:
-        notes += ' At chance (the interval holds 50): ' + ', '.join(at_chance) + '.'
-    return '\n'.join(lines + [''] + textwrap.wrap(notes, width=len(head), initial_indent='  ',
-                                                   subsequent_indent='  ', break_on_hyphens=False))
-
-
-def loss_figure(runs: Dict[str, Dict[str, Path]], vocabulary: int, png: Path) -> Dict[str, Dict[str, Tuple]]:
-    """Both VLMs' training loss, one panel per stage (captions, then presence questions) with a line per tower,
-    and ln(vocabulary): the loss of a uniform guess over the vocabulary. `runs`: {tower: {stage: run dir}}.
-    Returns the series drawn, {stage: {tower: (steps, losses)}}."""
-    import matplotlib
-    matplotlib.use('Agg')
-    from matplotlib.figure import Figure
-
-    from diffzoo.train.vlm_trainer import run_log
-    fig = Figure(figsize=(10, 3.8))
-    axes = fig.subplots(1, len(STAGES), sharey=True)
-    series: Dict[str, Dict[str, Tuple]] = {}
-    for ax, (stage, title) in zip(axes, STAGES.items()):
-        series[stage] = {}
-        for (tower, stages), colour in zip(runs.items(), ('tab:blue', 'tab:red', 'tab:green')):
-            log = run_log(stages[stage])
-            steps, losses = [r['step'] for r in log], [r['loss'] for r in log]
-            series[stage][tower] = (steps, losses)
-            ax.plot(steps, losses, color=colour, label=tower)
-        ax.axhline(math.log(vocabulary), color='grey', linestyle='--', linewidth=1,
-                   label=f'ln {vocabulary} = {math.log(vocabulary):.2f}: uniform over the vocabulary')
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel('optimizer step')
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel('answer-token loss')
-    axes[0].legend(fontsize=8)
-    fig.suptitle('VLM training loss on each tower (same language model, data and recipe)', fontsize=11)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    return series
 
 
 def main(argv: List[str] = None) -> int:

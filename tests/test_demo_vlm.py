@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffzoo import demo_vlm
+from diffzoo import demo_vlm, demo_vlm_report
 from diffzoo.train.vlm_trainer import RunLog
 from tests.factory import call
 
@@ -137,11 +137,11 @@ def test_one_loss_figure_holds_both_towers_in_each_stage(tmp_path):
     runs = {}
     for k, name in enumerate(MODELS):
         runs[name] = {}
-        for stage in demo_vlm.STAGES:
+        for stage in demo_vlm_report.STAGES:
             runs[name][stage] = tmp_path / f'{name}-{stage}'
             write_log(runs[name][stage], [5.0 - k - i / 10 for i in range(12)])
     series = demo_vlm.loss_figure(runs, 512, tmp_path / 'loss.png')
-    assert list(series) == list(demo_vlm.STAGES) == ['pretrain', 'finetune']
+    assert list(series) == list(demo_vlm_report.STAGES) == ['pretrain', 'finetune']
     for stage, lines in series.items():
         assert list(lines) == list(MODELS)
         for name, (steps, losses) in lines.items():
