@@ -24,6 +24,7 @@ still learn colour; much fewer leave the losses at chance, ln 32 (the tiny recip
 """
 import argparse
 import logging
+import signal
 import sys
 from typing import List
 
@@ -54,7 +55,13 @@ def main(argv: List[str] = None) -> int:
             parser.error(f'--model/--baseline {name}: {exc}')
 
     from diffzoo import demo_steps  # torch, open_clip and matplotlib: imported after parsing, so --help answers at once
-    return demo_steps.run(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill ends the training child too (demo_steps.stop)
+    try:
+        return demo_steps.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what a rerun keeps, not a traceback
+        print(f'\ninterrupted: run the same command again to go on (it reuses {args.out}/data and every finished '
+              f'training, and resumes an unfinished one from its last finished epoch)', file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == '__main__':

@@ -75,19 +75,23 @@ def train(model: str, out: Path, args) -> Path:
         log.write('$ ' + ' '.join(cmd) + '\n')
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-        for line in proc.stdout:
-            log.write(line)
-            match = PROGRESS.search(line)
-            if match:
-                epoch, done, total, loss = match.groups()
-                status = (f'      {model}: epoch {int(epoch) + 1}/{args.epochs} {int(done):>6,}/{int(total):,} '
-                          f'loss {float(loss):.3f}  {time.time() - start:5.0f}s')
-                if interactive:
-                    print('\r' + status, end='', flush=True)
-                elif done == total or time.time() - shown >= PROGRESS_EVERY:
-                    shown = time.time()
-                    print(status, flush=True)
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                match = PROGRESS.search(line)
+                if match:
+                    epoch, done, total, loss = match.groups()
+                    status = (f'      {model}: epoch {int(epoch) + 1}/{args.epochs} {int(done):>6,}/{int(total):,} '
+                              f'loss {float(loss):.3f}  {time.time() - start:5.0f}s')
+                    if interactive:
+                        print('\r' + status, end='', flush=True)
+                    elif done == total or time.time() - shown >= PROGRESS_EVERY:
+                        shown = time.time()
+                        print(status, flush=True)
+            code = proc.wait()
+        except BaseException:  # Ctrl-C or an error here: the training ends with the demo, not after it
+            stop(proc)
+            raise
     if interactive:
         print(flush=True)
     if code != 0 or not last.exists():
@@ -95,6 +99,18 @@ def train(model: str, out: Path, args) -> Path:
         raise TrainingFailed(f'training {model} failed (exit {code}); the log is {log_path}:\n{tail}\n'
                              f'Re-running the demo resumes from the last finished epoch.')
     return last
+
+
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """End a training child: it has had SIGINT from the terminal already, or gets SIGTERM now; SIGKILL after
+    `grace` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def val_samples(out: Path) -> List[Dict[str, bytes]]:

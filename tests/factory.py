@@ -144,7 +144,7 @@ def serve_dataset(directory, n_images: int, missing: int, corrupt: int = 1, seed
     return rows
 
 
-def _descendants(pid: int) -> list:
+def descendants(pid: int) -> list:
     children = {}
     for stat in Path('/proc').glob('[0-9]*/stat'):
         try:
@@ -165,7 +165,7 @@ def kill_tree(pid: int) -> None:
     its workers in sessions of their own, so a process-group kill would leave them running."""
     stopped = set()
     for _ in range(3):  # freeze first, so nothing forks between the scan and the kill
-        for p in set(_descendants(pid)) - stopped:
+        for p in set(descendants(pid)) - stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGSTOP)
             stopped.add(p)

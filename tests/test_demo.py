@@ -2,9 +2,13 @@
 import hashlib
 import json
 import math
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +19,7 @@ from diffzoo.data.shards import iter_samples
 from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
-from tests.factory import call
+from tests.factory import descendants, call, kill_tree
 
 pytestmark = pytest.mark.slow  # the demo trains two models
 
@@ -158,6 +162,40 @@ def test_rerun_reuses_data_and_checkpoints(first_run):
     assert {p: p.stat().st_mtime_ns for p in (out / 'runs').rglob('*.pt')} == before
     assert {p: p.stat().st_mtime_ns for p in (out / 'data').rglob('*.tar')} == shards
     assert json.loads((out / 'results.json').read_text())['metrics'] == first['metrics']
+
+
+def test_ctrl_c_ends_on_one_line_and_stops_the_training(first_run, tmp_path):
+    """Ctrl-C (SIGINT to the demo's process group, as a terminal sends it) while a model trains: one line saying
+    what a rerun keeps, exit 130, no traceback, and the training process ends with the demo."""
+    shutil.copytree(first_run[0] / 'data', tmp_path / 'out' / 'data')
+    log = tmp_path / 'out' / 'runs' / f'{MODELS[0]}-128x1' / 'train.log'
+    proc = subprocess.Popen([sys.executable, '-m', 'diffzoo.demo', '--out', 'out', *SMALL], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        start = time.monotonic()
+        while not (log.exists() and 'Train Epoch: 0' in log.read_text()) and time.monotonic() - start < 240:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        training = descendants(proc.pid)[1:]
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        ended = time.monotonic() + 10  # the training ends with the demo; its data workers follow within a second
+        while [pid for pid in training if _running(pid)] and time.monotonic() < ended:
+            time.sleep(0.1)
+        assert training and not [pid for pid in training if _running(pid)]
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 130 and 'Traceback' not in out + err, out[-3000:] + err[-3000:]
+    assert err.strip().splitlines() == ['interrupted: run the same command again to go on (it reuses out/data and '
+                                        'every finished training, and resumes an unfinished one from its last '
+                                        'finished epoch)']
+
+
+def _running(pid):
+    try:
+        return open(f'/proc/{pid}/stat').read().rsplit(') ', 1)[1][0] != 'Z'  # a zombie has ended
+    except FileNotFoundError:
+        return False
 
 
 def test_unknown_model_is_refused_before_any_work(tmp_path):

@@ -81,10 +81,10 @@ def plot_vs_epoch(rows: Sequence[Row], path) -> Optional[Path]:
             ax.set_xlim(epochs[0] - 1, epochs[0] + 1)
             ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1))  # beside the axes: no curve hidden
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches='tight')  # the legends beside the axes included
     plt.close(fig)
     return path
