@@ -61,6 +61,8 @@ ENV = 'DIFFZOO_DATA_EVENTS'
 REPORT_FILE = 'data.jsonl'  # in the run directory, a record per epoch (diffzoo.train.data_report)
 EPOCH_FILE = 'epoch'
 SHARDS_SUFFIX = '.shards.jsonl'  # `<pid>-<epoch>.shards.jsonl`: a line per shard read to its end
+DEVICE_PREFIX = 'device-'  # `device-<pid>-<epoch>.jsonl`: the training process's lines under data_backend device
+DEVICE_COUNTS = ('pil_decodes', 'fill_repeats')  # what that journal counts besides skips (diffzoo.train.device_loader)
 INDEX = '__index__'  # a sample's position in its shard, set by `tarfile_to_samples_nothrow`
 SAMPLE_REASONS = {
     'undecodable_image': 'undecodable image',
@@ -94,8 +96,8 @@ class _ProcessLog:
     """One process's journal (a data-loader worker, or the trainer with workers=0): what happened since the
     last line, appended as one JSON line per batch; `data_report.collect` adds the lines up."""
 
-    def __init__(self, directory: str):
-        self.where, self.directory, self.pid = directory, Path(directory), os.getpid()
+    def __init__(self, directory: str, prefix: str = ''):
+        self.where, self.directory, self.pid, self.prefix = directory, Path(directory), os.getpid(), prefix
         self.epoch: Optional[int] = None
         self.file = self.shards_file = None
         self.reset()
@@ -108,6 +110,8 @@ class _ProcessLog:
         self.skips: List[list] = []  # [reason, url, position, key], as met
         self.passes = 0  # passes over this process's shards completed
         self.last_sample = (None, None, None)  # (url, position, key) of the sample being decoded
+        self.untrained: Dict[str, List[int]] = {}  # data_backend device: positions a worker counted, not trained
+        self.device: Dict[str, int] = {}  # data_backend device: 'pil_decodes', 'fill_repeats'
 
     def start_pass(self) -> None:
         """A pass over this process's shards begins: a new epoch (as `start_epoch` wrote it) starts a new journal."""
@@ -140,11 +144,12 @@ class _ProcessLog:
         """Append what changed since the last line, if anything did."""
         line = {name: value for name, value in (('open', self.opened), ('read', self.read), ('trained', self.trained),
                                                 ('readable', self.readable), ('skip', self.skips),
-                                                ('passes', self.passes)) if value}
+                                                ('passes', self.passes), ('untrained', self.untrained),
+                                                ('device', self.device)) if value}
         if not line:
             return
         if self.file is None:  # this epoch's journal (epoch None: what is read outside the training epochs)
-            self.file = open(self.directory / f'{self.pid}-{self.epoch}.jsonl', 'a')
+            self.file = open(self.directory / f'{self.prefix}{self.pid}-{self.epoch}.jsonl', 'a')
         self.file.write(json.dumps(line, separators=(',', ':')) + '\n')
         self.file.flush()  # the trainer reads the journal once it holds the batch
         last_sample = self.last_sample
@@ -153,6 +158,7 @@ class _ProcessLog:
 
 
 _LOG: Optional[_ProcessLog] = None
+_DEVICE_LOG: Optional[_ProcessLog] = None
 
 
 def _log() -> Optional[_ProcessLog]:
@@ -163,6 +169,19 @@ def _log() -> Optional[_ProcessLog]:
     if _LOG is None or _LOG.where != directory or _LOG.pid != os.getpid():  # (per sample: no Path built)
         _LOG = _ProcessLog(directory)  # new process (a forked worker starts with its parent's object)
     return _LOG
+
+
+def device_log() -> Optional[_ProcessLog]:
+    """The training process's own journal under data_backend device (`diffzoo.train.device_loader`): images
+    skipped after a worker counted them as trained (`untrained`), samples trained again to fill the epoch's last
+    batch, PIL decodes; `data_report.collect` adds it to the workers' journals but not to the loader processes."""
+    global _DEVICE_LOG
+    directory = os.environ.get(ENV)
+    if not directory:
+        return None
+    if _DEVICE_LOG is None or _DEVICE_LOG.where != directory or _DEVICE_LOG.pid != os.getpid():
+        _DEVICE_LOG = _ProcessLog(directory, DEVICE_PREFIX)
+    return _DEVICE_LOG
 
 
 def filter_no_caption_or_no_image(sample: Dict) -> bool:

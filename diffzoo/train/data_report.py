@@ -18,8 +18,8 @@ from open_clip_train.data import expand_urls, get_dataset_size
 
 from diffzoo.data.keys import repeats_across
 from diffzoo.data.shards import SIZES_FILE, DataError, read_sizes
-from .data_events import (EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS, SHARDS_SUFFIX, mark, size,
-                          union)
+from .data_events import (DEVICE_COUNTS, DEVICE_PREFIX, EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS,
+                          SHARDS_SUFFIX, mark, size, union)
 
 
 def start_epoch(directory, epoch: int) -> None:
@@ -32,12 +32,17 @@ def start_epoch(directory, epoch: int) -> None:
 def collect(directory, epoch: Optional[int] = None) -> Dict:
     """One rank's counts for `epoch` (None: what was read outside `start_epoch`'s epochs, e.g. validation
     shards): every process's journal of `directory` for it, added up, and the shards read to their end
-    ({url: [samples, with an image, keys, key repeats]})."""
+    ({url: [samples, with an image, keys, key repeats]}). Under data_backend device the training process's
+    journal takes back what it could not decode (`untrained`) and adds its counts (`device`: PIL decodes, fill
+    repeats); it is no loader process."""
     total = {'shards': Counter(), 'read': 0, 'trained': 0, 'trained_bits': {}, 'readable_bits': {}, 'bad_bits': {},
-             'bad_shards': {}, 'events': Counter(), 'examples': [], 'processes': 0, 'all_read': True, 'ended': {}}
-    examples = {}
+             'bad_shards': {}, 'events': Counter(), 'examples': [], 'processes': 0, 'all_read': True, 'ended': {},
+             'device': None}
+    examples, untrained = {}, {}
     for path in sorted(Path(directory).glob(f'*-{epoch}.jsonl')):
-        passes = 0
+        passes, loader = 0, not path.name.startswith(DEVICE_PREFIX)
+        if not loader and total['device'] is None:
+            total['device'] = Counter()
         for line in path.read_text().splitlines():
             try:
                 entry = json.loads(line)
@@ -54,6 +59,12 @@ def collect(directory, epoch: Optional[int] = None) -> Dict:
             for url, positions in entry.get('readable', {}).items():
                 for position in positions:
                     mark(total['readable_bits'], url, position)
+            for url, positions in entry.get('untrained', {}).items():
+                total['trained'] -= len(positions)
+                for position in positions:
+                    mark(untrained, url, position)
+            if not loader:
+                total['device'].update(entry.get('device', {}))
             for reason, url, position, key in entry.get('skip', ()):
                 total['events'][reason] += 1
                 if reason in SHARD_REASONS:
@@ -62,8 +73,13 @@ def collect(directory, epoch: Optional[int] = None) -> Dict:
                     mark(total['bad_bits'].setdefault(reason, {}), url, position)
                 if len(examples) < MAX_EXAMPLES:
                     examples.setdefault((reason, url, key), None)
-        total['processes'] += 1
-        total['all_read'] &= passes > 0
+        if loader:
+            total['processes'] += 1
+            total['all_read'] &= passes > 0
+    for url, bits in untrained.items():  # a file no decoder reads never trains, however often it is met
+        for name in ('trained_bits', 'readable_bits'):
+            if url in total[name]:
+                total[name][url] &= ~bits
     for path in sorted(Path(directory).glob(f'*-{epoch}{SHARDS_SUFFIX}')):
         for line in path.read_text().splitlines():
             try:
@@ -113,7 +129,8 @@ def sizes_comparison(ended: Dict[str, list], sizes: Optional[Dict[str, int]]) ->
 def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int]] = None) -> Dict:
     """What data.jsonl holds for an epoch (1-based): the ranks' counts merged, distinct samples and shards
     as the union over ranks, plus each rank's shards and totals; the shards read to their end compared with
-    `sizes` (the sizes.json that sized the epoch, if one did)."""
+    `sizes` (the sizes.json that sized the epoch, if one did); under data_backend device, `device_data`: images
+    decoded by PIL and samples trained again to fill the holes that skipped images left (`device_loader`)."""
     trained_bits, readable_bits, bad_bits, bad_shards, events, ended = {}, {}, {}, {}, Counter(), {}
     for r in per_rank:
         for url, shard in r.get('ended', {}).items():
@@ -131,6 +148,8 @@ def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int
                **{reason: len(urls) for reason, urls in bad_shards.items()}}
     examples = list({e: None for r in per_rank for e in r['examples']})
     repeats, repeat_examples = key_repeats(ended)
+    devices = [r['device'] for r in per_rank if r.get('device') is not None]
+    device = {'device_data': {name: sum(d.get(name, 0) for d in devices) for name in DEVICE_COUNTS}} if devices else {}
     return {
         'epoch': epoch, 'samples_trained': trained, 'samples_distinct': distinct, 'samples_repeated': trained - distinct,
         'samples_read': sum(r['read'] for r in per_rank), 'samples_readable': size(readable_bits),
@@ -141,6 +160,7 @@ def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int
         'sizes_json': sizes_comparison(ended, sizes),
         'ranks': [{'shards': dict(r['shards']), 'samples_read': r['read'], 'samples_trained': r['trained'],
                    'skip_events': dict(r['events'])} for r in per_rank],
+        **device,
     }
 
 
@@ -168,6 +188,11 @@ def summary(record: Dict) -> str:
         lines.append(f'  skipped {n} {noun}{again}' + (f' ({where})' if where else ''))
     if record.get('key_repeats'):
         lines.append(f'  {_key_repeats(record)}')
+    device = record.get('device_data') or {}
+    if any(device.values()):
+        lines.append(f'  decoded on the device, except {device["pil_decodes"]:,} image(s) by PIL (PNG, WebP, CMYK or '
+                     f'refused by the JPEG decoder); {device["fill_repeats"]:,} sample(s) trained again to fill the '
+                     f'holes skipped images left in the last batch (among the repeats)')
     compared = record.get('sizes_json')
     for kind, fewer in (('under', True), ('over', False)):
         if compared and compared[f'{kind}counted_shards']:

@@ -12,6 +12,9 @@ A recipe key is either one of open_clip_train's own flags, spelt with underscore
 - `distributed_loss`: `auto` adds `--local-loss --gather-with-grad` when the world size is > 1.
 - `lambda_lr`: λ and the sub-norm in AdamW groups of their own at this learning rate, under the same
   schedule (`diffzoo.train.lambda_lr`); default: `lr`, as open_clip_train trains them.
+- `data_backend`: `open_clip` (default: the data-loader workers decode and augment each image) or `device`
+  (they hand over the encoded images; the training process decodes and augments each batch on its device,
+  `diffzoo.train.device_data`).
 - `base`: another recipe this one extends (a shipped name or a path relative to this file).
 
 `train_data` is a shard directory (all its `*.tar`), a brace pattern or a `::` list; `${VAR}`
@@ -44,6 +47,7 @@ DIFFZOO_KEYS = {
     'warmup_epochs': 'warm-up length in epochs (turned into open_clip steps)',
     'distributed_loss': 'auto | true | false: --local-loss --gather-with-grad on > 1 process',
     'lambda_lr': 'learning rate of λ and the sub-norm, their own AdamW groups (default: lr)',
+    'data_backend': 'open_clip | device: JPEG decode and augmentation in the loader workers or on the device',
 }
 # open_clip flags that diffzoo computes; a recipe gives the diffzoo key instead.
 DERIVED = {'batch_size': 'global_batch_size', 'accum_freq': 'global_batch_size',
@@ -91,6 +95,7 @@ DIFFZOO_SCHEMA = {
     'warmup_epochs': Key((int, float), None, DIFFZOO_KEYS['warmup_epochs']),
     'distributed_loss': Key((str, bool), 'auto', DIFFZOO_KEYS['distributed_loss'], ('auto', True, False)),
     'lambda_lr': Key((int, float), None, DIFFZOO_KEYS['lambda_lr']),
+    'data_backend': Key((str,), 'open_clip', DIFFZOO_KEYS['data_backend'], ('open_clip', 'device')),
 }
 POSITIVE = ('global_batch_size', 'max_batch_per_gpu', 'lr', 'epochs', 'batch_size', 'lambda_lr')  # > 0
 NON_NEGATIVE = ('warmup_epochs', 'workers', 'wd')  # ≥ 0

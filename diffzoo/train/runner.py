@@ -141,7 +141,8 @@ def run(argv: List[str], doc: str = '') -> int:
         print(f'resuming {args.name} from epoch {done} of {args.epochs} (checkpoint {latest_checkpoint(checkpoints)})',
               flush=True)
 
-    with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr):
+    data_backend = plan.recipe.get('data_backend', 'open_clip') if plan is not None else 'open_clip'
+    with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr, data_backend):
         try:
             result = open_clip_train.main.main(argv)
         except KeyboardInterrupt:

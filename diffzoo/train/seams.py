@@ -19,6 +19,9 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   `open_clip_train.data.get_wds_dataset` hands that shuffle the run's seed and rank and the dataset's
   epoch, so a resumed run replays the uninterrupted run's sample order and augmentations; its
   `to_tuple` and `batched` count the samples trained (`diffzoo.train.data_events.CountingWebdataset`).
+- with a recipe's `data_backend: device`, `open_clip_train.data.get_wds_dataset` again, for training data: the
+  workers hand over encoded images, crop boxes and tokens, and the training process decodes and transforms
+  each batch on its device (`diffzoo.train.device_data`, `diffzoo.train.device_loader`).
 - `open_clip_train.main.pt_load`, which main uses only to read the checkpoint it resumes from, and
   `.get_latest_checkpoint`, its choice of that checkpoint: `diffzoo.train.resume` reads it with
   weights_only=True whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, locally or through fsspec, falls back to
@@ -50,7 +53,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from diffzoo.clip.seams import expect_function
-from . import data_events, data_report, lambda_lr
+from . import data_events, data_report, device_data, lambda_lr
 from .metrics import LambdaLog, drop_records_after
 from .resume import latest_checkpoint, load_resume_checkpoint
 from .saving import TorchForCheckpoints
@@ -136,9 +139,12 @@ def _epoch_wrapper(original, events_dir: str):
 
 
 @contextlib.contextmanager
-def installed(lambda_lr_scale: Optional[float] = None):
+def installed(lambda_lr_scale: Optional[float] = None, data_backend: str = 'open_clip'):
     """Patch open_clip_train for one run and restore it afterwards; `lambda_lr_scale`: λ and the sub-norm
-    train at this multiple of the schedule's lr (`diffzoo.train.lambda_lr`)."""
+    train at this multiple of the schedule's lr (`diffzoo.train.lambda_lr`); `data_backend` 'device': images
+    decoded and transformed in the training process, on its device (`diffzoo.train.device_data`)."""
+    if data_backend not in device_data.BACKENDS:
+        raise ValueError(f'data_backend {data_backend!r}: one of {", ".join(device_data.BACKENDS)}')
     data_mod, main_mod, scheduler_mod = open_clip_train.data, open_clip_train.main, open_clip_train.scheduler
     originals = {
         (data_mod, 'filter_no_caption_or_no_image'): expect_function(data_mod, 'filter_no_caption_or_no_image',
@@ -186,6 +192,8 @@ def installed(lambda_lr_scale: Optional[float] = None):
         seeded = WebdatasetSeededShuffle(webdataset_module)
         data_mod.wds = data_events.CountingWebdataset(seeded)
         data_mod.get_wds_dataset = seeded.bind(originals[(data_mod, 'get_wds_dataset')])
+        if data_backend == 'device':
+            data_mod.get_wds_dataset = device_data.wds_dataset_on_device(data_mod.get_wds_dataset, data_mod)
         main_mod.pt_load = load_resume_checkpoint
         main_mod.get_latest_checkpoint = latest_checkpoint
         main_mod.setup_logging = _quiet_console(originals[(main_mod, 'setup_logging')])

@@ -1,0 +1,183 @@
+"""`data_backend: device`, the data-loader workers' side: encoded images, crop boxes and tokens, not pixels.
+
+open_clip_train's workers decode every JPEG and run the train transform on a CPU core (~2.7 ms a 256 px image);
+with this backend they run open_clip's own pipeline (`get_wds_dataset`: the same shards, shuffles, sharding over
+ranks and workers, epochs and data accounting) with three of its stages swapped for cheap ones:
+
+- `decode`: an image member is not decoded; its header is read (PIL parses it without decoding the pixels) for
+  its size, and a file whose header PIL cannot read is skipped and counted as the default path counts it
+  (`data_events.log_and_continue`: an undecodable image). Captions and json decode as before.
+- the image transform: `RandomResizedCrop.get_params` draws the crop box from the header's size, with the scale
+  and ratio of the transform open_clip built for the model (`TrainTransform.of`), from the worker's torch
+  generator as the transform itself would (so `diffzoo.train.shuffle`'s seeding gives the same boxes, run after
+  run and on resume).
+- `batched`: the batch is one uint8 buffer of the encoded files with their lengths, the boxes, which images go
+  to PIL rather than the JPEG decoder (`EncodedImage.needs_pil`), the samples' ids (shard url, position, key)
+  and the tokens; `data_events.Batched` counts it as before.
+
+`get_wds_dataset` wraps open_clip_train's for training data only (validation keeps the default path) and
+hands its loader to `diffzoo.train.device_loader.DeviceLoader`, which decodes and transforms each batch in
+the training process, on its device.
+"""
+import functools
+import io
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from PIL import Image
+from torchvision.transforms import InterpolationMode, Normalize, RandomResizedCrop
+
+from diffzoo.data.shards import IMAGE_EXTS
+from diffzoo.recipes import RecipeError
+from . import data_events
+from .device_loader import DeviceLoader
+
+BACKENDS = ('open_clip', 'device')  # the `data_backend` recipe key's values
+# open_clip's train transform between its crop and its normalisation: RGB conversion and ToTensor
+_BETWEEN = ('MaybeConvertMode', '_convert_to_rgb', 'ToTensor', 'MaybeToTensor')
+_JPEG_END = b'\xff\xd9'  # EOI: a JPEG without it at its end is cut short, or has bytes after it
+
+
+@dataclass(frozen=True)
+class TrainTransform:
+    """open_clip's train transform as data: RandomResizedCrop(size, scale, ratio, interpolation, antialias),
+    RGB, ToTensor, Normalize(mean, std)."""
+    size: Tuple[int, int]
+    scale: Tuple[float, float]
+    ratio: Tuple[float, float]
+    interpolation: InterpolationMode
+    antialias: bool
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+
+    @classmethod
+    def of(cls, transform) -> 'TrainTransform':
+        """The settings of `transform` (open_clip's `image_transform(is_train=True)`, a torchvision Compose);
+        a transform with other steps (colour jitter, greyscale, timm's) is refused by name."""
+        steps = list(getattr(transform, 'transforms', [transform]))
+        crop, normalize = steps[0], steps[-1]
+        names = [getattr(s, '__name__', type(s).__name__) for s in steps[1:-1]]
+        others = [n for n in names if n not in _BETWEEN]
+        if not isinstance(crop, RandomResizedCrop) or not isinstance(normalize, Normalize) or others:
+            found = ', '.join(getattr(s, '__name__', type(s).__name__) for s in steps)
+            raise RecipeError(f'data_backend device runs open_clip\'s default train transform (RandomResizedCrop, '
+                              f'RGB, ToTensor, Normalize) on the device; this run\'s is {found}. Leave out the '
+                              f'augmentation settings that add steps (--aug-cfg), or use data_backend open_clip')
+        if crop.interpolation not in (InterpolationMode.BICUBIC, InterpolationMode.BILINEAR):
+            raise RecipeError(f'data_backend device resizes bicubic or bilinear; the train transform\'s crop '
+                              f'resizes {crop.interpolation.value}: use data_backend open_clip')
+        return cls(tuple(crop.size), tuple(crop.scale), tuple(crop.ratio), crop.interpolation,
+                   bool(crop.antialias), tuple(normalize.mean), tuple(normalize.std))
+
+
+class EncodedImage:
+    """An image member as the worker keeps it: its bytes, its header (a PIL image not yet decoded) and, once
+    `CropDraw` has run, its crop box (top, left, height, width)."""
+    __slots__ = ('data', 'header', 'box')
+
+    def __init__(self, data: bytes, header: Image.Image):
+        self.data, self.header, self.box = data, header, None
+
+    @property
+    def needs_pil(self) -> bool:
+        """Decoded by PIL, as open_clip decodes it, rather than the JPEG decoder: not a JPEG (PNG, WebP), a JPEG in
+        another colour space than RGB or greyscale (CMYK), or one whose end marker is missing (cut short: PIL
+        decides whether it is readable, as on the default path)."""
+        return (self.header.format != 'JPEG' or self.header.mode not in ('RGB', 'L')
+                or not self.data.rstrip(b'\x00\r\n ').endswith(_JPEG_END))
+
+
+def encoded_image(key: str, data: bytes) -> Optional[EncodedImage]:
+    """A webdataset decoder handler (`wds.decode(encoded_image)`): image members become `EncodedImage`s, other
+    members go on to webdataset's own decoders. Raises PIL's error for a file whose header it cannot read."""
+    if key.rsplit('.', 1)[-1].lower() not in IMAGE_EXTS:
+        return None
+    return EncodedImage(data, Image.open(io.BytesIO(data)))  # the header only: no pixel is decoded
+
+
+class CropDraw:
+    """The image transform of open_clip's pipeline, as far as the worker runs it: the random crop's box, drawn
+    by torchvision's `RandomResizedCrop.get_params` from the header's size, as `transform.forward` draws it."""
+
+    def __init__(self, transform: TrainTransform):
+        self.transform = transform
+
+    def __call__(self, image: EncodedImage) -> EncodedImage:
+        image.box = RandomResizedCrop.get_params(image.header, list(self.transform.scale), list(self.transform.ratio))
+        return image
+
+
+class DeviceTuples(data_events.NumberedTuples):
+    """`data_events.NumberedTuples` that also keeps each sample's key (for the examples of what is skipped)."""
+
+    def run(self, src):
+        last = {}
+
+        def remembered(samples):
+            for sample in samples:
+                last['key'] = sample.get('__key__')
+                yield sample
+
+        for result in super().run(remembered(src)):
+            if isinstance(result, data_events._Numbered):
+                result.key = last['key']
+            yield result
+
+
+def collate_encoded(samples: List[tuple]) -> tuple:
+    """(encoded batch, tokens) from (EncodedImage, tokens) tuples: the files as one uint8 buffer and their
+    lengths (one shared-memory tensor for the batch, not one per image), the crop boxes, which go to PIL, and
+    the samples' (url, position, key) (None where the pipeline does not number them)."""
+    images = [image for image, _ in samples]
+    data = bytearray(b''.join(image.data for image in images))
+    batch = {
+        'data': torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
+        'lengths': torch.tensor([len(image.data) for image in images], dtype=torch.int64),
+        'boxes': torch.tensor([image.box for image in images], dtype=torch.int64).reshape(-1, 4),  # (B, 4)
+        'needs_pil': torch.tensor([image.needs_pil for image in images], dtype=torch.bool),
+        'ids': [(*(getattr(s, 'sample_id', None) or (None, None)), getattr(s, 'key', None)) for s in samples],
+    }
+    return batch, torch.stack([tokens for _, tokens in samples])  # tokens: (B, context)
+
+
+class DeviceWebdataset:
+    """The webdataset module as open_clip_train.data sees it while it builds a training pipeline for this
+    backend: `decode` reads headers only, `to_tuple` keeps keys, `batched` collates encoded images."""
+
+    to_tuple = DeviceTuples
+
+    def __init__(self, module):
+        self._module = module
+
+    def decode(self, *handlers, handler=None, **kwargs):
+        """open_clip's `wds.decode("pilrgb", handler=…)`: the same stage and handler, with image members kept
+        encoded instead of decoded to PIL."""
+        return self._module.decode(encoded_image, handler=handler, **kwargs)
+
+    @staticmethod
+    def batched(batchsize: int, partial: bool = True):
+        return data_events.Batched(batchsize, collation_fn=collate_encoded, partial=partial)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def wds_dataset_on_device(build, data_module):
+    """`build` (open_clip_train.data.get_wds_dataset, as diffzoo.train.seams has wrapped it) building training
+    pipelines for this backend: `data_module.wds` is `DeviceWebdataset` while it builds, the image transform is
+    `CropDraw` of the one open_clip passes, and the DataInfo's loader a `DeviceLoader`."""
+    @functools.wraps(build)  # its signature too, which train.seams checks
+    def get_wds_dataset(args, preprocess_img, is_train, *rest, **kwargs):
+        if not is_train:
+            return build(args, preprocess_img, is_train, *rest, **kwargs)
+        transform = TrainTransform.of(preprocess_img)
+        module = data_module.wds
+        data_module.wds = DeviceWebdataset(module)
+        try:
+            info = build(args, CropDraw(transform), is_train, *rest, **kwargs)
+        finally:
+            data_module.wds = module
+        info.dataloader = DeviceLoader(info.dataloader, transform, args.batch_size, torch.device(args.device))
+        return info
+    return get_wds_dataset

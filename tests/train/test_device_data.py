@@ -1,0 +1,192 @@
+"""data_backend device on real shards, against open_clip's own pipeline: open_clip_train's training loader built by
+`get_wds_dataset` with diffzoo.train.seams installed either way (the same shards, shuffles and data accounting),
+the crop draws and the decoders; the slow tests train through `python -m diffzoo.train`."""
+import argparse
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import open_clip
+import open_clip_train.data
+import pytest
+import torch
+from PIL import Image
+from scipy import stats
+from torchvision.transforms import RandomResizedCrop
+
+from diffzoo.recipes import RecipeError
+from diffzoo.train import data_events, data_report, seams
+from diffzoo.train.device_data import CropDraw, TrainTransform, encoded_image
+from diffzoo.train.device_loader import decode_images, pil_decode
+from diffzoo.train.launch import main as train_main
+from tests.factory import call, jpeg, run, sample, write_shards
+
+MODEL = 'clip-tiny-baseline'
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as the tiny recipes train
+
+
+def _encoded(img: Image.Image, fmt: str = 'JPEG', mode: str = 'RGB', cut: bool = False) -> bytes:
+    buf = io.BytesIO()
+    img.convert(mode).save(buf, fmt)
+    data = buf.getvalue()
+    return data[:len(data) // 2] if cut else data
+
+
+def _epoch(urls, backend: str, batch_size: int, samples: int, workers: int = 1):
+    """Epoch 0 of open_clip_train's training loader with diffzoo's seams and `backend`: ([(images, tokens)], the
+    epoch's data.jsonl record)."""
+    size = open_clip.get_model_config(MODEL)['vision_cfg']['image_size']
+    preprocess = open_clip.image_transform(size, is_train=True, mean=MEAN, std=STD)
+    args = argparse.Namespace(train_data='::'.join(map(str, urls)), val_data=None, train_num_samples=samples,
+                              dataset_resampled=False, train_data_upsampling_factors=None, seed=0,
+                              batch_size=batch_size, world_size=1, rank=0, workers=workers, device='cpu')
+    with seams.installed(data_backend=backend):
+        events = os.environ[data_events.ENV]
+        data_report.start_epoch(events, 0)
+        info = open_clip_train.data.get_wds_dataset(args, preprocess, True, epoch=0,
+                                                    tokenizer=open_clip.get_tokenizer(MODEL))
+        info.set_epoch(0)
+        batches = [(images.clone(), tokens.clone()) for images, tokens in info.dataloader]
+        assert len(batches) == info.dataloader.num_batches
+        return batches, data_report.epoch_record(1, [data_report.collect(events, 0)])
+
+
+def test_an_epoch_trains_open_clips_samples_in_its_order_with_its_pixels(tmp_path):
+    """3 shards of 8: a file that is no image (skipped by the worker, from its header), a PNG and a CMYK JPEG (PIL
+    decodes them on the device's side, counted). Batches of 4, 24 samples: the same 6 batches, tokens for tokens,
+    as open_clip's pipeline, each pixel within 1/255 of its PIL resize, and the same data.jsonl record."""
+    image, _ = sample(3)
+    write_shards(tmp_path / 'shards', 3, 8, corrupt={(1, 2)},
+                 members={(0, 3): {'jpg': _encoded(image, 'PNG')}, (2, 5): {'jpg': _encoded(image, mode='CMYK')}})
+    urls = sorted((tmp_path / 'shards').glob('*.tar'))
+    plain, plain_record = _epoch(urls, 'open_clip', 4, 24)
+    device, device_record = _epoch(urls, 'device', 4, 24)
+    assert len(device) == len(plain) == 6
+    for (a, ta), (b, tb) in zip(plain, device):
+        assert torch.equal(ta, tb)  # the same samples in the same order
+        assert a.shape == b.shape and b.dtype == torch.float32
+        assert (a - b).abs().max() <= 1 / 255 / min(STD) + 1e-5  # PIL's resize against torch's: rounding
+    a, b = (torch.cat([images for images, _ in batches]) for batches in (plain, device))
+    assert torch.allclose(a.mean((0, 2, 3)), b.mean((0, 2, 3)), atol=1e-3)  # pixel statistics after normalisation
+    assert torch.allclose(a.std((0, 2, 3)), b.std((0, 2, 3)), atol=1e-3)
+    assert device_record.pop('device_data') == {'pil_decodes': 2, 'fill_repeats': 0}
+    assert device_record == plain_record
+    assert plain_record['skipped'] == {'undecodable_image': 1} and plain_record['samples_readable'] == 23
+
+
+def test_images_only_the_training_process_finds_unreadable_are_skipped_counted_and_their_holes_filled(tmp_path):
+    """4 JPEGs cut short (their headers read, their pixels not): the workers batch them, the training process
+    skips them and tops its batches up. An epoch of 60 in batches of 4 reads every sample: the same samples
+    trained, distinct, repeated and skipped as open_clip's pipeline, the holes left at the end filled with
+    samples of the epoch and counted as repeats."""
+    cut = {(0, 1), (1, 4), (2, 0), (2, 7)}
+    members = {where: {'jpg': _encoded(sample(i)[0], cut=True)} for i, where in enumerate(sorted(cut))}
+    write_shards(tmp_path / 'shards', 3, 8, members=members)
+    urls = sorted((tmp_path / 'shards').glob('*.tar'))
+    plain, plain_record = _epoch(urls, 'open_clip', 4, 60, workers=0)
+    device, device_record = _epoch(urls, 'device', 4, 60, workers=0)
+    assert len(device) == len(plain) == 15 and all(images.shape[0] == 4 for images, _ in device)
+    keys = ('samples_trained', 'samples_distinct', 'samples_repeated', 'samples_readable', 'skipped')
+    assert [device_record[k] for k in keys] == [plain_record[k] for k in keys] == [60, 20, 40, 20,
+                                                                                     {'undecodable_image': 4}]
+    dropped = device_record['skip_events']['undecodable_image']
+    assert device_record['device_data'] == {'pil_decodes': dropped, 'fill_repeats': dropped}
+    assert {os.path.basename(u) + '/' + k for r, u, k in device_record['examples']} == {
+        f'{s:05d}.tar/{s:05d}{i:04d}' for s, i in cut}
+    assert f'{dropped} sample(s) trained again to fill the holes' in data_report.summary(device_record)
+
+
+def test_crop_boxes_follow_open_clips_random_resized_crop():
+    """10,000 boxes drawn from a JPEG's header against 10,000 of torchvision's RandomResizedCrop with the scale and
+    ratio of open_clip's train transform for the model (another seed): the same distributions of area share and
+    aspect (two-sample KS); and with the same seed, the same boxes."""
+    data = _encoded(sample(0)[0].resize((256, 256)))  # square: most draws fit, the rest fall back to the whole
+    preprocess = open_clip.image_transform(224, is_train=True)
+    draw = CropDraw(TrainTransform.of(preprocess))
+    crop = preprocess.transforms[0]
+    image = encoded_image('.jpg', data)
+
+    def boxes(seed, fn, n=10_000):
+        torch.manual_seed(seed)
+        out = np.array([fn() for _ in range(n)], dtype=float)  # (n, 4): top, left, height, width
+        return out[:, 2] * out[:, 3] / 256 ** 2, np.log(out[:, 3] / out[:, 2])
+    ours = boxes(1, lambda: draw(image).box)
+    theirs = boxes(2, lambda: crop.get_params(image.header, crop.scale, crop.ratio))
+    for a, b in zip(ours, theirs):
+        assert stats.ks_2samp(a, b).pvalue > 0.01
+    assert ours[0].min() > 0.89  # open_clip's scale (0.9, 1.0), read from its transform (boxes in whole pixels)
+    same = boxes(2, lambda: draw(image).box, n=1000)
+    assert all(np.array_equal(a, b[:1000]) for a, b in zip(same, theirs))
+
+
+@pytest.mark.filterwarnings('ignore:Unused augmentation cfg items')  # open_clip warns of the jitter it applies
+def test_the_transform_is_read_from_open_clips_and_one_with_other_steps_is_refused():
+    transform = TrainTransform.of(open_clip.image_transform(64, True, mean=MEAN, std=STD, aug_cfg={'scale': (0.5, 1)}))
+    assert (transform.size, transform.scale, transform.mean, transform.std) == ((64, 64), (0.5, 1), MEAN, STD)
+    assert transform.ratio == pytest.approx((3 / 4, 4 / 3)) and transform.antialias
+    jitter = open_clip.image_transform(64, True, aug_cfg={'color_jitter': (0.4, 0.4, 0.4, 0.1), 'color_jitter_prob': 0.8})
+    with pytest.raises(RecipeError, match='color_jitter.*use data_backend open_clip'):
+        TrainTransform.of(jitter)
+
+
+def test_a_batch_the_jpeg_decoder_refuses_is_decoded_one_by_one_and_by_pil():
+    """A cut JPEG sent to the JPEG decoder fails the batch call: the others decode one by one, exactly as PIL
+    decodes them (libjpeg-turbo on the CPU), the cut one goes to PIL, which cannot read it either."""
+    image = sample(1)[0]
+    files = [_encoded(image), _encoded(image, cut=True), _encoded(image, 'PNG'), _encoded(image, mode='L')]
+    tensors = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
+    images, pil = decode_images(tensors, [False, False, True, False], torch.device('cpu'))
+    assert pil == 2 and images[1] is None
+    for decoded, tensor in zip([images[0], images[2], images[3]], [tensors[0], tensors[2], tensors[3]]):
+        assert decoded.shape == (3, 96, 96) and torch.equal(decoded, pil_decode(tensor))
+    assert encoded_image('.png', files[2]).needs_pil and encoded_image('.jpg', files[1]).needs_pil
+    assert not encoded_image('.jpg', files[3]).needs_pil and encoded_image('.txt', b'a caption') is None
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / 'data.jsonl').read_text().splitlines()]
+
+
+ARGV = ['--recipe', MODEL, '--train_data', 'shards', '--epochs', '2', '--global_batch_size', '8',
+        '--data_backend', 'device']
+
+
+@pytest.mark.slow
+def test_a_run_with_the_device_backend_resumes_to_the_same_weights(tmp_path):
+    """`python -m diffzoo.train … --data_backend device` for 2 epochs on 2 shards of 8 with a cut JPEG; then the
+    run as a kill during epoch 2 leaves it (epoch 2's checkpoint gone), resumed: the same weights, bit for bit,
+    and data.jsonl's epoch 2 once."""
+    write_shards(tmp_path / 'shards', 2, 8, members={(1, 3): {'jpg': _encoded(sample(0)[0], cut=True)}})
+    result = call(train_main, ARGV, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / 'runs' / MODEL
+    for record in _records(run_dir):
+        assert (record['samples_trained'], record['samples_distinct'], record['skipped']) == (
+            16, 15, {'undecodable_image': 1})
+        assert record['device_data'] == {'pil_decodes': 1, 'fill_repeats': 1}
+    checkpoints = run_dir / 'checkpoints'
+    whole = torch.load(checkpoints / 'epoch_2.pt', map_location='cpu', weights_only=True)['state_dict']
+    (checkpoints / 'epoch_2.pt').unlink()
+    (checkpoints / 'epoch_latest.pt').write_bytes((checkpoints / 'epoch_1.pt').read_bytes())
+    resumed = call(train_main, ARGV, cwd=tmp_path)
+    assert resumed.returncode == 0 and 'resuming' in resumed.stdout, resumed.stderr[-3000:]
+    again = torch.load(checkpoints / 'epoch_2.pt', map_location='cpu', weights_only=True)['state_dict']
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    assert [r['epoch'] for r in _records(run_dir)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_two_processes_with_the_device_backend_train_every_sample_once(tmp_path):
+    """torchrun, 2 ranks (gloo) of 2 shards of 4 each, batches of 4 per rank: each rank's batches are made in its
+    own training process; every readable sample trained once, the cut one skipped on whichever rank read it."""
+    write_shards(tmp_path / 'shards', 4, 4, members={(2, 1): {'jpg': _encoded(sample(0)[0], cut=True)}})
+    result = run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
+                  '-m', 'diffzoo.train', *ARGV[:5], '--epochs', '1', '--global_batch_size', '8',
+                  '--data_backend', 'device'], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = _records(tmp_path / 'runs' / MODEL)[0]
+    assert [r['samples_trained'] for r in record['ranks']] == [8, 8]
+    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (16, 15, 1)
+    assert record['skipped'] == {'undecodable_image': 1} and record['device_data']['fill_repeats'] == 1
