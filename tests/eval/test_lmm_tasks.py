@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from diffzoo.data.shards import DataError
-from diffzoo.eval.lmm import tasks
+from diffzoo.eval.lmm import scienceqa, tasks
 
 LETTERS = "Answer with the option's letter from the given choices directly."
 SHORT = 'Answer the question using a single word or phrase.'
@@ -147,12 +147,67 @@ def test_scienceqa_errors_name_both_layouts_and_a_gpt_turn_without_a_letter(tmp_
     with pytest.raises(DataError, match="neither ScienceQA's problems.json .* nor LLaVA-1.5's llava_test_CQM-A.json"):
         tasks.read_scienceqa(tmp_path / 'empty')
     _llava_scienceqa(tmp_path / 'free', gpt=('B', 'The answer is A.', 'C'))
-    with pytest.raises(DataError, match="question 5 answers 'The answer is A.', not one of its 2 option letters; put "
-                                        "ScienceQA's problems.json beside it"):
+    with pytest.raises(DataError, match=r"entry 1 \(id 5\) \(answer 'The answer is A.', 2 options\): answer not one of "
+                                        r"its option letters \(problems.json beside the file gives the answers\)"):
         tasks.read_scienceqa(tmp_path / 'free')
     _llava_scienceqa(tmp_path / 'beyond', gpt=('B', 'C', 'C'))  # question 5 has options A and B
-    with pytest.raises(DataError, match="question 5 answers 'C'"):
-        tasks.read_scienceqa(tmp_path / 'beyond')
+    questions, left_out = tasks.TASKS['scienceqa'].questions(tmp_path / 'beyond')
+    assert [s.id for s in questions] == ['7']
+    assert left_out.named == {'answer not one of its option letters (problems.json beside the file gives the '
+                                'answers)': [f"{tmp_path / 'beyond' / 'llava_test_CQM-A.json'} entry 1 (id 5) "
+                                             f"(answer 'C', 2 options)"]}
+
+
+def test_one_malformed_record_is_left_out_and_named_and_the_rest_are_asked(tmp_path):
+    """Before: one record of another shape in ScienceQA's, LLaVA's TextVQA-OCR, GQA's or OK-VQA's files ended the
+    whole task (a KeyError, or a DataError for the file)."""
+    _llava_scienceqa(tmp_path / 'llava')
+    _scienceqa_files(tmp_path / 'llava')
+    entries = json.loads((tmp_path / 'llava' / 'llava_test_CQM-A.json').read_text())
+    entries.insert(0, {'id': '9', 'image': '9/image.png', 'conversations': 'not a list'})
+    entries.append({'id': '11', 'image': '7/image.png', 'conversations': entries[3]['conversations']})
+    (tmp_path / 'llava' / 'llava_test_CQM-A.json').write_text(json.dumps(entries))
+    _scienceqa_files(tmp_path / 'own')
+    _image(tmp_path / 'own' / 'images' / 'test' / '7' / 'image.png')
+    problems = json.loads((tmp_path / 'own' / 'problems.json').read_text())
+    problems['5']['answer'] = 2  # beyond its two choices
+    (tmp_path / 'own' / 'problems.json').write_text(json.dumps(problems))
+    (tmp_path / 'own' / 'pid_splits.json').write_text(json.dumps({'test': ['4', '5', '7', '12']}))
+    (tmp_path / 'textvqa').mkdir()
+    (tmp_path / 'textvqa' / 'TextVQA_0.5.1_val.json').write_text(json.dumps({'data': [
+        {'question_id': 1, 'question': 'what?', 'image_id': 'abc', 'answers': ['a'] * 10}, 'not a record']}))
+    (tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl').write_text(''.join(
+        json.dumps({'question_id': n, 'image': 'abc.jpg', 'text': 'q'}) + '\n' for n in (1, 2)))
+    (tmp_path / 'gqa').mkdir()
+    (tmp_path / 'gqa' / 'testdev_balanced_questions.json').write_text(json.dumps({
+        '1': {'imageId': 'n1', 'question': 'q?', 'answer': 'no'}, '2': {'question': 'q?', 'answer': 'no'}}))
+    (tmp_path / 'okvqa').mkdir()
+    (tmp_path / 'okvqa' / 'OpenEnded_mscoco_val2014_questions.json').write_text(json.dumps({'questions': [
+        {'question_id': n, 'image_id': 42, 'question': 'what?'} for n in (1, 2)]}))
+    (tmp_path / 'okvqa' / 'mscoco_val2014_annotations.json').write_text(json.dumps({'annotations': [
+        {'question_id': 1, 'image_id': 42, 'answers': [{'answer': 'cat'}] * 10},
+        {'question_id': 2, 'image_id': 42, 'answers': 'cat'}]}))
+    sqa_llava, sqa_own = tmp_path / 'llava' / 'llava_test_CQM-A.json', tmp_path / 'own' / 'problems.json'
+    expected = {
+        ('scienceqa', 'llava'): (['5', '7'], {
+            "not {id, image, conversations: [human, gpt]} as LLaVA-1.5's llava_test_CQM-A.json": [f'{sqa_llava} entry 0'],
+            scienceqa.NOT_A_PROBLEM: [f'{sqa_llava} entry 4 (id 11)']}),
+        ('scienceqa', 'own'): (['7'], {scienceqa.NOT_A_PROBLEM: [f'{sqa_own} (pid 5)', f'{sqa_own} (pid 12)']}),
+        ('textvqa', 'textvqa'): (['1'], {'not a JSON object': [f"{tmp_path / 'textvqa' / 'TextVQA_0.5.1_val.json'} "
+                                                               f"entry 1"]}),
+        ('textvqa_ocr', 'textvqa'): (['1'], {
+            'question id not in TextVQA_0.5.1_val.json (both files must be TextVQA 0.5.1 val)': [
+                f"{tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl'}:2 (question 2)"]}),
+        ('gqa', 'gqa'): (['1'], {"not in the set's layout (no 'imageId' field)": [
+            str(tmp_path / 'gqa' / 'testdev_balanced_questions.json')]}),
+        ('okvqa', 'okvqa'): (['1'], {"not in the set's layout (a field of another type)": [
+            str(tmp_path / 'okvqa' / 'mscoco_val2014_annotations.json')]}),
+    }
+    for (task, folder), (ids, named) in expected.items():
+        questions, left_out = tasks.TASKS[task].questions(tmp_path / folder)
+        assert ([s.id for s in questions], left_out.named) == (ids, named), (task, folder)
+    with pytest.raises(DataError, match="testdev_balanced_questions.json: not in the set's layout"):
+        tasks.read_gqa(tmp_path / 'gqa')  # a reader alone refuses the first
 
 
 def test_a_repeated_question_id_keeps_the_first_question_and_leaves_out_every_repeat(tmp_path):

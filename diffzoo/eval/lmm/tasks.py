@@ -27,121 +27,33 @@ the question, the options "A. …", then "Answer with the option's letter from t
 Scoring: `diffzoo.eval.lmm.metrics`.
 
 A question its files give badly is left out, counted by reason and named (`LeftOut`), and the others are asked: a
-line that is not a JSON object, a missing field, a POPE or MME label that is not yes/no, an image name that would
-leave the benchmark's folder (an absolute path or a `..` component: the shards' rule, `hostile_name`; symlinks are
-followed as any file), and a question id met before (the first question with that id is kept, every later one is a
-repeat and left out). A reader called without a `LeftOut` refuses the first such question instead (DataError).
+line or record that is not a JSON object, a missing field or one of another type, a POPE or MME label that is not
+yes/no, a ScienceQA answer that is not among its options, a question id one of two paired files lacks (ScienceQA's,
+TextVQA's), an image name that would leave the benchmark's folder (an absolute path or a `..` component: the
+shards' rule, `hostile_name`; symlinks are followed as any file), and a question id met before (the first
+question with that id is kept, every later one is a repeat and left out). A reader called without a `LeftOut`
+refuses the first such question instead (DataError).
 """
-import json
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from PIL import Image
-
 from diffzoo.data import llava_qa
-from diffzoo.data.shards import DataError, hostile_name
+from diffzoo.data.shards import DataError
 
 from . import metrics
+from .records import (IMAGE_OUTSIDE, REPEATED, LeftOut, Sample, built_in, image_in, json_lines, read_json, required,
+                      strict_unless, with_fields)
+from .scienceqa import LETTER_PROMPT, SCIENCEQA_LLAVA_QUESTIONS, read_scienceqa
+
+__all__ = ['TASKS', 'Task', 'Sample', 'LeftOut', 'IMAGE_OUTSIDE', 'REPEATED', 'LETTER_PROMPT', 'DataError',
+           'read_scienceqa', 'rows_for_scoring']
 
 SHORT = llava_qa.SHORT_ANSWER  # LLaVA-1.5's short-answer prompt
 OKVQA_PROMPT = "When the provided information is insufficient, respond with 'Unanswerable'.\n" + SHORT
-LETTER_PROMPT = "Answer with the option's letter from the given choices directly."
 MME_SUFFIX = ' Please answer yes or no.'
 POPE_SPLITS = llava_qa.POPE_SPLITS
-
-
-@dataclass
-class Sample:
-    id: str
-    image: Path
-    prompt: str
-    meta: Dict = field(default_factory=dict)  # what scoring needs: label, split, answers, …
-    where: str = ''  # where its file gives it ("<file>:<line>"), to name it
-
-    @property
-    def source(self) -> str:
-        return str(self.image)
-
-    def load_image(self) -> Image.Image:
-        with Image.open(self.image) as im:
-            return im.convert('RGB')
-
-
-IMAGE_OUTSIDE = 'image name leaves the benchmark folder'
-REPEATED = 'repeated question id (the first is kept)'
-
-
-@dataclass
-class LeftOut:
-    """The questions a task leaves out: reason → where each lies, in the order met. `strict`: refuse the first
-    (DataError) instead, for a reader called on its own."""
-    named: Dict[str, List[str]] = field(default_factory=dict)
-    strict: bool = False
-
-    def add(self, reason: str, where: str) -> None:
-        if self.strict:
-            raise DataError(f'{where}: {reason}; fix that question, or read the task through Task.questions, which '
-                            f'leaves such questions out and counts them')
-        self.named.setdefault(reason, []).append(where)
-
-    def counts(self) -> Dict[str, int]:
-        return {reason: len(places) for reason, places in self.named.items()}
-
-    def examples(self, n: int = 3) -> Dict[str, List[str]]:
-        return {reason: places[:n] for reason, places in self.named.items()}
-
-
-def _left_out(left_out: Optional[LeftOut]) -> LeftOut:
-    return LeftOut(strict=True) if left_out is None else left_out
-
-
-def _image_in(folder: Path, name, left_out: LeftOut, where: str) -> Optional[Path]:
-    """folder / name for an image name a benchmark file gives; None (left out) for a name that is not a string or
-    would leave the folder (`hostile_name`)."""
-    why = hostile_name(name) if isinstance(name, str) else 'not a file name'
-    if why:
-        left_out.add(IMAGE_OUTSIDE, f'{where} ({name!r}: {why})')
-        return None
-    return folder / name
-
-
-def _built_in(folder: Path, image: Path, left_out: LeftOut, where: str) -> bool:
-    """Whether an image path another module built under `folder` from a file's name stays in it (else left out)."""
-    try:
-        why = hostile_name(image.relative_to(folder).as_posix())
-    except ValueError:  # the name was absolute: the join gave it unchanged
-        why = 'an absolute path'
-    if why:
-        left_out.add(IMAGE_OUTSIDE, f'{where} ({str(image)!r}: {why})')
-    return not why
-
-
-def _jsonl(path: Path, needs: Sequence[str], left_out: LeftOut) -> Iterator[Tuple[str, Dict]]:
-    """("<file>:<line>", record) for each line of a JSON-lines file that is a JSON object holding every field in
-    `needs`; any other line is left out."""
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        missing = [k for k in needs if k not in record] if isinstance(record, dict) else None
-        if missing is None:
-            left_out.add('malformed line (not a JSON object)', f'{path}:{n}')
-        elif missing:
-            left_out.add(f'no {", ".join(missing)}', f'{path}:{n}')
-        else:
-            yield f'{path}:{n}', record
-
-
-def _json(path: Path):
-    """A benchmark's JSON file; DataError naming it when it does not parse."""
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f'{path}: not JSON ({exc}); put the benchmark\'s published file there') from exc
 
 
 @dataclass
@@ -183,29 +95,21 @@ class Task:
                 kept.append(s)
         return kept, left_out
 
-
-def _required(path: Path) -> Path:
-    if not path.exists():
-        raise DataError(f'{path}: not found; the benchmark\'s local copy is expected there (python -m diffzoo.eval.lmm '
-                        f'-h lists each task\'s files)')
-    return path
-
-
 def _yes_no(label) -> bool:
     return isinstance(label, str) and label.strip().lower() in ('yes', 'no')
 
 
 def read_pope(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    left_out, samples = _left_out(left_out), []
+    left_out, samples = strict_unless(left_out), []
     for split in POPE_SPLITS:
         name = f'coco_pope_{split}.json'
-        path = _required(llava_qa.first_file(root / 'coco' / name, root / name))
-        for where, r in _jsonl(path, ('question_id', 'image', 'text', 'label'), left_out):
+        path = required(llava_qa.first_file(root / 'coco' / name, root / name))
+        for where, r in json_lines(path, ('question_id', 'image', 'text', 'label'), left_out):
             if not isinstance(r['text'], str):
                 left_out.add('question text not a string', where)
             elif not _yes_no(r['label']):
                 left_out.add('label not yes or no', f'{where} (label {r["label"]!r})')
-            elif (image := _image_in(root / 'val2014', r['image'], left_out, where)) is not None:
+            elif (image := image_in(root / 'val2014', r['image'], left_out, where)) is not None:
                 samples.append(Sample(f'{split}-{r["question_id"]}', image, f'{r["text"].strip()}\n{SHORT}',
                                       {'split': split, 'label': r['label']}, where))
     return samples
@@ -217,7 +121,7 @@ MME_RELEASE = ('.', 'MME_Benchmark_release_version', 'MME_Benchmark_release_vers
 
 
 def read_mme(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    left_out, samples = _left_out(left_out), []
+    left_out, samples = strict_unless(left_out), []
     subtasks = metrics.MME_PERCEPTION + metrics.MME_COGNITION
     release = next((root / r for r in MME_RELEASE if any((root / r / t).is_dir() for t in subtasks)), None)
     if release is None:
@@ -244,101 +148,17 @@ def read_mme(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
                                           {'subtask': task, 'image': txt.stem, 'label': label}, f'{txt}:{n}'))
     return samples
 
-
-SCIENCEQA_LLAVA_QUESTIONS = 'llava_test_CQM-A.json'  # LLaVA-1.5's ScienceQA test questions (scripts/v1_5/eval/sqa.sh)
-
-
-def _scienceqa_images(root: Path, image, left_out: LeftOut, where: str) -> Optional[Path]:
-    """images/test/<image> (or test/<image>); None (left out) for a name that would leave those folders."""
-    if _image_in(root, image, left_out, where) is None:
-        return None
-    return llava_qa.first_file(root / 'images' / 'test' / image, root / 'test' / image)
-
-
-def _option_count(prompt: str) -> int:
-    """How many options "A. …", "B. …", … the prompt's last option list holds."""
-    lines = prompt.splitlines()
-    first = max((i for i, line in enumerate(lines) if line.startswith('A. ')), default=len(lines))
-    count = 0
-    while first + count < len(lines) and lines[first + count].startswith(f'{chr(65 + count)}. '):
-        count += 1
-    return count
-
-
-def read_scienceqa_llava(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    """LLaVA-1.5's question file, a list of {id, image: "<pid>/image.png" under images/test/, conversations:
-    [human, gpt]}: the human turn asked as its model_vqa_science.py --single-pred-prompt asks it ("<image>" removed,
-    the text stripped, then "\\n" and the letter prompt; a text that already ends with it is asked as written); the
-    answer and option count from ScienceQA's problems.json when it lies beside it (as LLaVA's eval_science_qa.py
-    scores), else the gpt turn's letter and the options in the prompt. The questions with an image (ScienceQA-IMG,
-    LLaVA's IMG-Accuracy)."""
-    path, left_out = root / SCIENCEQA_LLAVA_QUESTIONS, _left_out(left_out)
-    problems = _json(root / 'problems.json') if (root / 'problems.json').is_file() else None
-    samples = []
-    for n, q in enumerate(_json(path)):
-        turns = q.get('conversations') or []
-        if 'id' not in q or len(turns) < 2 or any('value' not in t for t in turns[:2]):
-            raise DataError(f'{path}: entry {n} is not {{id, image, conversations: [human, gpt]}} as LLaVA-1.5\'s '
-                            f'{SCIENCEQA_LLAVA_QUESTIONS} is')
-        if not q.get('image'):
-            continue  # ScienceQA-IMG: the questions with an image
-        pid, question = str(q['id']), turns[0]['value'].replace('<image>', '').strip()
-        prompt = question if question.endswith(LETTER_PROMPT) else f'{question}\n{LETTER_PROMPT}'
-        if problems is not None:
-            if pid not in problems:
-                raise DataError(f'{path}: question {pid} is not in {root / "problems.json"}; both must be ScienceQA\'s')
-            answer, options = chr(65 + problems[pid]['answer']), len(problems[pid]['choices'])
-        else:
-            answer, options = turns[1]['value'].strip(), _option_count(prompt)
-            if len(answer) != 1 or not 'A' <= answer < chr(65 + options):
-                raise DataError(f'{path}: question {pid} answers {answer!r}, not one of its {options} option letters; '
-                                f'put ScienceQA\'s problems.json beside it to read the answers from there')
-        where = f'{path} entry {n} (id {pid})'
-        if (image := _scienceqa_images(root, q['image'], left_out, where)) is not None:
-            samples.append(Sample(pid, image, prompt, {'answer': answer, 'options': options}, where))
-    return samples
-
-
-def read_scienceqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    """ScienceQA-IMG from LLaVA-1.5's llava_test_CQM-A.json when it is there, else from ScienceQA's own files."""
-    if (root / SCIENCEQA_LLAVA_QUESTIONS).is_file():
-        return read_scienceqa_llava(root, left_out)
-    if not (root / 'problems.json').is_file():
-        raise DataError(f'{root}: neither ScienceQA\'s problems.json (with pid_splits.json and images/test/<pid>/) nor '
-                        f'LLaVA-1.5\'s {SCIENCEQA_LLAVA_QUESTIONS} (with images/test/<pid>/image.png); put either '
-                        f'there')
-    problems, left_out = _json(root / 'problems.json'), _left_out(left_out)
-    test = _json(_required(root / 'pid_splits.json'))['test']
-    samples = []
-    for pid in test:
-        p = problems[pid]
-        if not p.get('image'):
-            continue  # ScienceQA-IMG: the questions with an image
-        options = '\n'.join(f'{chr(65 + i)}. {c}' for i, c in enumerate(p['choices']))
-        context = f'Context: {p["hint"]}\n' if p.get('hint') else ''
-        where = f'{root / "problems.json"} (pid {pid})'
-        image = _scienceqa_images(root, f'{pid}/{p["image"]}', left_out, where)
-        if image is not None:
-            samples.append(Sample(pid, image, f'{context}{p["question"]}\n{options}\n{LETTER_PROMPT}',
-                                  {'answer': chr(65 + p['answer']), 'options': len(p['choices'])}, where))
-    return samples
-
-
 def _textvqa_records(root: Path, left_out: LeftOut) -> Iterator[Tuple[str, Dict]]:
     """(where, record) of each TextVQA val question that has every field; the others left out."""
-    path = _required(root / 'TextVQA_0.5.1_val.json')
-    for n, r in enumerate(_json(path)['data']):
-        missing = [k for k in ('question_id', 'question', 'image_id', 'answers') if k not in r]
-        if missing:
-            left_out.add(f'no {", ".join(missing)}', f'{path} entry {n}')
-        else:
-            yield f'{path} entry {n}', r
+    path = required(root / 'TextVQA_0.5.1_val.json')
+    return with_fields(((f'{path} entry {n}', r) for n, r in enumerate(read_json(path)['data'])),
+                       ('question_id', 'question', 'image_id', 'answers'), left_out)
 
 
 def read_textvqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    left_out, samples = _left_out(left_out), []
+    left_out, samples = strict_unless(left_out), []
     for where, r in _textvqa_records(root, left_out):
-        if (image := _image_in(root / 'train_images', f'{r["image_id"]}.jpg', left_out, where)) is not None:
+        if (image := image_in(root / 'train_images', f'{r["image_id"]}.jpg', left_out, where)) is not None:
             # lmms-eval capitalizes the question (str.capitalize: the rest lower-cased), as its textvqa_doc_to_text
             samples.append(Sample(str(r['question_id']), image, f'{r["question"].capitalize()}\n{SHORT}',
                                   {'answers': r['answers']}, where))
@@ -351,28 +171,40 @@ TEXTVQA_OCR_QUESTIONS = 'llava_textvqa_val_v051_ocr.jsonl'
 def read_textvqa_ocr(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
     """LLaVA-1.5's TextVQA questions (with OCR tokens in their text), scored on TextVQA's own answers."""
     answers = {str(r['question_id']): r['answers'] for _, r in _textvqa_records(root, LeftOut())}
-    path, left_out, samples = _required(root / TEXTVQA_OCR_QUESTIONS), _left_out(left_out), []
-    for where, r in _jsonl(path, ('question_id', 'image', 'text'), left_out):
+    path, left_out, samples = required(root / TEXTVQA_OCR_QUESTIONS), strict_unless(left_out), []
+    for where, r in json_lines(path, ('question_id', 'image', 'text'), left_out):
         qid = str(r['question_id'])
         if qid not in answers:
-            raise DataError(f'{where}: question {qid} is not in {root / "TextVQA_0.5.1_val.json"}; both files must be '
-                            f'TextVQA 0.5.1 val')
-        if (image := _image_in(root / 'train_images', r['image'], left_out, where)) is not None:
+            left_out.add('question id not in TextVQA_0.5.1_val.json (both files must be TextVQA 0.5.1 val)',
+                         f'{where} (question {qid})')
+        elif (image := image_in(root / 'train_images', r['image'], left_out, where)) is not None:
             samples.append(Sample(qid, image, r['text'], {'answers': answers[qid]}, where))
     return samples
 
 
+def _layout(reader: Callable[[Counter], Iterator[llava_qa.QA]], path: Path, left_out: LeftOut) -> List[llava_qa.QA]:
+    """What a `llava_qa` reader reads; a record it cannot read (a field missing or of another type) left out under
+    its reason, named by the file (those readers count such records without locating them)."""
+    counted = Counter()
+    records = list(reader(counted))
+    for reason, n in counted.items():
+        for _ in range(n):
+            left_out.add(reason, str(path))
+    return records
+
+
 def read_gqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    path, left_out = _required(root / 'testdev_balanced_questions.json'), _left_out(left_out)
+    path, left_out = required(root / 'testdev_balanced_questions.json'), strict_unless(left_out)
     return [Sample(qa.id, qa.image, f'{qa.question}\n{SHORT}', {'answer': qa.answer}, f'{path} question {qa.id}')
-            for qa in llava_qa.gqa(root, 'testdev')
-            if _built_in(root / 'images', qa.image, left_out, f'{path} question {qa.id}')]
+            for qa in _layout(lambda counted: llava_qa.gqa(root, 'testdev', counted), path, left_out)
+            if built_in(root / 'images', qa.image, left_out, f'{path} question {qa.id}')]
 
 
 def read_okvqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    path = _required(root / 'mscoco_val2014_annotations.json')
+    path, left_out = required(root / 'mscoco_val2014_annotations.json'), strict_unless(left_out)
     return [Sample(qa.id, qa.image, f'{qa.question}\n{OKVQA_PROMPT}', {'answers': list(qa.answers)},
-                   f'{path} question {qa.id}') for qa in llava_qa.okvqa(root, 'val')]  # its image names are numbers
+                   f'{path} question {qa.id}')  # its image names are numbers: always inside val2014/
+            for qa in _layout(lambda counted: llava_qa.okvqa(root, 'val', counted), path, left_out)]
 
 
 TASKS: Dict[str, Task] = {t.name: t for t in (
