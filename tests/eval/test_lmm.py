@@ -211,7 +211,8 @@ def test_bad_questions_are_left_out_counted_by_reason_and_named_and_the_others_a
 
 def test_limit_0_a_stage_that_is_not_there_and_an_unknown_recipe_are_refused_before_any_model_is_built(tmp_path):
     """Before: --limit 0 answered every question (0 is falsy), and a --stage folder that does not exist ended the
-    run with a FileNotFoundError traceback once the model was built."""
+    run with a FileNotFoundError traceback once the model was built; a stage that trained nothing, or whose weights
+    are cut short, is refused as a chain refuses it."""
     _pope_lines(tmp_path / 'data', [_q(1)])
     base = ['--model', 'nothing.yaml', '--task', 'pope', '--data', tmp_path / 'data', '--out', tmp_path / 'out']
     zero = call(main, [*base, '--limit', '0'], tmp_path)
@@ -225,6 +226,13 @@ def test_limit_0_a_stage_that_is_not_there_and_an_unknown_recipe_are_refused_bef
     half = call(main, [*base, '--stage', tmp_path / 'runs' / 'unfinished'], tmp_path)
     assert half.returncode == 2 and f'no stage_model.safetensors in {tmp_path / "runs" / "unfinished" / "stage"}' \
         in half.stderr
+    (tmp_path / 'runs' / 'unfinished' / 'stage' / 'stage.json').write_text('{"steps": 0}')
+    (tmp_path / 'runs' / 'unfinished' / 'stage' / 'stage_model.safetensors').write_bytes(b'')
+    empty = call(main, [*base, '--stage', tmp_path / 'runs' / 'unfinished'], tmp_path)
+    assert empty.returncode == 2 and 'stage.json records 0 steps: that stage trained nothing' in empty.stderr
+    (tmp_path / 'runs' / 'unfinished' / 'stage' / 'stage.json').write_text('{"steps": 3}')
+    cut = call(main, [*base, '--stage', tmp_path / 'runs' / 'unfinished'], tmp_path)
+    assert cut.returncode == 2 and f'error: --stage {tmp_path / "runs" / "unfinished"}: ' in cut.stderr, cut.stderr
     recipe = call(main, base, tmp_path)  # before: a RecipeError traceback
     assert recipe.returncode == 2 and "error: no recipe 'nothing.yaml'" in recipe.stderr
     assert not (tmp_path / 'out').exists()

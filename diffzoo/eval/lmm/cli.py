@@ -114,7 +114,7 @@ def chosen_scorers(tasks: List[str], scoring: List[str]) -> Dict[str, str]:
 def _weight_files(a) -> List[Path]:
     """The files of --stage (the run directory's stage/, or the folder itself) and --adapter; DataError naming what
     is missing, before any model is built."""
-    from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS  # torch: once the data is found
+    from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, stage_problem  # torch: once data is found
     files = []
     if a.stage:
         folder = Path(a.stage) if (Path(a.stage) / STAGE_CONFIG).is_file() else Path(a.stage) / STAGE_DIR
@@ -124,6 +124,9 @@ def _weight_files(a) -> List[Path]:
             lacks = f'no {" and no ".join(missing)} in {folder}' if Path(a.stage).is_dir() else 'no such folder'
             raise DataError(f'--stage {a.stage}: {lacks} (a finished stage writes {STAGE_DIR}/{STAGE_CONFIG} and '
                             f'{STAGE_WEIGHTS}); name the run directory of a finished stage')
+        problem = stage_problem(folder)  # a stage that trained no step, weights cut short: what a chain refuses
+        if problem:
+            raise DataError(f'--stage {a.stage}: {problem}')
     if a.adapter:
         if not Path(a.adapter).is_dir():
             raise DataError(f'--adapter {a.adapter}: no such folder; name the adapter/ folder diffzoo.train.vlm wrote')
