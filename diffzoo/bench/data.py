@@ -9,13 +9,23 @@ synthetic corpus (`diffzoo.data.synthetic`) is written to a temporary directory 
 Each worker count runs one pass over the shards; the clock starts when every worker has delivered
 its first batch (worker start-up and the first decode excluded) and the images counted are those
 after it. Per-worker throughput is the total divided by the worker count.
+
+`worker_cpu`: a worker's CPU seconds per sample (`time.process_time` over one pass in this process, with one
+torch thread as a DataLoader worker has) for open_clip's pipeline and for `data_backend: device`'s worker side
+(headers, crop boxes, tokens, encoded batches: `diffzoo.train.device_data`), their ratio, and the device side's
+wall and CPU time per batch (decode, crop, resize, normalise on the device: `diffzoo.train.device_loader`; on the
+CPU with the bench's torch threads), medians with the first batch left out.
 """
+import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 from diffzoo.data.synthetic import CorpusConfig, write_corpus
+from diffzoo.train.device_data import CropDraw, TrainTransform, collate_encoded, encoded_image
+from diffzoo.train.device_loader import DeviceLoader
 
 from .measure import BenchError
 
@@ -32,26 +42,38 @@ def shard_urls(directory) -> List[str]:
                      f'of webdataset shards, or leave --data out to benchmark on a generated synthetic corpus')
 
 
-def pipeline(urls: Sequence[str], model: str, batch: int):
+def train_transform(model: str):
+    import open_clip
+    cfg = open_clip.get_model_config(model)
+    if cfg is None:
+        raise BenchError(f'--data-model {model}: not an open_clip model config')
+    return open_clip.image_transform(cfg['vision_cfg'].get('image_size', 224), is_train=True)
+
+
+def pipeline(urls: Sequence[str], model: str, batch: int, backend: str = 'open_clip'):
+    """open_clip_train's training stages; `backend` 'device': with data_backend device's worker side."""
     import open_clip
     import webdataset as wds
     from open_clip_train.data import filter_no_caption_or_no_image, log_and_continue, tarfile_to_samples_nothrow
 
-    cfg = open_clip.get_model_config(model)
-    if cfg is None:
-        raise BenchError(f'--data-model {model}: not an open_clip model config')
-    preprocess = open_clip.image_transform(cfg['vision_cfg'].get('image_size', 224), is_train=True)
+    preprocess = train_transform(model)
     tokenizer = open_clip.get_tokenizer(model)
+    if backend == 'device':
+        decode = wds.decode(encoded_image, handler=log_and_continue)
+        preprocess = CropDraw(TrainTransform.of(preprocess))
+        batched = wds.batched(batch, collation_fn=collate_encoded, partial=True)
+    else:
+        decode, batched = wds.decode('pilrgb', handler=log_and_continue), wds.batched(batch, partial=True)
     return wds.DataPipeline(
         wds.SimpleShardList(list(urls)),
         wds.split_by_worker,
         tarfile_to_samples_nothrow,
         wds.select(filter_no_caption_or_no_image),
-        wds.decode('pilrgb', handler=log_and_continue),
+        decode,
         wds.rename(image='jpg;png;jpeg;webp', text='txt'),
         wds.map_dict(image=preprocess, text=lambda text: tokenizer(text)[0]),
         wds.to_tuple('image', 'text'),
-        wds.batched(batch, partial=True),
+        batched,
     )
 
 
@@ -84,7 +106,44 @@ def measure(urls: Sequence[str], model: str, batch: int, workers: int) -> Dict:
             'images_per_s': total, 'images_per_s_per_worker': total / workers}
 
 
-def run(data_dir: Optional[str], model: str, batch: int, workers: int, samples: int, image_size: int) -> Dict:
+def worker_cpu(urls: Sequence[str], model: str, batch: int, device) -> Dict:
+    """CPU seconds per sample of a worker, open_clip's pipeline and data_backend device's, and the device side's
+    seconds per batch (module docstring)."""
+    import torch
+
+    out, encoded, threads = {}, [], torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        for backend in ('open_clip', 'device'):
+            stages = pipeline(urls, model, batch, backend)
+            start, samples = time.process_time(), 0  # (building the stages left out: imports, the tokenizer)
+            for images, tokens in stages:
+                samples += tokens.shape[0]
+                if backend == 'device':
+                    encoded.append((images, tokens))
+            out[f'{backend}_cpu_s_per_sample'] = (time.process_time() - start) / max(1, samples)
+    finally:
+        torch.set_num_threads(threads)
+    loader = DeviceLoader(SimpleNamespace(num_batches=0, num_samples=0), TrainTransform.of(train_transform(model)),
+                          batch, device)
+    seconds, cpu_seconds = [], []
+    for images, tokens in encoded:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loader.batch(list(loader.decoded(images, tokens, None)), None)
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
+    per_batch = statistics.median(seconds[1:] or seconds)
+    return {**out, 'ratio': out['device_cpu_s_per_sample'] / out['open_clip_cpu_s_per_sample'],
+            'samples': samples, 'batch': batch, 'device': str(device), 'device_s_per_batch': per_batch,
+            'device_s_per_sample': per_batch / batch,
+            'device_cpu_s_per_batch': statistics.median(cpu_seconds[1:] or cpu_seconds),
+            'device_threads': threads if device.type == 'cpu' else None}
+
+
+def run(data_dir: Optional[str], model: str, batch: int, workers: int, samples: int, image_size: int,
+        device=None) -> Dict:
     with tempfile.TemporaryDirectory(prefix='diffzoo-bench-') as tmp:
         if data_dir is None:
             config = CorpusConfig(train=samples, val=1, image_size=image_size,
@@ -100,4 +159,9 @@ def run(data_dir: Optional[str], model: str, batch: int, workers: int, samples: 
         for n in sorted({1, workers}):
             print(f'  data: {n} worker{"s" if n > 1 else ""} over {len(urls)} shards', flush=True)
             rows.append(measure(urls, model, batch, n))
-    return {'source': source, 'shards': len(urls), 'model': model, 'batch': batch, 'rows': rows}
+        import torch
+        device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        print(f'  data: worker CPU per sample, open_clip\'s pipeline and data_backend device\'s; {device} per batch',
+              flush=True)
+        cpu = worker_cpu(urls, model, batch, device)
+    return {'source': source, 'shards': len(urls), 'model': model, 'batch': batch, 'rows': rows, 'worker_cpu': cpu}

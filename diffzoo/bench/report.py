@@ -28,6 +28,7 @@ TARGETS = (
     ('GPU profile: other non-GEMM time over the baseline\'s (ms per step)', 'profile', 'other_ms_more', 1.0, GPU),
     ('training loader samples/s, plain / with data accounting', 'data', 'accounting', 1.01, {}),
     ('data accounting\'s own CPU per sample, as a slowdown of a worker core', 'data', 'accounting_stages', 1.01, {}),
+    ('data_backend device: worker CPU per sample vs open_clip\'s pipeline', 'data', 'worker_cpu', 0.2, {}),
 )
 SECTION_KEY = {'model': 'models', 'compile': 'models', 'layer': 'layers', 'profile': 'profile', 'data': 'data'}
 
@@ -59,6 +60,13 @@ def _measure(results: Dict, section: str, quantity: str, target_model: str):
         data = None if data is None else data.get('compile')
     if data is None:
         return None, f'needs the {section} section' + (' (--compile)' if section == 'compile' else '')
+    if section == 'data' and quantity == 'worker_cpu':
+        w = data.get('worker_cpu')
+        if w is None:
+            return None, 'needs the data section\'s worker_cpu'
+        return w['ratio'], (f'{w["device_cpu_s_per_sample"] * 1e3:.2f} ms against '
+                            f'{w["open_clip_cpu_s_per_sample"] * 1e3:.2f} ms per sample; the device side {w["device_s_per_batch"] * 1e3:.1f} ms per batch of '
+                            f'{w["batch"]} on {w["device"]}')
     if section == 'data' and quantity == 'accounting_stages':
         st = data['accounting']['stages']
         return data['accounting']['stage_slowdown'], (
@@ -175,6 +183,15 @@ def render(results: Dict) -> str:
         rows = [[str(r['workers']), f'{r["images_per_s"]:,.1f}', f'{r["images_per_s_per_worker"]:,.1f}',
                  str(r['images_timed'])] for r in data['rows']]
         out.append(_table(['workers', 'images/s', 'images/s per worker', 'images timed'], rows))
+        w = data.get('worker_cpu')
+        if w:
+            out.append(f'\nWorker CPU per sample, one pass of {w["samples"]} samples with one torch thread; the device '
+                       f'side per batch of {w["batch"]} on {w["device"]} (decode, crop, resize, normalise)')
+            out.append(_table(['open_clip pipeline', 'data_backend device', 'ratio', 'device ms per batch',
+                               'its CPU ms'],
+                              [[f'{w["open_clip_cpu_s_per_sample"] * 1e3:.3f} ms',
+                                f'{w["device_cpu_s_per_sample"] * 1e3:.3f} ms',                                f'{w["ratio"]:.3f}x', f'{w["device_s_per_batch"] * 1e3:.1f}',
+                                f'{w["device_cpu_s_per_batch"] * 1e3:.1f}']]))
         a = data.get('accounting')
         if a:
             out.append(f'\nTraining loader with and without data accounting ({a["shards"]:,} shards of {a["per_shard"]:,} '

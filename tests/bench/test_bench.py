@@ -132,6 +132,17 @@ def test_data_accounting_cost_is_measured_on_the_real_training_loader(smoke):
     assert 'Training loader with and without data accounting' in stdout
 
 
+def test_data_backend_device_worker_cpu_is_measured_against_open_clips_pipeline(smoke):
+    results, stdout = smoke
+    w = results['data']['worker_cpu']
+    assert w['open_clip_cpu_s_per_sample'] > 0 and w['device_cpu_s_per_sample'] > 0 and w['device'] == 'cpu'
+    assert w['ratio'] == pytest.approx(w['device_cpu_s_per_sample'] / w['open_clip_cpu_s_per_sample'])
+    assert w['samples'] > 0 and w['device_s_per_batch'] > 0
+    targets = {t['target']: t for t in results['targets']}
+    assert targets["data_backend device: worker CPU per sample vs open_clip's pipeline"]['ratio'] == w['ratio']
+    assert 'Worker CPU per sample' in stdout
+
+
 def test_targets_follow_the_run_settings(smoke):
     results, _ = smoke
     targets = {t['target']: t for t in results['targets']}
