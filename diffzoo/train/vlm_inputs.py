@@ -17,9 +17,13 @@ LLAVA_JSON = 'a LLaVA-format JSON (a list of {id, image?, conversations})'
 
 
 def check_settings(recipe: Dict) -> None:
-    """Refuse what no run of this recipe could do: a stage on VQAv2 or LoRA fine-tuning on conversations, FSDP
-    without GPUs (accelerate would train unsharded), FSDP over LoRA."""
+    """Refuse what no run of this recipe could do: a stage of a model whose tower and projector are inside its
+    checkpoint, a stage on VQAv2 or LoRA fine-tuning on conversations, FSDP without GPUs (accelerate would train
+    unsharded), FSDP over LoRA."""
     data, stage = recipe['data'], recipe['train'] is not None
+    if stage and recipe['model']['type'] != 'build_vlm':
+        raise RecipeError('train: stages apply to build_vlm models (model.type: build_vlm); a PaliGemma checkpoint '
+                          'trains with LoRA (train: null)')
     if stage and data['type'] != 'conversations':
         raise RecipeError('train: a stage trains on conversations (data.type: conversations); VQAv2 fine-tuning is '
                           'train: null')

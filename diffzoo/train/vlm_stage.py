@@ -4,8 +4,9 @@ LLaVA-1.5, TinyLLaVA (DiffCLIP §5.1) and eRAM-V train a `build_vlm` model in st
 with its own parts unfrozen: pre-training (the projector alone, on captions), eRAM-V's continued
 pre-training (vision tower and projector), instruction tuning (projector and language model). A stage
 recipe says what trains (`train:` — projector, vision, language_model: frozen | full | lora, differential,
-gradient_checkpointing) and where it starts (`init_from:` an earlier stage's output); the data is a
-LLaVA-format conversation set (`diffzoo.vlm.conversations`).
+gradient_checkpointing; `diffzoo.vlm.plan` makes it the plan that `prepare` applies) and where it starts
+(`init_from:` an earlier stage's output); the data is a LLaVA-format conversation set
+(`diffzoo.vlm.conversations`).
 
 What a stage holds — the parameters it trained and those it started from — goes to its checkpoints
 (`stage_model.safetensors` beside Trainer's optimizer, scheduler and RNG state; a rerun of the same
@@ -35,10 +36,10 @@ from transformers import TrainerCallback
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
 from diffzoo.vlm.templates import RULES, encode
-from diffzoo.vlm.differential import differential_parameters
 from diffzoo.vlm.factory import load_vlm
-from diffzoo.vlm.lora import projection_modules, trainable_parameters
-from diffzoo.vlm.model import VisionLanguageModel
+from diffzoo.vlm.lora import merge_lora, trainable_parameters
+from diffzoo.vlm.parts import model_parts
+from diffzoo.vlm.plan import TrainingPlan, training_plan
 from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, load_stage, model_spec,
                                 stage_output)
 
@@ -50,33 +51,11 @@ from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, 
 DATA_PROBLEMS = 'data_problems.json'
 
 
-def prepare(vlm, recipe: Dict) -> None:
-    """Freeze all but what the stage trains (module docstring); LoRA as the `lora` section says."""
-    train, model = recipe['train'], vlm.model
-    if not isinstance(model, VisionLanguageModel):
-        raise RecipeError('train: stages apply to build_vlm models (model.type: build_vlm); a PaliGemma checkpoint '
-                          'trains with LoRA (train: null)')
-    model.requires_grad_(False)
-    if train['language_model'] == 'lora':
-        vlm.add_lora(**recipe['lora'], train_projector=train['projector'])
-        model = vlm.model
-    elif train['language_model'] == 'full':
-        model.language_model.requires_grad_(True)
-    for module in projection_modules(model).values():
-        module.requires_grad_(train['projector'])
-    model.vision.requires_grad_(train['vision'])
-    differential = train['differential']
-    if differential is None:
-        differential = train['language_model'] != 'frozen'
-    for p in differential_parameters(model.language_model):
-        p.requires_grad_(differential)
-    if train['gradient_checkpointing']:
-        lm = model.language_model
-        if hasattr(lm, 'activation_checkpointing_enable'):  # transformers ≥ 5.2x's name
-            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})
-        else:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
-        lm.config.use_cache = False
+def prepare(vlm, recipe: Dict) -> TrainingPlan:
+    """What the stage trains (`diffzoo.vlm.plan.training_plan`) made trainable, the rest frozen; returns the plan."""
+    plan = training_plan(recipe)
+    vlm.apply_plan(plan)
+    return plan
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -195,7 +174,8 @@ def check_rounds(train_set, tokenizer, data: Dict, first: int = 32) -> None:
                           f'language model, or data.mismatch: score')
 
 
-def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str, rank: int) -> Path:
+def finish(trainer: StageTrainer, vlm, recipe: Dict, plan: TrainingPlan, directory: Path, name: str,
+           rank: int) -> Path:
     """The stage's output (module docstring): LoRA merged into the weights it adapted, then every held or
     trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
     (FSDP gathers the shards); rank 0 writes, `stage.json` last (an output without it is not finished), each
@@ -205,11 +185,9 @@ def finish(trainer: StageTrainer, vlm, recipe: Dict, directory: Path, name: str,
                           f'next from nothing trained); give it max_steps or epochs above 0, and data for a step')
     model = trainer.model
     keep = {id(p) for p in trainer.kept().values()}
-    lm = vlm.model.language_model
-    if hasattr(lm, 'merge_and_unload'):  # peft: the adapted weights become held
-        keep |= {id(m.base_layer.weight) for m in lm.modules() if hasattr(m, 'base_layer') and hasattr(m, 'lora_A')}
-        vlm.model.language_model = lm.merge_and_unload()
-        model = vlm.model
+    if plan.lora is not None:  # the adapted weights become held
+        model, adapted = merge_lora(vlm.model)
+        keep |= adapted
     state = {n: _full(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
     if rank == 0:
         config = {'stage': name, 'steps': trainer.state.global_step, 'spec': model_spec(recipe),
@@ -254,10 +232,10 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
         raise RecipeError(f'model.sequence_mask: {vlm.model.sequence_mask}: a conversation stage trains causally, '
                           f'as LLaVA does (prefix_lm would let the answers see themselves); set model.sequence_mask: '
                           f'causal')
-    prepare(vlm, recipe)
+    plan = prepare(vlm, recipe)
     # held: what the earlier stage gave, and λ and the sub-norm, which differentialize draws at random (kept
     # even when frozen, so the next stage and evaluation see the same); names after LoRA wrapped the LM
-    held |= {id(p) for p in differential_parameters(vlm.model.language_model)}
+    held |= {id(p) for p in model_parts(vlm.model).differential()}
     held = held_names(vlm.model, held)
     tok = vlm.tokenizer
     if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
@@ -284,7 +262,7 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     skipped, lost = gathered(trainer)
     results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
-    output = finish(trainer, vlm, recipe, run_dir / STAGE_DIR, name, rank)
+    output = finish(trainer, vlm, recipe, plan, run_dir / STAGE_DIR, name, rank)
     if world > 1:  # the next stage of a chain reads what rank 0 wrote
         dist.barrier()
     if rank == 0:

@@ -23,6 +23,7 @@ from diffzoo.vlm.data import SkippedImages, load_vqav2
 from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
 from diffzoo.vlm.factory import load_vlm
 from diffzoo.vlm.lora import load_adapter_weights, save_adapter, trainable_parameters
+from diffzoo.vlm.plan import training_plan
 
 from .metrics import drop_records_after
 from .vlm_inputs import check_settings
@@ -299,7 +300,7 @@ def _run(recipe: Dict, name: str) -> Dict:
 
     torch.manual_seed(recipe['seed'])  # a build_vlm projector (and eRAM-V post-MLP) starts from this seed
     vlm = load_vlm(recipe['model'], differential=recipe['differential'])
-    vlm.add_lora(**recipe['lora'], train_projector=recipe['train_projector'])
+    vlm.apply_plan(training_plan(recipe))
     counts = trainable_parameters(vlm.model)
     if rank == 0:
         start_run(run_dir, recipe, name, checkpoint,

@@ -10,6 +10,8 @@
     build_vlm(vision, language_model, integration,               PaliGemma-style model, prefix-LM mask; eRAM-V
               select_layer, projector, …)                        (penultimate block, LLaVA-1.5's MLP projector)
     add_lora / save_adapter / load_adapter                       LoRA on the decoder, λ and sub-norm trained
+    training_plan(recipe) / apply_plan(model, plan)              what a run trains, decided once and applied once
+    model_parts(model)                                           the decoder model, tower and projector of any VLM
 
 Fine-tuning: `python -m diffzoo.train.vlm`; VQA accuracy and MMNeedle: `diffzoo.eval.vqa`, `diffzoo.eval.needle`.
 """
@@ -20,7 +22,8 @@ _LAZY = {  # name → submodule; imported on first use (PEP 562), so `diffzoo.vl
     'differential_parameters': 'differential', 'differentialize': 'differential', 'load_differential': 'differential',
     'VLM': 'factory', 'load_vlm': 'factory',
     'add_lora': 'lora', 'load_adapter': 'lora', 'save_adapter': 'lora', 'trainable_parameters': 'lora',
-    'VisionLanguageModel': 'model', 'build_vlm': 'model',
+    'VisionLanguageModel': 'model', 'build_vlm': 'model', 'model_parts': 'parts',
+    'TrainingPlan': 'plan', 'apply_plan': 'plan', 'training_plan': 'plan',
 }
 __all__ = sorted(_LAZY)
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

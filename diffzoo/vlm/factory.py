@@ -35,6 +35,8 @@ from .data import PaliGemmaCollator, VLMCollator
 from .differential import differentialize
 from .lora import add_lora, load_adapter
 from .model import VisionLanguageModel, build_vlm
+from .parts import model_parts
+from .plan import TrainingPlan, apply_plan
 from .recipe import MODEL, check_model, load_vlm_recipe
 from .stages import STAGE_CONFIG, STAGE_DIR, load_stage
 
@@ -67,13 +69,18 @@ class VLM:
         self.model = add_lora(self.model, **settings)
         return self
 
+    def apply_plan(self, plan: TrainingPlan) -> 'VLM':
+        """What `plan` trains made trainable, the rest frozen (`diffzoo.vlm.plan`); `model` becomes the trained one."""
+        self.model = apply_plan(self.model, plan)
+        return self
+
     def load_adapter(self, directory, trainable: bool = False) -> 'VLM':
         self.model = load_adapter(self.model, directory, trainable=trainable)
         return self
 
     def decoder_model(self) -> nn.Module:
-        """The transformers model that holds the decoder `differentialize` changes."""
-        raise NotImplementedError
+        """The transformers model that holds the decoder `differentialize` changes (`diffzoo.vlm.parts`)."""
+        return model_parts(self.model).decoder_model
 
     def collator(self, train: bool = True, max_length: int = 64) -> Callable:
         """VQA samples → batches for `model(**batch)` (with labels when `train`) or for `generate`."""
@@ -106,9 +113,6 @@ class BuiltVLM(VLM):
         self.transform = transform
         self.prompt_format: Optional[str] = None
         self.image_aspect = 'crop'
-
-    def decoder_model(self) -> nn.Module:
-        return self.model.language_model
 
     def collator(self, train: bool = True, max_length: int = 64) -> Callable:
         return VLMCollator(self.tokenizer, self.transform, max_length, train=train)
@@ -157,9 +161,6 @@ class PaliGemmaVLM(VLM):
         self.image_token_id = getattr(config, 'image_token_id', None)
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
-
-    def decoder_model(self) -> nn.Module:
-        return self.model
 
     def collator(self, train: bool = True, max_length: int = 64) -> Callable:
         return PaliGemmaCollator(self.processor, train=train)

@@ -1,10 +1,10 @@
-"""LoRA on the decoder (peft), with the differential parameters trained alongside.
+"""LoRA on the decoder (peft), with the differential parameters trained alongside; the adapter's files.
 
-Differential PaliGemma's recipe: LoRA (r 32, α 64) on the decoder's q/k/v/o projections (optionally
-the MLP's gate/up/down), λ_q1/λ_k1/λ_q2/λ_k2 and the sub-norm trainable, everything else frozen.
-Only decoder layers get adapters (PaliGemma's SigLIP tower also has q/k/v projections; they stay
-frozen). A `build_vlm` model may also train its projector (`train_projector=True`), which starts
-from random for a new vision–LM pairing.
+`add_lora(model, …)` applies Differential PaliGemma's plan (`diffzoo.vlm.plan.lora_fine_tune`): LoRA (r 32,
+α 64) on the decoder's q/k/v/o projections (optionally the MLP's gate/up/down), λ_q1/λ_k1/λ_q2/λ_k2 and
+the sub-norm trainable, everything else frozen. A `build_vlm` model may also train its projector
+(`train_projector=True`), which starts from random for a new vision–LM pairing. `merge_lora` merges the
+adapters into the weights they adapted (a stage's output, `diffzoo.train.vlm_stage`).
 
 `save_adapter(model, dir)` writes peft's adapter files with the differential parameters in
 `adapter_model.safetensors` under their peft names (`base_model.model.….self_attn.lambda_q1`, …),
@@ -19,80 +19,42 @@ and loads the projector. Adapters written before kept the differential parameter
 """
 import json
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftModel, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .differential import _suffix, differential_parameters, differential_state_dict, differentialize, find_decoder
+from .differential import _suffix, differential_state_dict, differentialize, find_decoder
 from .hf_config import SETTINGS_KEY, saved_settings
-from .model import VisionLanguageModel
+from .parts import model_parts
+from .plan import LoraSettings, apply_plan, lora_fine_tune
 
-ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
-MLP_TARGETS = ('gate_proj', 'up_proj', 'down_proj')
 EXTRA_WEIGHTS, EXTRA_CONFIG = 'diffzoo_extra.safetensors', 'diffzoo_extra.json'
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'  # peft's
-
-
-def _decoder_path(model: nn.Module) -> str:
-    """Dotted path of the decoder stack inside `model` ('' when the model is the decoder)."""
-    decoder = find_decoder(model)
-    for name, module in model.named_modules():
-        if module is decoder:
-            return name
-    raise ValueError(f'{type(model).__name__}: decoder not found among its modules')
-
-
-def _language_model(model: nn.Module) -> nn.Module:
-    """The module LoRA wraps: a build_vlm model's language model, or the transformers model itself."""
-    return model.language_model if isinstance(model, VisionLanguageModel) else model
-
-
-def _attach(model: nn.Module, peft_model: nn.Module) -> nn.Module:
-    """What callers get back: a build_vlm model around its peft-wrapped language model, or the peft model."""
-    if isinstance(model, VisionLanguageModel):
-        model.language_model = peft_model
-        return model
-    return peft_model
-
-
-def projection_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """A build_vlm model's projector (and eRAM-V's post-projection MLP), saved with the adapter; none
-    for a pretrained PaliGemma, whose projector is part of the base checkpoint."""
-    if not isinstance(model, VisionLanguageModel):
-        return {}
-    return {'projector': model.projector, **({'post_mlp': model.post_mlp} if hasattr(model, 'post_mlp') else {})}
 
 
 def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.0, mlp: bool = False,
              train_projector: bool = False) -> nn.Module:
     """LoRA adapters on the decoder of `model` (in place for a `VisionLanguageModel`, whose
     `language_model` becomes the peft model; otherwise the peft model is returned), differential
-    parameters trainable, everything else frozen."""
-    projection = projection_modules(model)
-    if train_projector and not projection:
-        raise ValueError('train_projector=True applies to build_vlm models; a pretrained PaliGemma keeps its projector')
-    target = _language_model(model)
-    path = _decoder_path(target)
-    names = ATTENTION_TARGETS + (MLP_TARGETS if mlp else ())
-    prefix = f'{path}\\.' if path else ''
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias='none',
-                        target_modules=rf'^{prefix}layers\.\d+\.(self_attn|mlp)\.({"|".join(names)})$')
-    peft_model = get_peft_model(target, config)  # freezes every non-LoRA parameter of the language model
-    for p in differential_parameters(peft_model):
-        p.requires_grad_(True)
-    if projection:  # a build_vlm model: its vision tower stays frozen, the projector trains as asked
-        model.vision.requires_grad_(False)
-        for module in projection.values():
-            module.requires_grad_(train_projector)
-    return _attach(model, peft_model)
+    parameters trainable, everything else frozen: `diffzoo.vlm.plan.lora_fine_tune` applied."""
+    return apply_plan(model, lora_fine_tune(LoraSettings(r, alpha, dropout, mlp), projector=train_projector))
 
 
-def _peft_model(model: nn.Module):
-    target = _language_model(model)
+def merge_lora(model: nn.Module) -> Tuple[nn.Module, Set[int]]:
+    """`model` with its LoRA adapters merged into the weights they adapted (peft's `merge_and_unload`), and the ids
+    of those weights."""
+    parts = model_parts(model)
+    adapted = {id(m.base_layer.weight) for m in parts.decoder_model.modules() if isinstance(m, LoraLayer)}
+    return parts.attach(parts.decoder_model.merge_and_unload()).model, adapted
+
+
+def _peft_model(model: nn.Module) -> PeftModel:
+    target = model_parts(model).decoder_model
     if not isinstance(target, PeftModel):
         raise ValueError(f'{type(model).__name__} has no LoRA adapter; call add_lora first')
     return target
@@ -102,7 +64,7 @@ def extra_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Tensors outside the language model peft wraps: a build_vlm model's projector (and eRAM-V's
     post-MLP), trained or not (a new pairing's projector must not be redrawn)."""
     state = {}
-    for name, module in projection_modules(model).items():
+    for name, module in model_parts(model).projection.items():
         state.update({f'{name}.{k}': v.detach().cpu() for k, v in module.state_dict().items()})
     return state
 
@@ -140,14 +102,14 @@ def load_adapter(model: nn.Module, directory: Union[str, Path], trainable: bool 
     directory = Path(directory)
     _check_adapter_dir(directory)
     spec = json.loads((directory / EXTRA_CONFIG).read_text())['differential']
-    target = _language_model(model)
+    parts = model_parts(model)
     if spec:
-        differentialize(target, **saved_settings(spec))
-    model = _attach(model, PeftModel.from_pretrained(target, str(directory), is_trainable=trainable))
-    for p in differential_parameters(model):  # loaded by peft with the adapter (older adapters: below)
+        differentialize(parts.decoder_model, **saved_settings(spec))
+    parts = parts.attach(PeftModel.from_pretrained(parts.decoder_model, str(directory), is_trainable=trainable))
+    for p in parts.differential():  # loaded by peft with the adapter (older adapters: below)
         p.requires_grad_(trainable)
-    _load_extra(model, directory, trainable)
-    return model
+    _load_extra(parts.model, directory, trainable)
+    return parts.model
 
 
 def load_adapter_weights(model: nn.Module, directory: Union[str, Path]) -> nn.Module:
