@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 from diffzoo.data.synthetic import CorpusConfig, write_corpus
-from diffzoo.train.device_data import CropDraw, TrainTransform, collate_encoded, encoded_image
+from diffzoo.train.device_data import EncodedCollation, TrainTransform, encoded_image, kept_encoded
 from diffzoo.train.device_loader import DeviceLoader
 
 from .measure import BenchError
@@ -60,8 +60,8 @@ def pipeline(urls: Sequence[str], model: str, batch: int, backend: str = 'open_c
     tokenizer = open_clip.get_tokenizer(model)
     if backend == 'device':
         decode = wds.decode(encoded_image, handler=log_and_continue)
-        preprocess = CropDraw(TrainTransform.of(preprocess))
-        batched = wds.batched(batch, collation_fn=collate_encoded, partial=True)
+        batched = wds.batched(batch, collation_fn=EncodedCollation(TrainTransform.of(preprocess)), partial=True)
+        preprocess = kept_encoded
     else:
         decode, batched = wds.decode('pilrgb', handler=log_and_continue), wds.batched(batch, partial=True)
     return wds.DataPipeline(

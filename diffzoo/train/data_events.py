@@ -31,6 +31,12 @@ union over data-loader workers and ranks (not their sum):
   twice in a tar, a shard copied under a second name): a key held by n samples is n - 1 repeats, each sample
   counted once however often it is read. They are trained, as open_clip trains them.
 
+Under `data_backend: device` the workers batch images undecoded (`diffzoo.train.device_data`) and the training
+process decodes them; what it cannot decode, it journals itself (`device_log`, `device-<pid>-<epoch>.jsonl`): the
+skip, under the same reason as a worker's, and the sample as `untrained` (the worker counted it trained when its
+batch left), with the samples trained again to fill the holes and the images PIL decoded. The counts above are
+then the same as open_clip's pipeline gives.
+
 One difference in what is trained: a blank caption counts as none and its sample is skipped
 (img2dataset writes an empty `.txt` where the URL list had no caption; open_clip would train on it).
 

@@ -7,13 +7,13 @@ ranks and workers, epochs and data accounting) with three of its stages swapped 
 - `decode`: an image member is not decoded; its header is read (PIL parses it without decoding the pixels) for
   its size, and a file whose header PIL cannot read is skipped and counted as the default path counts it
   (`data_events.log_and_continue`: an undecodable image). Captions and json decode as before.
-- the image transform: `RandomResizedCrop.get_params` draws the crop box from the header's size, with the scale
-  and ratio of the transform open_clip built for the model (`TrainTransform.of`), from the worker's torch
-  generator as the transform itself would (so `diffzoo.train.shuffle`'s seeding gives the same boxes, run after
-  run and on resume).
-- `batched`: the batch is one uint8 buffer of the encoded files with their lengths, the boxes, which images go
-  to PIL rather than the JPEG decoder (`EncodedImage.needs_pil`), the samples' ids (shard url, position, key)
-  and the tokens; `data_events.Batched` counts it as before.
+- the image transform: none in the worker; the image stays encoded.
+- `batched`: the batch's crop boxes are drawn at once from the headers' sizes (`draw_boxes`: RandomResizedCrop's
+  rule with the scale and ratio of the transform open_clip built for the model, `TrainTransform.of`, from the
+  worker's torch generator, which `diffzoo.train.shuffle` seeds per run, rank, worker and epoch: the same boxes
+  run after run and on resume); the batch is one uint8 buffer of the encoded files with their lengths, the
+  boxes, which images go to PIL rather than the JPEG decoder (`EncodedImage.needs_pil`), the samples' ids (shard
+  url, position, key) and the tokens; `data_events.Batched` counts it as before.
 
 `get_wds_dataset` wraps open_clip_train's for training data only (validation keeps the default path) and
 hands its loader to `diffzoo.train.device_loader.DeviceLoader`, which decodes and transforms each batch in
@@ -21,6 +21,7 @@ the training process, on its device.
 """
 import functools
 import io
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -72,12 +73,11 @@ class TrainTransform:
 
 
 class EncodedImage:
-    """An image member as the worker keeps it: its bytes, its header (a PIL image not yet decoded) and, once
-    `CropDraw` has run, its crop box (top, left, height, width)."""
-    __slots__ = ('data', 'header', 'box')
+    """An image member as the worker keeps it: its bytes and its header (a PIL image not yet decoded)."""
+    __slots__ = ('data', 'header')
 
     def __init__(self, data: bytes, header: Image.Image):
-        self.data, self.header, self.box = data, header, None
+        self.data, self.header = data, header
 
     @property
     def needs_pil(self) -> bool:
@@ -96,16 +96,34 @@ def encoded_image(key: str, data: bytes) -> Optional[EncodedImage]:
     return EncodedImage(data, Image.open(io.BytesIO(data)))  # the header only: no pixel is decoded
 
 
-class CropDraw:
-    """The image transform of open_clip's pipeline, as far as the worker runs it: the random crop's box, drawn
-    by torchvision's `RandomResizedCrop.get_params` from the header's size, as `transform.forward` draws it."""
+def kept_encoded(image: EncodedImage) -> EncodedImage:
+    """The image transform of open_clip's pipeline under this backend: none (the crop box is drawn per batch)."""
+    return image
 
-    def __init__(self, transform: TrainTransform):
-        self.transform = transform
 
-    def __call__(self, image: EncodedImage) -> EncodedImage:
-        image.box = RandomResizedCrop.get_params(image.header, list(self.transform.scale), list(self.transform.ratio))
-        return image
+def draw_boxes(sizes: torch.Tensor, scale, ratio, tries: int = 10) -> torch.Tensor:
+    """Crop boxes (B, 4) as (top, left, height, width) for images of `sizes` (B, 2) as (height, width), by
+    RandomResizedCrop's rule: up to `tries` draws of an area share ~ U(scale) and a log aspect ~ U(log ratio), the
+    first box that fits, at a uniform place; else the centre of the image with its aspect clamped to `ratio`.
+    Written out rather than calling torchvision's `get_params` per image: that costs ~20 µs a try and up to ten
+    tries an image (a quarter of a worker's CPU here); this is a dozen tensor operations a batch."""
+    height, width = sizes[:, :1].double(), sizes[:, 1:].double()  # (B, 1)
+    n = sizes.shape[0]
+    area = height * width * torch.empty(n, tries, dtype=torch.float64).uniform_(*scale)  # (B, tries)
+    aspect = torch.exp(torch.empty(n, tries, dtype=torch.float64).uniform_(math.log(ratio[0]), math.log(ratio[1])))
+    w, h = torch.round(torch.sqrt(area * aspect)), torch.round(torch.sqrt(area / aspect))  # (B, tries)
+    fits = (w > 0) & (h > 0) & (w <= width) & (h <= height)
+    first = fits.to(torch.uint8).argmax(1, keepdim=True)  # (B, 1): the first try that fits
+    w, h, found = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0], fits.any(1)  # (B,)
+    height, width = height[:, 0], width[:, 0]
+    wide, tall = width / height > max(ratio), width / height < min(ratio)
+    w = torch.where(found, w, torch.where(wide, torch.round(height * max(ratio)), width))
+    h = torch.where(found, h, torch.where(tall, torch.round(width / min(ratio)), height))
+    top = torch.where(found, torch.floor(torch.rand(n, dtype=torch.float64) * (height - h + 1)),
+                      torch.floor((height - h) / 2))
+    left = torch.where(found, torch.floor(torch.rand(n, dtype=torch.float64) * (width - w + 1)),
+                       torch.floor((width - w) / 2))
+    return torch.stack([top, left, h, w], 1).long()  # (B, 4)
 
 
 class DeviceTuples(data_events.NumberedTuples):
@@ -125,20 +143,26 @@ class DeviceTuples(data_events.NumberedTuples):
             yield result
 
 
-def collate_encoded(samples: List[tuple]) -> tuple:
+class EncodedCollation:
     """(encoded batch, tokens) from (EncodedImage, tokens) tuples: the files as one uint8 buffer and their
-    lengths (one shared-memory tensor for the batch, not one per image), the crop boxes, which go to PIL, and
-    the samples' (url, position, key) (None where the pipeline does not number them)."""
-    images = [image for image, _ in samples]
-    data = bytearray(b''.join(image.data for image in images))
-    batch = {
-        'data': torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
-        'lengths': torch.tensor([len(image.data) for image in images], dtype=torch.int64),
-        'boxes': torch.tensor([image.box for image in images], dtype=torch.int64).reshape(-1, 4),  # (B, 4)
-        'needs_pil': torch.tensor([image.needs_pil for image in images], dtype=torch.bool),
-        'ids': [(*(getattr(s, 'sample_id', None) or (None, None)), getattr(s, 'key', None)) for s in samples],
-    }
-    return batch, torch.stack([tokens for _, tokens in samples])  # tokens: (B, context)
+    lengths (one shared-memory tensor for the batch, not one per image), the crop boxes (`draw_boxes`), which
+    go to PIL, and the samples' (url, position, key) (None where the pipeline does not number them)."""
+
+    def __init__(self, transform: TrainTransform):
+        self.transform = transform
+
+    def __call__(self, samples: List[tuple]) -> tuple:
+        images = [image for image, _ in samples]
+        data = bytearray(b''.join(image.data for image in images))
+        sizes = torch.tensor([image.header.size[::-1] for image in images], dtype=torch.int64).reshape(-1, 2)
+        batch = {
+            'data': torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
+            'lengths': torch.tensor([len(image.data) for image in images], dtype=torch.int64),
+            'boxes': draw_boxes(sizes, self.transform.scale, self.transform.ratio),  # (B, 4)
+            'needs_pil': torch.tensor([image.needs_pil for image in images], dtype=torch.bool),
+            'ids': [(*(getattr(s, 'sample_id', None) or (None, None)), getattr(s, 'key', None)) for s in samples],
+        }
+        return batch, torch.stack([tokens for _, tokens in samples])  # tokens: (B, context)
 
 
 class DeviceWebdataset:
@@ -147,17 +171,16 @@ class DeviceWebdataset:
 
     to_tuple = DeviceTuples
 
-    def __init__(self, module):
-        self._module = module
+    def __init__(self, module, transform: TrainTransform):
+        self._module, self.transform = module, transform
 
     def decode(self, *handlers, handler=None, **kwargs):
         """open_clip's `wds.decode("pilrgb", handler=…)`: the same stage and handler, with image members kept
         encoded instead of decoded to PIL."""
         return self._module.decode(encoded_image, handler=handler, **kwargs)
 
-    @staticmethod
-    def batched(batchsize: int, partial: bool = True):
-        return data_events.Batched(batchsize, collation_fn=collate_encoded, partial=partial)
+    def batched(self, batchsize: int, partial: bool = True):
+        return data_events.Batched(batchsize, collation_fn=EncodedCollation(self.transform), partial=partial)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -165,17 +188,17 @@ class DeviceWebdataset:
 
 def wds_dataset_on_device(build, data_module):
     """`build` (open_clip_train.data.get_wds_dataset, as diffzoo.train.seams has wrapped it) building training
-    pipelines for this backend: `data_module.wds` is `DeviceWebdataset` while it builds, the image transform is
-    `CropDraw` of the one open_clip passes, and the DataInfo's loader a `DeviceLoader`."""
+    pipelines for this backend: `data_module.wds` is `DeviceWebdataset` while it builds, with the settings of
+    the image transform open_clip passes, which becomes `kept_encoded`; the DataInfo's loader a `DeviceLoader`."""
     @functools.wraps(build)  # its signature too, which train.seams checks
     def get_wds_dataset(args, preprocess_img, is_train, *rest, **kwargs):
         if not is_train:
             return build(args, preprocess_img, is_train, *rest, **kwargs)
         transform = TrainTransform.of(preprocess_img)
         module = data_module.wds
-        data_module.wds = DeviceWebdataset(module)
+        data_module.wds = DeviceWebdataset(module, transform)
         try:
-            info = build(args, CropDraw(transform), is_train, *rest, **kwargs)
+            info = build(args, kept_encoded, is_train, *rest, **kwargs)
         finally:
             data_module.wds = module
         info.dataloader = DeviceLoader(info.dataloader, transform, args.batch_size, torch.device(args.device))
