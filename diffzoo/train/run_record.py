@@ -11,8 +11,8 @@ holds checkpoints is compared with the record before anything is built:
 - more epochs lengthen the run: accepted, saying how the schedule stretches (the rate at the resumed
   step jumps from the old schedule's value to the new one's);
 - settings that keep the schedule but not the bit-for-bit replay of the uninterrupted run (data workers,
-  processes, precision, torch.compile, the same global batch split otherwise) are accepted with a
-  warning; hardware, logging and checkpointing settings silently.
+  processes, precision, torch.compile, the same global batch split otherwise, the recipe's `data_backend`) are
+  accepted with a warning; hardware, logging and checkpointing settings silently.
 
 A recipe's `lambda_lr` (diffzoo's, not open_clip_train's) is recorded beside them: a new value is accepted,
 λ and the sub-norm training at it from the resumed epoch on; leaving it out of a run that had it is refused
@@ -43,7 +43,7 @@ FREE = {'report_to', 'log_every_n_steps', 'device', 'dist_url', 'dist_backend', 
         'remote_sync_protocol', 'save_most_recent', 'grad_checkpointing', 'use_bn_sync', 'ddp_static_graph',
         'local_loss', 'gather_with_grad'}
 # the same schedule, another sample order or other numerics: not the uninterrupted run bit for bit
-REPLAY = {'workers', 'precision', 'torchcompile', 'batch_size', 'accum_freq', 'world_size'}
+REPLAY = {'workers', 'precision', 'torchcompile', 'batch_size', 'accum_freq', 'world_size', 'data_backend'}
 # the schedule's own settings, compared through what they give (`_schedule`)
 SCHEDULE = {'warmup', 'epochs'}
 LAMBDA_LR = 'lambda_lr'  # the recipe's: another value is accepted and noted; dropped or added, checked (docstring)
@@ -122,7 +122,7 @@ def _lr_words(lr: Optional[float]) -> str:
 
 
 def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], accept: bool,
-                  lambda_lr: Optional[float] = None) -> Optional[str]:
+                  lambda_lr: Optional[float] = None, data_backend: str = 'open_clip') -> Optional[str]:
     """Refuse a run directory whose checkpoints come from another run, or a resume whose settings change the
     schedule (unless `accept`); record the settings of a new run (or of one that stopped before its first
     checkpoint: nothing of it is lost) and every change a resume makes (module docstring)."""
@@ -133,6 +133,8 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
     config = {**_jsonable(args), 'world_size': world_size}
     if lambda_lr is not None:
         config[LAMBDA_LR] = float(lambda_lr)
+    if data_backend != 'open_clip':  # (the default's record stays as it was)
+        config['data_backend'] = data_backend
     checkpoints = os.path.join(run_dir, 'checkpoints')
     if not (os.path.exists(path) and glob.glob(os.path.join(checkpoints, '*.pt'))):
         if rank == 0:

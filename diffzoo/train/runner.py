@@ -122,7 +122,8 @@ def run(argv: List[str], doc: str = '') -> int:
     if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
         raise RecipeError(f'lambda_lr: gives λ its own AdamW groups, and --opt {args.opt} builds another optimizer '
                           f'(timm\'s); leave one of them out')
-    run_dir = check_run_dir(args, rank, world_size, samples, accept, lambda_lr)
+    data_backend = plan.recipe.get('data_backend', 'open_clip') if plan is not None else 'open_clip'
+    run_dir = check_run_dir(args, rank, world_size, samples, accept, lambda_lr, data_backend)
     if rank == 0:
         check_space(args, run_dir)
         print_plan(plan, source, argv, run_dir)
@@ -141,7 +142,6 @@ def run(argv: List[str], doc: str = '') -> int:
         print(f'resuming {args.name} from epoch {done} of {args.epochs} (checkpoint {latest_checkpoint(checkpoints)})',
               flush=True)
 
-    data_backend = plan.recipe.get('data_backend', 'open_clip') if plan is not None else 'open_clip'
     with seams.installed(None if lambda_lr is None else float(lambda_lr) / args.lr, data_backend):
         try:
             result = open_clip_train.main.main(argv)

@@ -10,17 +10,20 @@ import sys
 import numpy as np
 import open_clip
 import open_clip_train.data
+from open_clip_train.params import parse_args
 import pytest
 import torch
 from PIL import Image
 from scipy import stats
 from torchvision.transforms import functional as TF
 
+from diffzoo.checkpoint import RUN_CONFIG
 from diffzoo.recipes import RecipeError
 from diffzoo.train import data_events, data_report, seams
 from diffzoo.train.device_data import TrainTransform, draw_boxes, encoded_image
 from diffzoo.train.device_loader import DeviceLoader, decode_images, pil_decode
 from diffzoo.train.launch import main as train_main
+from diffzoo.train.run_record import CHANGES, check_run_dir
 from tests.factory import call, jpeg, run, sample, write_shards
 
 MODEL = 'clip-tiny-baseline'
@@ -167,6 +170,21 @@ def test_a_batch_the_jpeg_decoder_refuses_is_decoded_one_by_one_and_by_pil():
         assert decoded.shape == (3, 96, 96) and torch.equal(decoded, pil_decode(tensor))
     assert encoded_image('.png', files[2]).needs_pil and encoded_image('.jpg', files[1]).needs_pil
     assert not encoded_image('.jpg', files[3]).needs_pil and encoded_image('.txt', b'a caption') is None
+
+
+def test_a_resume_with_another_data_backend_goes_on_with_a_warning_and_is_recorded(tmp_path, capsys):
+    """The same schedule, other crops and pixels: accepted as a change of workers is, not replayed bit for bit."""
+    args = parse_args(['--model', MODEL, '--train-data', 'x.tar', '--train-num-samples', '16', '--logs',
+                       str(tmp_path), '--name', 'run'])
+    check_run_dir(args, 0, 1, None, False)
+    path = tmp_path / 'run' / RUN_CONFIG
+    assert 'data_backend' not in json.loads(path.read_text())  # the default's record as before
+    (tmp_path / 'run' / 'checkpoints').mkdir()
+    (tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt').write_bytes(b'')
+    check_run_dir(args, 0, 1, None, False, data_backend='device')
+    assert "data_backend: None -> 'device': the run goes on, but no longer replays" in capsys.readouterr().err
+    record = json.loads(path.read_text())
+    assert record['data_backend'] == 'device' and record[CHANGES][-1]['changed'] == {'data_backend': [None, 'device']}
 
 
 def _records(run_dir):
