@@ -12,9 +12,9 @@ the run's device (`diffzoo.train.device_data` is the workers' side).
   [0, 1] and normalised with the model's mean and std, float32 (open_clip's loop casts it to the input dtype).
   Against open_clip's PIL resize on the same box a pixel differs by at most 1 of 255 (rounding).
 - Equal batches: every rank must make `num_batches` batches of `batch_size` (DDP steps and open_clip's gathered
-  loss need the same shapes). A skipped image leaves a hole that the next batch's first sample fills; at the end
-  of the epoch the holes left are filled with samples trained earlier in the epoch (the last batch's, in order),
-  counted as trained again (`fill_repeats`; data.jsonl's repeats include them). Skipped + fill repeats = holes.
+  loss need the same shapes). A skipped image leaves a hole that the next sample fills, and so on to the end of
+  the epoch, where the batches lack as many samples as were skipped here: samples trained earlier in the epoch
+  (the last batch's, in order) fill them, counted as trained again (`fill_repeats`, among data.jsonl's repeats).
 """
 import collections
 import io
