@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-import numpy as np
 import open_clip
 import open_clip_train.data
 from open_clip_train.params import parse_args
@@ -24,7 +23,7 @@ from diffzoo.train.device_data import TrainTransform, draw_boxes, encoded_image
 from diffzoo.train.device_loader import DeviceLoader, decode_images, pil_decode
 from diffzoo.train.launch import main as train_main
 from diffzoo.train.run_record import CHANGES, check_run_dir
-from tests.factory import call, jpeg, run, sample, write_shards
+from tests.factory import call, run, sample, write_shards
 
 MODEL = 'clip-tiny-baseline'
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # as the tiny recipes train
