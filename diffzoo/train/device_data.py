@@ -15,9 +15,9 @@ ranks and workers, epochs and data accounting) with three of its stages swapped 
   boxes, which images go to PIL rather than the JPEG decoder (`EncodedImage.needs_pil`), the samples' ids (shard
   url, position, key) and the tokens; `data_events.Batched` counts it as before.
 
-`get_wds_dataset` wraps open_clip_train's for training data only (validation keeps the default path) and
-hands its loader to `diffzoo.train.device_loader.DeviceLoader`, which decodes and transforms each batch in
-the training process, on its device.
+`wds_dataset_on_device` wraps open_clip_train's `get_wds_dataset` for training data only (validation keeps the
+default path) and hands its loader to `diffzoo.train.device_loader.DeviceLoader`, which decodes and transforms
+each batch in the training process, on its device.
 """
 import functools
 import io
