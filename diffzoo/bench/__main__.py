@@ -18,6 +18,10 @@ Peak memory: CUDA allocator counters; on CPU the torch.profiler memory events (d
 
 Results go to bench/results/<device>-<YYYY-MM-DD>.json (environment included, rewritten after each
 section) and a table with the ratios and PASS/MISS lines for the project's targets is printed.
+
+On a CUDA machine, `python -m diffzoo.bench.gpu OUT` runs the GPU check: the Triton kernel's launches and
+tests, these sections, torch.compile, train.sh and the VLM commands, the LLaVA-style stages, each step
+time-boxed, into OUT/gpu_check.json (`--device cpu`: a dry run at tiny sizes; its --help says more).
 """
 import argparse
 import datetime

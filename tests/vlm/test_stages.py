@@ -151,7 +151,7 @@ def test_the_shipped_stage_recipes_carry_the_published_settings(name):
 
 def test_fsdp_is_refused_on_cpus_where_accelerate_would_train_unsharded(chain):
     """accelerate enables FSDP for GPUs only (a CPU run would silently hold the whole model in every process):
-    said by name before anything trains. On a GPU, scripts/gpu_stages.py runs stage 3 under FSDP2."""
+    said by name before anything trains. On a GPU, `python -m diffzoo.bench.gpu OUT stages` runs stage 3 under FSDP2."""
     root, _ = chain
     refused = call(main, ['--recipe', root / 'stage3.yaml', '--fsdp', '{version: 2}', '--output', root / 'fsdp'], root)
     assert refused.returncode == 2 and 'accelerate shards with FSDP on GPUs only' in refused.stderr

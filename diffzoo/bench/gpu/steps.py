@@ -1,0 +1,148 @@
+"""The steps of `python -m diffzoo.bench.gpu`, each a function of the runner (its step begun) and the run's
+settings; `STEPS` names them with their time boxes on CUDA and on the CPU, in their default order."""
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence
+
+import yaml
+
+from . import commands
+from .runner import Runner
+
+PACKAGE = Path(__file__).resolve().parents[2]  # diffzoo/
+LAUNCH_CONFIGS = PACKAGE / 'layers' / 'kernels' / 'launch_configs.json'
+KERNEL_TESTS = ('tests/layers/test_kernels.py', 'tests/clip/test_official_checkpoint.py::'
+                'test_official_outputs_on_cuda_in_fp32_and_with_the_triton_kernel_in_bf16')
+
+
+@dataclass
+class Settings:
+    device: str  # cuda or cpu
+    out: Path
+    checkout: Optional[Path]  # the repository root; None for an installed package (no tests/, no scripts/)
+    sizes: commands.Sizes
+    b16_recipes: Sequence[str]
+    corpus_processes: int
+    test_workers: int
+
+
+def tune(runner: Runner, s: Settings) -> None:
+    """python -m diffzoo.bench.tune --write: the Triton split kernel's launches for this GPU, into the package's
+    launch_configs.json (copied to OUT); on the CPU the Triton interpreter checks the program at 20 tokens."""
+    py = sys.executable
+    if s.device == 'cuda':
+        done = runner.run('tune', [py, '-m', 'diffzoo.bench.tune', '--write', '--out', str(s.out / 'tune.json')])
+        if done.status == 'ok':
+            shutil.copy(LAUNCH_CONFIGS, s.out / LAUNCH_CONFIGS.name)
+    else:
+        runner.run('tune', ['env', 'TRITON_INTERPRET=1', py, '-m', 'diffzoo.bench.tune', '--device', 'cpu', '--tokens',
+                            '20', '--tokens-per-batch', '20', '--limit', '1', '--out', str(s.out / 'tune.json')])
+
+
+def tests(runner: Runner, s: Settings) -> None:
+    """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), then every other
+    test marked gpu; on the CPU only the tests marked gpu are collected (and skip, no CUDA): the plumbing."""
+    workers = ['-n', str(s.test_workers)] if s.device == 'cuda' else []
+    pytest = [sys.executable, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
+    kernel = [*pytest, *([] if s.device == 'cuda' else ['-m', 'gpu']), *KERNEL_TESTS]
+    rest = [*pytest, '-m', 'gpu', 'tests', '--ignore', KERNEL_TESTS[0]]
+    if s.checkout is None or not (s.checkout / KERNEL_TESTS[0]).is_file():
+        reason = "the repository's tests/ folder is not here (an installed package): run from a diffzoo checkout"
+        runner.skip('kernel-tests', kernel, reason)
+        runner.skip('gpu-tests', rest, reason)
+        return
+    runner.run('kernel-tests', kernel, reserve=120)
+    runner.run('gpu-tests', rest)
+
+
+def bench(runner: Runner, s: Settings) -> None:
+    """python -m diffzoo.bench, layer, model and profile sections: the Triton kernel against the default SDPA
+    kernel (two_calls) and the baseline, in one run (OUT/bench.json, the profiler tables beside it)."""
+    cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'layer', 'model', 'profile']
+    if s.device == 'cuda':
+        cmd += ['--split-kernel', 'triton', '--model', 'diffclip-b16', 'diffclip-b16@two_calls', 'clip-b16-baseline',
+                '--variants', 'split-fused', 'split-two_calls', '--tokens', '197', '577', '4096', '--causal-tokens',
+                '77', '--reps', '10']
+    else:  # the interpreted Triton kernel takes seconds a call: the CPU's own kernel at smoke sizes
+        cmd += ['--smoke', '--model', 'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline',
+                '--variants', 'split-fused', 'split-two_calls']
+    runner.run('bench', [*cmd, '--out', str(s.out / 'bench.json')])
+
+
+def compile_models(runner: Runner, s: Settings) -> None:
+    """The model section with both towers under torch.compile (OUT/bench-compile.json)."""
+    cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'model', '--compile']
+    if s.device == 'cuda':
+        cmd += ['--split-kernel', 'triton', '--model', 'diffclip-b16', 'clip-b16-baseline', '--reps', '10']
+    else:
+        cmd += ['--smoke', '--model', 'diffclip-tiny', 'clip-tiny-baseline']
+    runner.run('compile', [*cmd, '--out', str(s.out / 'bench-compile.json')])
+
+
+def run_commands(runner: Runner, s: Settings) -> None:
+    train_sh = s.checkout / 'scripts' / 'train.sh' if s.checkout else None
+    runner.results['commands'] = commands.run(runner, s.device, s.sizes, s.b16_recipes, s.corpus_processes,
+                                              train_sh if train_sh and train_sh.is_file() else None, s.out)
+
+
+# LLaVA-style stages on the suite's tiny DiffCLIP tower and Qwen2-style LM: name -> (data JSON, format, train,
+# init_from, lr, extra keys)
+MODEL = dict(type='build_vlm', vision='diffclip-tiny', select_layer=-2, projector='mlp2x_gelu', sequence_mask='causal')
+STAGES = {
+    'stage1': ('pretrain.json', 'plain', dict(projector=True), None, 3e-3, {}),
+    'stage2': ('qa.json', 'qwen2_instruct', dict(projector=True, vision=True), 'stage1', 1e-3, {}),
+    'stage3': ('instruct.json', 'chat_template',
+               dict(projector=True, language_model='full', gradient_checkpointing=True), 'stage2', 3e-3, {}),
+    'stage3-fsdp': ('instruct.json', 'chat_template', dict(projector=True, language_model='full'), 'stage2', 3e-3,
+                    dict(fsdp=dict(version=2))),
+}
+
+
+def stages(runner: Runner, s: Settings) -> None:
+    """The LLaVA-style chain, stage 1 -> 2 -> 3 of `python -m diffzoo.train.vlm` (bf16, 16 steps each on CUDA), and
+    stage 3 again under FSDP2 through torchrun (on CUDA only: accelerate shards on GPUs only); per stage its loss
+    per step and summary lines, to the results' `stages`."""
+    py, root = sys.executable, runner.work / 'stages'
+    runner.run('stage-assets', [py, '-m', 'diffzoo.bench.gpu.tasks', 'stage-assets', str(root), '--scenes', '64'],
+               120, grace=5)
+    cuda = s.device == 'cuda'
+    report = runner.results['stages'] = {}
+    for name, (json_name, fmt, train, init_from, lr, extra) in STAGES.items():
+        recipe = dict(model=dict(MODEL, language_model=str(root / 'lm')),
+                      attention=dict(type='differential', lambda_init=0.5),
+                      data=dict(type='conversations', json=str(root / json_name), format=fmt,
+                                image_folder=str(root / 'images'), max_length=64),
+                      train=train, init_from=init_from, lr=lr, global_batch_size=16, batch_size=8,
+                      max_steps=16 if cuda else 4, warmup_ratio=0.03, lr_scheduler='cosine', log_every=1,
+                      save_every=8 if cuda else 4, report_to='none', device=s.device,
+                      precision='bf16' if cuda else 'fp32', output=str(root / 'runs'), **extra)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f'{name}.yaml').write_text(yaml.safe_dump(recipe))
+        launcher = [py, '-m', 'torch.distributed.run', '--nproc-per-node', '1'] if extra else [py]
+        cmd = [*launcher, '-m', 'diffzoo.train.vlm', '--recipe', str(root / f'{name}.yaml')]
+        if extra and not cuda:
+            runner.skip(name, cmd, 'accelerate shards with FSDP on GPUs only (tests/vlm/test_fsdp.py shards on CPUs)')
+            continue
+        done = runner.run(name, cmd, 150)
+        log = root / 'runs' / name / 'log.jsonl'
+        text = (runner.work / 'logs' / f'stages-{name}.log').read_text(errors='replace') if done.rc is not None else ''
+        report[name] = {
+            'status': done.status, 'seconds': done.seconds,
+            'losses': [round(json.loads(line)['loss'], 4) for line in log.read_text().splitlines() if line.strip()]
+            if log.is_file() else [],
+            'lines': [line for line in text.splitlines() if line.startswith(('stage', 'FSDP', 'resuming'))]}
+
+
+def stage_notes(report: Dict) -> Dict[str, str]:
+    return {name: f'{len(r["losses"])} steps, loss ' + (f'{r["losses"][0]:.2f} -> {r["losses"][-1]:.2f}'
+                                                        if r['losses'] else '-') for name, r in report.items()}
+
+
+STEPS: Dict[str, Callable[[Runner, Settings], None]] = {
+    'tune': tune, 'tests': tests, 'bench': bench, 'compile': compile_models, 'commands': run_commands, 'stages': stages}
+BOXES = {  # seconds per step: cuda, cpu
+    'tune': (300, 300), 'tests': (420, 300), 'bench': (300, 400), 'compile': (300, 600),
+    'commands': (commands.SIZES['cuda'].box, commands.SIZES['cpu'].box), 'stages': (720, 600)}
