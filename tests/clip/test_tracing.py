@@ -8,6 +8,7 @@ the differential layers of the real geometry (6 vision heads of q/k 64 and v 128
 differential heads) are what these paths must take."""
 import json
 import logging
+import re
 import sys
 from importlib import resources
 
@@ -87,7 +88,27 @@ def test_checkpoint_of_a_scripted_model_loads_into_the_eager_model(tmp_path, cap
         torch.testing.assert_close(v, scripted.state_dict()[k], rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.parametrize('name', [n for n in NAMES if n not in TINY])
+# The L/14 and B/32 configs differ from their B/16 ones only in widths, heads and the timm tower's name (a tower of
+# the same class at another size): TorchScript compiles by module type and constant, so they script as B/16 does
+# (`test_only_sizes_set_the_larger_configs_apart` holds that premise)
+SIZE_ONLY = {'embed_dim', 'text_cfg.width', 'text_cfg.heads', 'vision_cfg.width', 'vision_cfg.layers',
+             'vision_cfg.patch_size', 'vision_cfg.image_size', 'vision_cfg.head_width', 'vision_cfg.timm_model_name'}
+SCRIPTED_ON_META = [n for n in NAMES if n not in TINY and '-l14' not in n and '-b32' not in n]
+
+
+def _flat(cfg, prefix=''):
+    return {k: v for key, value in cfg.items()
+            for k, v in (_flat(value, f'{prefix}{key}.') if isinstance(value, dict) else {prefix + key: value}).items()}
+
+
+def test_only_sizes_set_the_larger_configs_apart():
+    for name in NAMES:
+        if '-l14' in name or '-b32' in name:
+            larger, b16 = (_flat(open_clip.get_model_config(n)) for n in (name, re.sub('l14|b32', 'b16', name)))
+            assert {k for k in larger.keys() | b16.keys() if larger.get(k) != b16.get(k)} <= SIZE_ONLY, name
+
+
+@pytest.mark.parametrize('name', SCRIPTED_ON_META)
 def test_create_model_jit_scripts_every_other_model_on_the_meta_device(name, caplog):
     """The full-size configs script as the tiny ones do; on the meta device (no weights) the scripted forward gives
     the shapes (diffclip-b16's numbers are compared with eager in full below)."""
