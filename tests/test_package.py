@@ -24,6 +24,8 @@ def test_wheel_carries_configs_recipes_and_dataset_cards(tmp_path):
     assert cards == {'cc3m.yaml', 'cc12m.yaml'}
     assert {'diffzoo/train/launch.py', 'diffzoo/data/shards.py', 'diffzoo/eval/synthetic.py',
             'diffzoo/layers/kernels/split_triton.py', 'diffzoo/eval/needle/cli.py', 'diffzoo/analysis/cli.py'} <= set(names)
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / 'diffzoo').rglob('*.py')}
+    assert modules - set(names) == set()  # every subpackage listed in pyproject.toml's packages
 
 
 def test_ci_runs_the_readme_test_command():

@@ -21,6 +21,7 @@ README = '\n'.join(TEXTS.values())  # every page, for what is searched across th
 RUN = {
     'python -m diffzoo.train recipes': 'clip-b16-baseline-cc3m',
     'python -m diffzoo.train.vlm recipes': 'paligemma-3b-vqav2-diff',
+    'python -m diffzoo.bench.gpu --help': 'the project\'s GPU checks in one time-boxed run',
 }
 WEIGHTS, DATA, GPU = 'needs pretrained weights', 'needs a dataset', 'needs a GPU'
 QUICK = 'the quick start, run as a whole by test_the_quick_start_runs_as_written'
@@ -91,6 +92,11 @@ SKIPPED = {
     'python -m diffzoo.bench --device cuda --split-kernel triton --model diffclip-b16 diffclip-b16@two_calls '
     'clip-b16-baseline': GPU,
     'python -m diffzoo.bench.tune --write': GPU,
+    'python -m diffzoo.bench.gpu OUT': GPU,
+    'python -m diffzoo.bench.gpu OUT bench compile': GPU,
+    'python -m diffzoo.bench.gpu OUT commands --limit commands=400 --b16-steps 224': GPU,
+    'python -m diffzoo.bench.gpu OUT --device cpu': 'every step at tiny sizes, ~20 minutes on 2 cores '
+                                                      '(tests/bench/test_gpu_check.py runs the dry run of cheap steps)',
     'source .venv/bin/activate': 'activates the environment make built (the quick start test runs the rest in it)',
     'python -m diffzoo.demo --train 1000 --epochs 3 --out quick': QUICK,
     'scripts/train.sh diffclip-tiny --train_data quick/data/train --epochs 2 --name first': QUICK,
