@@ -256,12 +256,19 @@ def test_every_documented_flag_is_taken_by_its_command(tmp_path):
     assert not missing, f'documented flags the commands do not take: {missing}'
 
 
+DEMO_SIZES = {'--train': '128', '--epochs': '1'}
+
+
 @pytest.mark.slow
 def test_the_quick_start_runs_as_written(tmp_path):
     """The README's quick start, its commands in order in one scratch directory, in the environment this suite
-    runs in: a small demo, a training with scripts/train.sh, its evaluation and its λ plot."""
+    runs in: a small demo, a training with scripts/train.sh, its evaluation and its λ plot. The demo runs at the
+    sizes of tests/test_demo.py (DEMO_SIZES; its --train and --epochs only set how long it trains, and the README's
+    own take minutes of both cores); every other word is the README's."""
     quick = [c for c in _commands() if SKIPPED.get(c) == QUICK]
     assert len(quick) == 4
+    assert quick[0].startswith('python -m diffzoo.demo ') and all(f' {flag} ' in quick[0] for flag in DEMO_SIZES)
+    quick[0] = re.sub(r'--(train|epochs) \d+', lambda m: f'--{m[1]} {DEMO_SIZES["--" + m[1]]}', quick[0]) + ' --val 64'
     for command in quick:
         argv = command.split()
         argv = [sys.executable, *argv[1:]] if argv[0] == 'python' else ['bash', str(ROOT / argv[0]), *argv[1:]]
