@@ -47,6 +47,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _pil_refuses_images_cut_short():
+    """lmms_eval.api.task sets PIL's ImageFile.LOAD_TRUNCATED_IMAGES = True when it is imported (the harness's own
+    setting, for the lmms-eval process): an image cut short then loads padded with grey, in every later test of the
+    same process. Each test starts with PIL's default, as diffzoo's own processes (which import lmms_eval only as
+    lmms-eval's plugin) run."""
+    from PIL import ImageFile
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
 @pytest.fixture(scope='session')
 def language_model_dir(tmp_path_factory) -> Path:
     """tests.vlm.models' word-level Gemma (tokenizer + weights) saved once as a local checkpoint; read-only."""

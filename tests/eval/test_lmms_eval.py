@@ -234,7 +234,7 @@ def _yes_no_stage(recipe: Path, pairs, directory: Path) -> Path:
     directory.mkdir()
     save_file({n: p.detach().contiguous() for n, p in vlm.model.named_parameters()}, str(directory / STAGE_WEIGHTS))
     spec = model_spec(expand_env(check_model(yaml.safe_load(recipe.read_text()))))
-    (directory / STAGE_CONFIG).write_text(json.dumps({'stage': 'yes-no', 'spec': spec}))
+    (directory / STAGE_CONFIG).write_text(json.dumps({'stage': 'yes-no', 'steps': 1, 'spec': spec}))
     return directory
 
 
