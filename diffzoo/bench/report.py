@@ -65,8 +65,8 @@ def _measure(results: Dict, section: str, quantity: str, target_model: str):
         if w is None:
             return None, 'needs the data section\'s worker_cpu'
         return w['ratio'], (f'{w["device_cpu_s_per_sample"] * 1e3:.2f} ms against '
-                            f'{w["open_clip_cpu_s_per_sample"] * 1e3:.2f} ms per sample; the device side {w["device_s_per_batch"] * 1e3:.1f} ms per batch of '
-                            f'{w["batch"]} on {w["device"]}')
+                            f'{w["open_clip_cpu_s_per_sample"] * 1e3:.2f} ms per sample; the device side '
+                            f'{w["device_s_per_batch"] * 1e3:.1f} ms per batch of {w["batch"]} on {w["device"]}')
     if section == 'data' and quantity == 'accounting_stages':
         st = data['accounting']['stages']
         return data['accounting']['stage_slowdown'], (
@@ -190,7 +190,8 @@ def render(results: Dict) -> str:
             out.append(_table(['open_clip pipeline', 'data_backend device', 'ratio', 'device ms per batch',
                                'its CPU ms'],
                               [[f'{w["open_clip_cpu_s_per_sample"] * 1e3:.3f} ms',
-                                f'{w["device_cpu_s_per_sample"] * 1e3:.3f} ms',                                f'{w["ratio"]:.3f}x', f'{w["device_s_per_batch"] * 1e3:.1f}',
+                                f'{w["device_cpu_s_per_sample"] * 1e3:.3f} ms', f'{w["ratio"]:.3f}x',
+                                f'{w["device_s_per_batch"] * 1e3:.1f}',
                                 f'{w["device_cpu_s_per_batch"] * 1e3:.1f}']]))
         a = data.get('accounting')
         if a:

@@ -162,8 +162,9 @@ def _train_run(log: Path, warmup: int) -> Dict:
     try:
         row.update(end_to_end.summarise(log.parent.name, log, warmup))
     except end_to_end.BenchError as exc:  # too few steps (a run cut short): the bare figures
-        timed = sorted(s['images_per_s_per_gpu'] for s in end_to_end.parse_steps(text)[warmup:])
-        row.update(steps=len(end_to_end.parse_steps(text)), summary_error=str(exc)[:300])
+        parsed = end_to_end.parse_steps(text)
+        timed = sorted(s['images_per_s_per_gpu'] for s in parsed[warmup:])
+        row.update(steps=len(parsed), summary_error=str(exc)[:300])
         if timed:
             row['images_per_s_per_gpu'] = {'median': timed[len(timed) // 2], 'n': len(timed)}
     return row
