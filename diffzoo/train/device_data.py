@@ -34,7 +34,6 @@ from diffzoo.recipes import RecipeError
 from . import data_events
 from .device_loader import DeviceLoader
 
-BACKENDS = ('open_clip', 'device')  # the `data_backend` recipe key's values
 # open_clip's train transform between its crop and its normalisation: RGB conversion and ToTensor
 _BETWEEN = ('MaybeConvertMode', '_convert_to_rgb', 'ToTensor', 'MaybeToTensor')
 _JPEG_END = b'\xff\xd9'  # EOI: a JPEG without it at its end is cut short, or has bytes after it

@@ -39,6 +39,7 @@ from diffzoo.recipes import find_recipe as _find
 from diffzoo.recipes import load_recipe as _load
 from diffzoo.recipes import recipe_names as _names
 
+DATA_BACKENDS = ('open_clip', 'device')  # the `data_backend` key's values (diffzoo.train.device_data)
 DIFFZOO_KEYS = {
     'base': 'recipe this one extends',
     'description': 'one line saying what the run reproduces',
@@ -95,7 +96,7 @@ DIFFZOO_SCHEMA = {
     'warmup_epochs': Key((int, float), None, DIFFZOO_KEYS['warmup_epochs']),
     'distributed_loss': Key((str, bool), 'auto', DIFFZOO_KEYS['distributed_loss'], ('auto', True, False)),
     'lambda_lr': Key((int, float), None, DIFFZOO_KEYS['lambda_lr']),
-    'data_backend': Key((str,), 'open_clip', DIFFZOO_KEYS['data_backend'], ('open_clip', 'device')),
+    'data_backend': Key((str,), 'open_clip', DIFFZOO_KEYS['data_backend'], DATA_BACKENDS),
 }
 POSITIVE = ('global_batch_size', 'max_batch_per_gpu', 'lr', 'epochs', 'batch_size', 'lambda_lr')  # > 0
 NON_NEGATIVE = ('warmup_epochs', 'workers', 'wd')  # ≥ 0

@@ -55,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from diffzoo.clip.seams import expect_function
 from . import data_events, data_report, device_data, lambda_lr
 from .metrics import LambdaLog, drop_records_after
+from .recipe import DATA_BACKENDS
 from .resume import latest_checkpoint, load_resume_checkpoint
 from .saving import TorchForCheckpoints
 from .shuffle import WebdatasetSeededShuffle, reseed
@@ -143,8 +144,8 @@ def installed(lambda_lr_scale: Optional[float] = None, data_backend: str = 'open
     """Patch open_clip_train for one run and restore it afterwards; `lambda_lr_scale`: λ and the sub-norm
     train at this multiple of the schedule's lr (`diffzoo.train.lambda_lr`); `data_backend` 'device': images
     decoded and transformed in the training process, on its device (`diffzoo.train.device_data`)."""
-    if data_backend not in device_data.BACKENDS:
-        raise ValueError(f'data_backend {data_backend!r}: one of {", ".join(device_data.BACKENDS)}')
+    if data_backend not in DATA_BACKENDS:
+        raise ValueError(f'data_backend {data_backend!r}: one of {", ".join(DATA_BACKENDS)}')
     data_mod, main_mod, scheduler_mod = open_clip_train.data, open_clip_train.main, open_clip_train.scheduler
     originals = {
         (data_mod, 'filter_no_caption_or_no_image'): expect_function(data_mod, 'filter_no_caption_or_no_image',
