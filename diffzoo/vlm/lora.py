@@ -28,13 +28,14 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .differential import _suffix, differential_state_dict, differentialize, find_decoder
+from .differential import PARAMETER_NAMES, _suffix, differential_state_dict, differentialize, find_decoder
 from .hf_config import SETTINGS_KEY, saved_settings
-from .parts import model_parts
+from .parts import PROJECTION, model_parts
 from .plan import LoraSettings, apply_plan, lora_fine_tune
 
 EXTRA_WEIGHTS, EXTRA_CONFIG = 'diffzoo_extra.safetensors', 'diffzoo_extra.json'
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'  # peft's
+PROJECTION_PREFIXES = tuple(f'{name}.' for name in PROJECTION)  # projector., post_mlp.
 
 
 def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.0, mlp: bool = False,
@@ -134,8 +135,7 @@ def _load_extra(owner: nn.Module, directory: Path, trainable: Optional[bool]) ->
     with torch.no_grad():
         for name, p in owner.named_parameters():
             key = _suffix(name) if 'layers.' in name else name
-            if key in extra and (name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight'))
-                                 or key.startswith(('projector.', 'post_mlp.'))):
+            if key in extra and (name.endswith(PARAMETER_NAMES) or key.startswith(PROJECTION_PREFIXES)):
                 p.copy_(extra[key])
                 if trainable is not None:
                     p.requires_grad_(trainable)
@@ -154,9 +154,9 @@ def trainable_parameters(model: nn.Module) -> Dict[str, int]:
             continue
         if 'lora_' in name:
             kind = 'lora'
-        elif name.endswith(('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')):
+        elif name.endswith(PARAMETER_NAMES):
             kind = 'differential'
-        elif name.startswith(('projector.', 'post_mlp.')):
+        elif name.startswith(PROJECTION_PREFIXES):
             kind = 'projector'
         else:
             kind = 'other'
