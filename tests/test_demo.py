@@ -1,7 +1,6 @@
 """`python -m diffzoo.demo` end to end on a small corpus: data, two trainings, evaluation, figures, reuse."""
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -19,7 +18,7 @@ from diffzoo.data.shards import iter_samples
 from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
-from tests.factory import descendants, call, kill_tree
+from tests.factory import call, descendants, kill_tree, wilson
 
 pytestmark = pytest.mark.slow  # the demo trains two models
 
@@ -48,13 +47,6 @@ def first_run(tmp_path_factory):
 
 ROW = re.compile(r'^  (\S+)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+(?:([\d.]+)\s+)?'
                  r'(\d+)   (within chance|[+-][\d.]+)$')
-
-
-def wilson(hits, n, z=1.959963984540054):
-    """The 95 % Wilson score interval of hits/n, in percent, from its formula."""
-    p = hits / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return 100 * (centre - half) / (1 + z * z / n), 100 * (centre + half) / (1 + z * z / n)
 
 
 def table_rows(stdout):
@@ -215,7 +207,7 @@ def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(fi
     from diffzoo.demo_vlm import main as demo_vlm
     from diffzoo.eval.lmm.metrics import pope_answer
     from diffzoo.train.metrics import read_lambda_log
-    from tests.test_demo_vlm import check_pope_table, wilson_interval
+    from tests.test_demo_vlm import check_pope_table
     out, _ = first_run
     done = call(demo_vlm, ['--out', out, '--towers', out, '--scenes', '48', '--pope-scenes', '12', '--steps', '3'],
                 out.parent)
@@ -249,7 +241,7 @@ def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(fi
         for task, z in learned['zero_shot'].items():
             assert z['accuracy'] == pytest.approx(demo['metrics'][tower][f'zero_shot_{task}'], abs=1e-6)
             assert 100 * z['hits'] / 32 == pytest.approx(z['accuracy'])
-            low, high = wilson_interval(z['hits'], 32)
+            low, high = wilson(z['hits'], 32)
             assert f'{z["accuracy"]:.1f} ({low:.1f}–{high:.1f})' in done.stdout
     assert 'synthetic corpus (128 scenes × 1 epoch;' in ' '.join(done.stdout.split())
 

@@ -14,18 +14,11 @@ from PIL import Image
 
 from diffzoo import demo_vlm, demo_vlm_report
 from diffzoo.train.vlm_trainer import RunLog
-from tests.factory import call
+from tests.factory import call, wilson
 
 MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
 ACCURACY = re.compile(r'^  (\w+)\s+accuracy\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)'
                       r'\s+50\.0\s+(\d+)   (within chance|[+-][\d.]+) \((p = [\d.]+|p < 0\.01)\)$')
-
-
-def wilson_interval(hits, n, z=1.959963984540054):
-    """The 95 % Wilson score interval of hits/n, in percent, from its formula."""
-    p = hits / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return 100 * (centre - half) / (1 + z * z / n), 100 * (centre + half) / (1 + z * z / n)
 
 
 def mcnemar_p(b, c):
@@ -58,7 +51,7 @@ def check_pope_table(printed, correct, questions):
         hits = [sum(correct[t][i] for i in ids) for t in MODELS]
         assert n == len(ids)
         assert (a, b) == tuple(round(100 * h / n, 1) for h in hits)
-        assert (a_ci, b_ci) == tuple(tuple(round(v, 1) for v in wilson_interval(h, n)) for h in hits)
+        assert (a_ci, b_ci) == tuple(tuple(round(v, 1) for v in wilson(h, n)) for h in hits)
         only = [sum(correct[t][i] and not correct[o][i] for i in ids) for t, o in (MODELS, MODELS[::-1])]
         p = mcnemar_p(*only)
         assert p_shown == (f'p = {p:.2f}' if p >= 0.01 else 'p < 0.01')
@@ -86,7 +79,7 @@ def test_pope_table_gives_each_accuracy_an_interval_and_calls_a_difference_only_
     comparison = demo_vlm.compare_pope(correct, *MODELS, questions)
     assert comparison['popular']['only_right'] == {MODELS[0]: 5, MODELS[1]: 40}
     assert comparison['random']['p_value'] == pytest.approx(mcnemar_p(12, 20))
-    assert comparison['adversarial'][MODELS[0]]['interval'] == pytest.approx(wilson_interval(30, 40))
+    assert comparison['adversarial'][MODELS[0]]['interval'] == pytest.approx(wilson(30, 40))
     json.dumps(comparison)  # results.json holds it (plain floats and bools, no numpy scalars)
     scores = {t: {s: dict.fromkeys(('precision', 'recall', 'f1', 'yes_ratio'), 0.5) for s in splits} for t in MODELS}
     printed = demo_vlm.pope_table(scores, comparison, *MODELS)
@@ -107,7 +100,7 @@ def tower(steps, shape, colour, n=32):
     """A `tower_report` entry: 128 scenes × 1 epoch, batch 32, zero-shot hits of shape and colour out of n."""
     zero_shot = {}
     for task, hits, classes in (('shape', shape, 3), ('colour', colour, 6)):
-        low, high = wilson_interval(hits, n)
+        low, high = wilson(hits, n)
         zero_shot[task] = {'accuracy': 100 * hits / n, 'hits': hits, 'n': n, 'interval': [low, high],
                            'chance': 100 / classes, 'at_chance': low <= 100 / classes <= high}
     return {'checkpoint': 'x', 'train_scenes': 128, 'epochs': 1, 'steps': steps, 'batch': 32, 'last_loss': 3.4,
