@@ -4,7 +4,9 @@ with `fully_shard` directly (accelerate shards on GPUs only), and saved and load
 (`_full` gathers a shard, `copy_tensors` fills one).
 
     python tests/vlm/fsdp_stage_worker.py RECIPE.yaml OUT.safetensors STEPS [--from-stage STAGE.safetensors]
+        [--then OUT2.safetensors STEPS2]
 
+`--then` resumes in the same processes: a model built and sharded anew loads OUT and trains STEPS2 more steps.
 Every process trains on the same batches, so the averaged gradient of a sharded run is the one-process run's."""
 import argparse
 import os
@@ -27,10 +29,9 @@ from diffzoo.vlm.stages import copy_tensors  # noqa: E402
 
 
 def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> None:
-    """`steps` steps of the stage from its start (or from `from_stage`'s tensors), its trained tensors to `out`."""
-    world = int(os.environ.get('WORLD_SIZE', 1))
-    if world > 1:
-        dist.init_process_group('gloo')
+    """`steps` steps of the stage from its start (or from `from_stage`'s tensors), its trained tensors to `out`;
+    sharded over the process group's ranks when one is initialized."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     recipe = check(yaml.safe_load(Path(recipe_path).read_text()))
     torch.manual_seed(recipe['seed'])
     vlm = load_vlm(recipe['model'], differential=recipe['differential'])
@@ -66,7 +67,7 @@ def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> Non
     if world > 1:
         kinds = {type(q).__name__ for q in model.parameters()}
         print(f'rank {dist.get_rank()}: parameters {sorted(kinds)}', flush=True)
-        dist.destroy_process_group()
+        dist.barrier()  # `out` written before any rank reads it
 
 
 if __name__ == '__main__':
@@ -75,5 +76,12 @@ if __name__ == '__main__':
     p.add_argument('out')
     p.add_argument('steps', type=int)
     p.add_argument('--from-stage')
+    p.add_argument('--then', nargs=2, metavar=('OUT2', 'STEPS2'))
     a = p.parse_args()
+    if int(os.environ.get('WORLD_SIZE', 1)) > 1:
+        dist.init_process_group('gloo')
     train(a.recipe, a.out, a.steps, a.from_stage)
+    if a.then:
+        train(a.recipe, a.then[0], int(a.then[1]), a.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
