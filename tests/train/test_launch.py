@@ -226,15 +226,29 @@ def test_open_clip_train_flags_alone_describe_a_run(tmp_path, separator):
     assert records[-1]['lambda'] == {} and records[-1]['loss'] > 0  # the baseline has no λ; loss is logged
 
 
-def test_torchrun_takes_open_clip_train_flags_without_a_separator(tmp_path):
+def test_torchrun_takes_open_clip_train_flags_without_a_separator_and_two_processes_count_each_bad_shard_once(
+        tmp_path):
     """torchrun keeps a lone -- for itself, so its command line is the flags alone (without --logs, which
-    torchrun reads as an abbreviation of its own --logs-specs: open_clip_train's default ./logs/ is used)."""
-    write_shards(tmp_path / 'shards', 2, 8, sizes=False)
-    flags = [f for f in OPEN_CLIP_FLAGS if f not in ('--logs', 'runs')]
+    torchrun reads as an abbreviation of its own --logs-specs: open_clip_train's default ./logs/ is used).
+    2 ranks of 3 shards: 4 clean shards of 4, an empty one and one that is not a tar. sizes.json says 20, so 3
+    batches of 4 per rank: every readable sample is trained (16 distinct), 8 of them twice, whichever rank reads
+    which shards (each rank's readable samples come in whole batches of 4)."""
+    write_shards(tmp_path / 'shards', 6, 4, empty={4})
+    (tmp_path / 'shards' / '00005.tar').write_bytes(b'not a tar file ' * 100)
+    flags = [f for f in OPEN_CLIP_FLAGS if f not in ('--logs', 'runs', '--train-num-samples', '16')]
+    flags[flags.index('--train-data') + 1] = 'shards/{00000..00005}.tar'
     result = run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
                   '-m', 'diffzoo.train', *flags, '--name', 'ddp', '--batch-size', '4'], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert (tmp_path / 'logs' / 'ddp' / 'checkpoints' / 'epoch_1.pt').exists()
+    run_dir = tmp_path / 'logs' / 'ddp'
+    assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
+    record = json.loads((run_dir / 'data.jsonl').read_text().splitlines()[0])
+    assert len(record['ranks']) == 2 and [r['samples_trained'] for r in record['ranks']] == [12, 12]
+    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (24, 16, 8)
+    assert record['samples_readable'] == 16
+    assert record['skipped'] == {'empty_shard': 1, 'unreadable_shard': 1}
+    log = (run_dir / 'out.log').read_text()
+    assert '  skipped 1 empty shard' in log and '  skipped 1 unreadable shard' in log
 
 
 def test_flags_after_the_separator_reach_the_checks(tmp_path):
@@ -259,8 +273,9 @@ def test_lambda_log_with_gradient_accumulation_that_leaves_micro_batches_over(tm
 
 
 def test_the_same_seed_trains_on_the_same_batches(tmp_path):
-    """webdataset seeds its sample shuffle from the clock; the launcher's seeded shuffle makes --seed hold."""
-    write_shards(tmp_path / 'shards', 4, 16)
+    """webdataset seeds its sample shuffle from the clock; the launcher's seeded shuffle makes --seed hold. 4 shards
+    of 4, 2 batches of 8: a clock-seeded shuffle of 16 samples would all but never repeat its order."""
+    write_shards(tmp_path / 'shards', 4, 4)
     losses = {}
     for name, seed in (('a', 0), ('b', 0), ('c', 1)):
         result = train(['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1',
@@ -268,7 +283,7 @@ def test_the_same_seed_trains_on_the_same_batches(tmp_path):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         log = (tmp_path / 'runs' / name / 'lambda.jsonl').read_text().splitlines()
         losses[name] = [json.loads(line)['loss'] for line in log[1:]]
-    assert len(losses['a']) == 8
+    assert len(losses['a']) == 2
     assert losses['a'] == losses['b']
     assert losses['a'] != losses['c']
 
