@@ -3,14 +3,13 @@
 An HTTP server on 127.0.0.1 serves generated pictures (plus URLs that 404 and a file that is not
 a JPEG); `scripts/download_cc3m.sh` turns the list into webdataset shards with img2dataset;
 `diffzoo.data sizes/check/retry` read them; `scripts/train.sh` trains diffclip-tiny for 2 epochs
-with `torchrun --nproc_per_node 2` (gloo on CPU), is killed during epoch 2 and run again; the
-final checkpoint loads with `open_clip.create_model`.
+with `torchrun --nproc_per_node 2` (gloo on CPU); the final checkpoint loads with
+`open_clip.create_model`. (A run killed and resumed through scripts/train.sh:
+tests/train/test_train_sh.py.)
 """
 import io
 import json
 import os
-import subprocess
-import time
 from pathlib import Path
 
 import open_clip
@@ -20,9 +19,9 @@ from PIL import Image
 
 from diffzoo.data.__main__ import main as data_main
 from diffzoo.data.shards import iter_samples
-from tests.factory import call, http_server, kill_tree, python_env, run, serve_dataset
+from tests.factory import call, http_server, run, serve_dataset
 
-pytestmark = pytest.mark.slow  # real processes: a download, a torchrun training killed and resumed
+pytestmark = pytest.mark.slow  # real processes: a download, a torchrun training
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES, MISSING, CORRUPT = 160, 6, 1
@@ -85,57 +84,19 @@ def test_sizes_check_and_retry_on_the_downloaded_shards(downloaded):
     assert sum('/gone_' in line for line in failed) == MISSING and sum('/bad_' in line for line in failed) == CORRUPT
 
 
-def _logged_steps(run_dir):
-    path = run_dir / 'lambda.jsonl'
-    return [json.loads(line)['step'] for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.fixture(scope='module')
 def trained(downloaded):
-    """torchrun --nproc_per_node 2 for 2 epochs, killed a few steps into epoch 2, then the same command again."""
+    """scripts/train.sh with torchrun --nproc_per_node 2 for 2 epochs."""
     root, _ = downloaded
     cmd = ['bash', str(ROOT / 'scripts' / 'train.sh'), RECIPE, '--train_data', 'shards', '--epochs', '2',
            '--global_batch_size', str(GLOBAL_BATCH), '--logs', 'e2e-runs']
-    run_dir = root / 'e2e-runs' / RECIPE
-    kill_after = STEPS_PER_EPOCH + 3  # optimizer steps: three into epoch 2
-    start = time.monotonic()
-    with open(root / 'first.log', 'w') as log:
-        proc = subprocess.Popen(cmd, cwd=root, env=python_env(NPROC_PER_NODE=2), stdout=log,
-                                stderr=subprocess.STDOUT)
-        try:
-            while proc.poll() is None and time.monotonic() - start < 240:
-                if max(_logged_steps(run_dir), default=0) >= kill_after:
-                    break
-                time.sleep(0.05)
-        finally:
-            kill_tree(proc.pid)
-            proc.wait()
-    first = (root / 'first.log').read_text()
-    assert max(_logged_steps(run_dir), default=0) >= kill_after, first[-4000:]
-    checkpoints = sorted(p.name for p in (run_dir / 'checkpoints').glob('*.pt'))
-    killed_state = torch.load(run_dir / 'checkpoints' / 'epoch_latest.pt', map_location='cpu', weights_only=False)
-    second = run(cmd, cwd=root, timeout=300, NPROC_PER_NODE=2)
-    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
-    return root, run_dir, checkpoints, killed_state, second
-
-
-def test_killed_run_resumes_from_its_last_checkpoint(trained):
-    _, run_dir, checkpoints, killed_state, _ = trained
-    assert checkpoints == ['epoch_1.pt', 'epoch_latest.pt']  # killed during epoch 2
-    assert killed_state['epoch'] == 1
-    log = (run_dir / 'out.log').read_text()
-    assert f"=> resuming checkpoint '{run_dir.relative_to(run_dir.parents[1])}/checkpoints/epoch_latest.pt' " \
-           f"(epoch 1)" in log
-    final = torch.load(run_dir / 'checkpoints' / 'epoch_2.pt', map_location='cpu', weights_only=False)
-    assert final['epoch'] == 2
-    # AdamW's step count went on from the saved state: the optimizer was restored, not rebuilt
-    steps = {int(s['step']) for s in final['optimizer']['state'].values()}
-    assert steps == {2 * STEPS_PER_EPOCH}
-    assert {int(s['step']) for s in killed_state['optimizer']['state'].values()} == {STEPS_PER_EPOCH}
+    result = run(cmd, cwd=root, timeout=300, NPROC_PER_NODE=2)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return root, root / 'e2e-runs' / RECIPE, result
 
 
 def test_each_rank_reads_different_shards(trained):
-    _, run_dir, _, _, _ = trained
+    _, run_dir, _ = trained
     records = [json.loads(line) for line in (run_dir / 'data.jsonl').read_text().splitlines()]
     assert [r['epoch'] for r in records] == [1, 2]
     for record in records:
@@ -147,9 +108,11 @@ def test_each_rank_reads_different_shards(trained):
 
 
 def test_loss_went_down_and_the_checkpoint_loads_in_open_clip(trained):
-    root, run_dir, _, _, second = trained
+    root, run_dir, result = trained
+    assert sorted(p.name for p in (run_dir / 'checkpoints').glob('*.pt')) == ['epoch_1.pt', 'epoch_2.pt',
+                                                                              'epoch_latest.pt']
     lines = [json.loads(line) for line in (run_dir / 'lambda.jsonl').read_text().splitlines()]
-    assert [r['step'] for r in lines] == list(range(2 * STEPS_PER_EPOCH + 1))  # epoch 2's steps once, as resumed
+    assert [r['step'] for r in lines] == list(range(2 * STEPS_PER_EPOCH + 1))
     records = {r['step']: r for r in lines}
     first_epoch = [records[s]['loss'] for s in range(1, STEPS_PER_EPOCH + 1)]
     last_epoch = [records[s]['loss'] for s in range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)]
@@ -178,4 +141,4 @@ def test_loss_went_down_and_the_checkpoint_loads_in_open_clip(trained):
             return loss(model.encode_image(images, normalize=True), model.encode_text(texts, normalize=True),
                         model.logit_scale.exp()).item()
     assert clip_loss(trained_model) < clip_loss(untrained)
-    assert 'run directory: e2e-runs/diffclip-tiny' in second.stdout  # --logs reached the script intact
+    assert 'run directory: e2e-runs/diffclip-tiny' in result.stdout  # --logs reached the script intact
