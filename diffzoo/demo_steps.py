@@ -16,10 +16,10 @@ from typing import Dict, List, Tuple
 import torch
 from matplotlib.figure import Figure
 from PIL import Image
-from scipy.stats import binomtest
 
 from diffzoo.analysis import maps, plots, report
 from diffzoo.checkpoint import run_settings
+from diffzoo.confidence import CONFIDENCE, wilson
 from diffzoo.data.shards import iter_samples, list_shards
 from diffzoo.data.synthetic import CorpusConfig, class_names, write_corpus
 from diffzoo.eval.models import load as load_model
@@ -32,7 +32,6 @@ METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('imag
 PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
 PROGRESS_EVERY = 10  # seconds between progress lines when the output is not a terminal (a pipe, a CI log)
 ATTENTION_IMAGES = 3
-CONFIDENCE = 0.95  # of the interval around each accuracy in the table
 
 
 class TrainingFailed(RuntimeError):
@@ -137,12 +136,6 @@ def interval(percent: float, n: int) -> Tuple[int, float, float]:
         raise ValueError(f'{percent}% is no whole number of hits out of {n}; the val split changed since the '
                          f'evaluation? Re-run the demo with --fresh')
     return (hits, *wilson(hits, n))
-
-
-def wilson(hits: int, n: int) -> Tuple[float, float]:
-    """The Wilson score interval (CONFIDENCE) of hits out of n, in percent (Python floats: results.json holds them)."""
-    ci = binomtest(hits, n).proportion_ci(CONFIDENCE, method='wilson')
-    return 100 * float(ci.low), 100 * float(ci.high)
 
 
 def compare(results: Dict[str, Dict[str, float]], baseline: str, model: str,

@@ -1,5 +1,5 @@
 """`make demo-vlm`'s report: the towers' accuracy against chance, POPE with intervals and a paired test, and one
-loss figure (`diffzoo.demo_vlm` runs the demo; the intervals are the CLIP demo's, `diffzoo.demo_steps.wilson`)."""
+loss figure (`diffzoo.demo_vlm` runs the demo; the intervals are the CLIP demo's, `diffzoo.confidence.wilson`)."""
 import json
 import math
 import re
@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from diffzoo.demo_steps import CONFIDENCE, wilson
+from diffzoo.confidence import CONFIDENCE, wilson
 
 TOWER_RUN = re.compile(r'(?P<model>.+)-(?P<train>\d+)x(?P<epochs>\d+)')  # demo_steps.train's run names
 STAGES = {'pretrain': 'stage 1: captions', 'finetune': 'stage 2: presence questions'}  # recipe suffix → title
