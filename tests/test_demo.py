@@ -1,4 +1,5 @@
-"""`python -m diffzoo.demo` end to end on a small corpus: data, two trainings, evaluation, figures, reuse."""
+"""`python -m diffzoo.demo` end to end on a small corpus: data, two trainings, evaluation, figures, reuse; and the
+README's quick start, whose first command is that demo, run as a whole."""
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
 from tests.factory import call, descendants, kill_tree, wilson
+from tests.pages import ROOT, commands
 
 pytestmark = pytest.mark.slow  # the demo trains two models
 
@@ -26,23 +28,26 @@ SMALL = ['--train', '128', '--val', '32', '--epochs', '1']
 MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
 
 
-def demo(out, *extra):
-    """`python -m diffzoo.demo --out OUT …` in a real process."""
-    return subprocess.run([sys.executable, '-m', 'diffzoo.demo', '--out', str(out), *SMALL, *extra],
-                          capture_output=True, text=True, timeout=600)
-
-
 def demo_here(out, *extra):
     """The same command line through `diffzoo.demo.main` in this process."""
     return call(main, ['--out', out, *SMALL, *extra], cwd=out.parent)
 
 
+QUICK_START = [c for c in commands('Quick start') if not c.startswith('source ')]  # make's environment is this one
+
+
 @pytest.fixture(scope='module')
 def first_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp('demo')
-    proc = demo(out)
+    """The README quick start's demo command, in a scratch directory, at the sizes of SMALL (they set only how
+    long it trains; every other word is the README's)."""
+    cwd = tmp_path_factory.mktemp('demo')
+    argv = QUICK_START[0].split()
+    assert argv[:3] == ['python', '-m', 'diffzoo.demo'] and '--out' in argv, QUICK_START
+    for flag in ('--train', '--epochs'):
+        del argv[argv.index(flag):argv.index(flag) + 2]
+    proc = subprocess.run([sys.executable, *argv[1:], *SMALL], capture_output=True, text=True, timeout=600, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc
+    return cwd / argv[argv.index('--out') + 1], proc
 
 
 ROW = re.compile(r'^  (\S+)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+([\d.]+) \(([\d.]+)–([\d.]+)\)\s+(?:([\d.]+)\s+)?'
@@ -104,7 +109,7 @@ def test_trains_both_models_with_one_recipe_and_prints_the_table(first_run):
         settings[name] = params
     assert settings[MODELS[0]] == settings[MODELS[1]]
     for name, entry in report['models'].items():
-        digest = hashlib.sha256(open(entry['checkpoint'], 'rb').read()).hexdigest()
+        digest = hashlib.sha256((out.parent / entry['checkpoint']).read_bytes()).hexdigest()  # relative to the cwd
         assert entry['sha256'] == digest[:HASH_CHARS]
 
 
@@ -132,7 +137,7 @@ def test_writes_the_figures(first_run):
     assert set(report['figures']) == {'attention_maps', 'attention_queries', 'attention_entropy', 'lambda', 'loss'}
     for png in report['figures'].values():
         assert f'figure:  {png}' in proc.stdout
-        with Image.open(png) as image:
+        with Image.open(out.parent / png) as image:  # relative to the demo's cwd
             assert image.size[0] > 300 and image.size[1] > 200
             assert len(np.unique(np.asarray(image.convert('L')))) > 20  # not a blank canvas
     entropy = report['attention_entropy']
@@ -162,7 +167,8 @@ def test_ctrl_c_ends_on_one_line_and_stops_the_training(first_run, tmp_path):
     shutil.copytree(first_run[0] / 'data', tmp_path / 'out' / 'data')
     log = tmp_path / 'out' / 'runs' / f'{MODELS[0]}-128x1' / 'train.log'
     proc = subprocess.Popen([sys.executable, '-m', 'diffzoo.demo', '--out', 'out', *SMALL], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_as_in_a_terminal)
     try:
         start = time.monotonic()
         while not (log.exists() and 'Train Epoch: 0' in log.read_text()) and time.monotonic() - start < 240:
@@ -181,6 +187,12 @@ def test_ctrl_c_ends_on_one_line_and_stops_the_training(first_run, tmp_path):
     assert err.strip().splitlines() == ['interrupted: run the same command again to go on (it reuses out/data and '
                                         'every finished training, and resumes an unfinished one from its last '
                                         'finished epoch)']
+
+
+def _as_in_a_terminal():
+    """SIGINT's default action, as a terminal's foreground job has it (a suite started in the background of a
+    non-interactive shell passes SIGINT on ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _running(pid):
@@ -269,3 +281,27 @@ def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(fi
     pope = out / 'vlm' / 'data' / 'pope' / 'coco_pope_popular.json'
     rows = [json.loads(line) for line in pope.read_text().splitlines()]
     assert {r['label'] for r in rows} == {'yes', 'no'} and sum(r['label'] == 'yes' for r in rows) * 2 == len(rows)
+
+
+def test_the_quick_start_runs_as_written(first_run):
+    """The README's quick start, its commands in order in the demo's scratch directory, in the environment this
+    suite runs in: the demo (first_run), a training with scripts/train.sh, its evaluation and its λ plot; then
+    docs/evaluation.md's evaluation of `make demo`'s run (demo/, 4000 scenes × 4 epochs) on that smaller demo."""
+    out, _ = first_run
+    cwd = out.parent
+    assert len(QUICK_START) == 4, QUICK_START
+    env = dict(os.environ, HF_HUB_OFFLINE='1', PYTHON=sys.executable, NPROC_PER_NODE='1')
+    for command in QUICK_START[1:]:
+        argv = command.split()
+        argv = [sys.executable, *argv[1:]] if argv[0] == 'python' else ['bash', str(ROOT / argv[0]), *argv[1:]]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    assert (cwd / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
+    assert (cwd / 'runs' / 'first' / 'eval' / 'results.json').is_file()
+    assert (cwd / 'runs' / 'first' / 'lambda.png').stat().st_size > 0
+    scenes, epochs = (SMALL[SMALL.index(flag) + 1] for flag in ('--train', '--epochs'))
+    demo_eval = next(c for c in commands() if c.startswith('python -m diffzoo.eval --run-dir demo/runs/'))
+    argv = demo_eval.replace('demo/', f'{out.name}/').replace('-4000x4', f'-{scenes}x{epochs}').split()
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+    assert done.returncode == 0, (demo_eval, done.stdout[-2000:], done.stderr[-2000:])
+    assert (out / 'runs' / f'diffclip-tiny-{scenes}x{epochs}' / 'eval' / 'results.json').is_file()

@@ -1,6 +1,6 @@
 """The examples of README.md and docs/*.md, run: every `python -m diffzoo…` command they name answers --help
 and takes every flag they give it, the shell commands that run offline run for real (the quick start as a
-whole), and their Python blocks run (with the substitutions listed below, on CPU, nothing downloaded). An
+whole in tests/test_demo.py), and their Python blocks run (with the substitutions listed below, on CPU, nothing downloaded). An
 example that needs weights, a dataset or a GPU is in SKIPPED with the reason; a new example that is in
 neither list fails the test until it is placed."""
 import contextlib
@@ -8,14 +8,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
-TEXTS = {page.relative_to(ROOT).as_posix(): page.read_text() for page in PAGES}
-README = '\n'.join(TEXTS.values())  # every page, for what is searched across them
+from tests.pages import README, ROOT, TEXTS, blocks, commands
 
 # shell commands run as written (from a scratch directory)
 RUN = {
@@ -24,7 +20,7 @@ RUN = {
     'python -m diffzoo.bench.gpu --help': 'the project\'s GPU checks in one time-boxed run',
 }
 WEIGHTS, DATA, GPU = 'needs pretrained weights', 'needs a dataset', 'needs a GPU'
-QUICK = 'the quick start, run as a whole by test_the_quick_start_runs_as_written'
+QUICK = 'the quick start, run as a whole by tests/test_demo.py::test_the_quick_start_runs_as_written'
 SKIPPED = {
     'make demo': 'trains two models for minutes (tests/test_demo.py runs the demo on a small corpus)',
     'make test': 'the whole test suite',
@@ -48,7 +44,8 @@ SKIPPED = {
         f'needs trained checkpoints and {DATA}s (ImageNet, CIFAR-10, COCO)',
     'python -m diffzoo.eval --run-dir demo/runs/diffclip-tiny-4000x4 --every-checkpoint --dataset synthetic '
     '--dataset-root demo/data':
-        '`make demo`\'s corpus and DiffCLIP run; test_the_quick_start_runs_as_written runs it on its smaller demo',
+        '`make demo`\'s corpus and DiffCLIP run; tests/test_demo.py::test_the_quick_start_runs_as_written runs it on '
+        'its smaller demo',
     'python -m diffzoo.analysis.overlays office.jpg --model diffclip-b16,cc3m --model clip-b16-baseline,cc3m '
     '--query mug --query lamp --entropy': f'{WEIGHTS} (cc3m) and an image',
     'python -m diffzoo.train.vlm --recipe paligemma-3b-vqav2-diff': f'{WEIGHTS} (PaliGemma), {DATA} (VQAv2), {GPU}',
@@ -134,45 +131,22 @@ PYTHON = {
 }
 
 
-def _blocks(language):
-    """(section heading, code) of each ```language block, page by page (README first), in page order."""
-    found = []
-    for text in TEXTS.values():
-        heading = None
-        for match in re.finditer(r'^(#+) ([^\n]*)$|^```' + language + r'\n(.*?)^```', text, re.M | re.S):
-            if match.group(1):
-                heading = match.group(2).strip()
-            else:
-                found.append((heading, match.group(3)))
-    return found
-
-
-def _commands():
-    commands = []
-    for _, code in _blocks('bash'):
-        for line in code.replace('\\\n', ' ').splitlines():
-            command = re.sub(r'\s+', ' ', line.split(' #')[0]).strip()
-            if command:
-                commands.append(command)
-    return commands
-
-
 def _run(argv, cwd, timeout=300):
     env = dict(os.environ, HF_HUB_OFFLINE='1')  # nothing is downloaded
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def test_every_shell_command_is_run_or_skipped_with_a_reason():
-    commands = _commands()
-    assert commands, 'no ```bash blocks found in README.md'
-    unplaced = [c for c in commands if c not in RUN and c not in SKIPPED]
+    found = commands()
+    assert found, 'no ```bash blocks found in README.md'
+    unplaced = [c for c in found if c not in RUN and c not in SKIPPED]
     assert not unplaced, f'README commands in neither RUN nor SKIPPED of {__file__}: {unplaced}'
-    assert not (set(RUN) | set(SKIPPED)) - set(commands), 'RUN/SKIPPED name commands the README no longer has'
+    assert not (set(RUN) | set(SKIPPED)) - set(found), 'RUN/SKIPPED name commands the README no longer has'
     assert all(SKIPPED.values())
 
 
 def test_every_python_block_is_run_or_skipped_with_a_reason():
-    headings = [heading for heading, _ in _blocks('python')]
+    headings = [heading for heading, _ in blocks('python')]
     assert headings and set(headings) == set(PYTHON), (headings, list(PYTHON))
 
 
@@ -200,7 +174,7 @@ def test_shell_command_runs(command, tmp_path):
 @pytest.mark.parametrize('heading', [h for h, v in PYTHON.items() if isinstance(v, tuple)])
 def test_python_block_runs(heading, tmp_path):
     prelude, substitutions = PYTHON[heading]
-    code = next(code for h, code in _blocks('python') if h == heading)
+    code = next(code for h, code in blocks('python') if h == heading)
     for text, replacement in substitutions.items():
         assert text in code, f'README block under "{heading}" no longer has {text!r}'
         code = code.replace(text, replacement)
@@ -212,7 +186,7 @@ def _documented_flags():
     """{(module, subcommand or None): flags} for every `python -m diffzoo.X [SUB] … --flag` and
     `scripts/train.sh RECIPE … --flag` in the pages (flags after a lone -- are open_clip_train's own)."""
     found = {}
-    for command in _commands():
+    for command in commands():
         argv = [a for a in command.split() if not re.match(r'^[A-Z_0-9]+=', a)]  # VAR=value prefixes
         argv = argv[:argv.index('--')] if '--' in argv else argv
         if argv and argv[0].endswith('train.sh'):
@@ -254,38 +228,6 @@ def test_every_documented_flag_is_taken_by_its_command(tmp_path):
         missing += [f'{module}{" " + sub if sub else ""} {f}' for f in sorted(flags)
                     if not re.search(re.escape(f) + r'\b', done.stdout) and not _recipe_key(module, f)]
     assert not missing, f'documented flags the commands do not take: {missing}'
-
-
-DEMO_SIZES = {'--train': '128', '--epochs': '1'}
-
-
-@pytest.mark.slow
-def test_the_quick_start_runs_as_written(tmp_path):
-    """The README's quick start, its commands in order in one scratch directory, in the environment this suite
-    runs in: a small demo, a training with scripts/train.sh, its evaluation and its λ plot. The demo runs at the
-    sizes of tests/test_demo.py (DEMO_SIZES; its --train and --epochs only set how long it trains, and the README's
-    own take minutes of both cores); every other word is the README's."""
-    quick = [c for c in _commands() if SKIPPED.get(c) == QUICK]
-    assert len(quick) == 4
-    assert quick[0].startswith('python -m diffzoo.demo ') and all(f' {flag} ' in quick[0] for flag in DEMO_SIZES)
-    quick[0] = re.sub(r'--(train|epochs) \d+', lambda m: f'--{m[1]} {DEMO_SIZES["--" + m[1]]}', quick[0]) + ' --val 64'
-    for command in quick:
-        argv = command.split()
-        argv = [sys.executable, *argv[1:]] if argv[0] == 'python' else ['bash', str(ROOT / argv[0]), *argv[1:]]
-        env = dict(os.environ, HF_HUB_OFFLINE='1', PYTHON=sys.executable, NPROC_PER_NODE='1')
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
-    assert (tmp_path / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
-    assert (tmp_path / 'runs' / 'first' / 'eval' / 'results.json').is_file()
-    assert (tmp_path / 'runs' / 'first' / 'lambda.png').stat().st_size > 0
-    # docs/evaluation.md's evaluation of `make demo`'s run (demo/, 4000 scenes × 4 epochs), on the smaller demo above
-    demo = quick[0].split()
-    out, scenes, epochs = (demo[demo.index(flag) + 1] for flag in ('--out', '--train', '--epochs'))
-    demo_eval = next(c for c in _commands() if c.startswith('python -m diffzoo.eval --run-dir demo/runs/'))
-    argv = demo_eval.replace('demo/', f'{out}/').replace('-4000x4', f'-{scenes}x{epochs}').split()
-    done = _run([sys.executable, *argv[1:]], tmp_path, timeout=600)
-    assert done.returncode == 0, (demo_eval, done.stdout[-2000:], done.stderr[-2000:])
-    assert (tmp_path / out / 'runs' / f'diffclip-tiny-{scenes}x{epochs}' / 'eval' / 'results.json').is_file()
 
 
 # `make` installs diffzoo editable through setuptools' import hook, which Python consults after the folders of
