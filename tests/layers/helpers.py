@@ -34,9 +34,13 @@ def interpreter_patches_language_once_per_launch():
         return
     launch = executor.__call__
     launch_langs = None  # ids of the language modules the running launch patched; None between launches
+    langs_of = {}  # a function's language modules, read from its globals once
 
     def patch_once(fn):
-        langs = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = {id(value) for value in fn.__globals__.values()
+                                    if inspect.ismodule(value) and value in (tl, tl.core)}
         if launch_langs is not None and langs <= launch_langs:
             return interpreter._LangPatchScope()  # nothing to undo
         scope = patch_lang(fn)
