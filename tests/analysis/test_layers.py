@@ -1,9 +1,6 @@
 import json
 import math
 import re
-import os
-import subprocess
-import sys
 
 import open_clip
 import pytest
@@ -18,7 +15,7 @@ from diffzoo.analysis.maps import attention_maps
 from diffzoo.vlm import build_vlm, differentialize
 from diffzoo.vlm.factory import BuiltVLM, PaliGemmaVLM
 from diffzoo.vlm.lora import add_lora, save_adapter
-from tests.factory import scenes
+from tests.factory import call, scenes
 
 PROMPTS = ['answer en what color is the shape?', 'answer en what shape is it?']  # words of the tiny LM's vocabulary
 
@@ -247,11 +244,9 @@ def test_cli_compares_a_differential_vlm_with_its_adapter_to_a_vanilla_one(langu
     save_adapter(add_lora(vlm, r=4, alpha=8), tmp_path / 'adapter')
 
     out = tmp_path / 'out'
-    cmd = [sys.executable, '-m', 'diffzoo.analysis', '--model', str(tmp_path / 'diff.yaml'),
-           '--adapter', str(tmp_path / 'adapter'), '--model', str(tmp_path / 'vanilla.yaml'),
-           '--images', str(images), '--prompts', *PROMPTS, '--out', str(out), '--device', 'cpu']
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'},
-                            timeout=300)
+    result = call(main, ['--model', tmp_path / 'diff.yaml', '--adapter', tmp_path / 'adapter', '--model',
+                         tmp_path / 'vanilla.yaml', '--images', images, '--prompts', *PROMPTS, '--out', out,
+                         '--device', 'cpu'], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((out / 'analysis.json').read_text())
     assert list(data['models']) == ['diff + adapter', 'vanilla']

@@ -1,7 +1,5 @@
 import math
 import re
-import subprocess
-import sys
 
 import numpy as np
 import open_clip
@@ -16,7 +14,7 @@ from diffzoo.analysis import plots, report
 from diffzoo.analysis.metrics import attention_entropy
 from diffzoo.analysis.overlays import main
 from diffzoo.layers import DifferentialAttention, capture_attention_maps
-from tests.factory import scenes
+from tests.factory import call, scenes
 
 MODELS = ('diffclip-tiny', 'clip-tiny-baseline')
 N_TOKENS = 1 + 8 * 8  # 64 px, patch 8: CLS + 8×8 patches
@@ -282,10 +280,8 @@ def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
         paths.append(str(tmp_path / f'scene{i}.png'))
         img.save(paths[-1])
     out = tmp_path / 'figs' / 'attention.png'
-    proc = subprocess.run(
-        [sys.executable, '-m', 'diffzoo.analysis.overlays', *paths, '--model', 'diffclip-tiny', '--model',
-         'clip-tiny-baseline', '--entropy', '--out', str(out)],
-        capture_output=True, text=True, timeout=120)
+    proc = call(main, [*paths, '--model', 'diffclip-tiny', '--model', 'clip-tiny-baseline', '--entropy', '--out', out],
+                tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[-2:] == [f'wrote {out}', f'wrote {out.with_name("attention_entropy.png")}']

@@ -1,15 +1,13 @@
 """MMNeedle through a real model: the `run` subcommand and `model_answer_fn` on a tiny build_vlm model."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from diffzoo.eval.needle import HaystackConfig, build, evaluate, read_captions, write
-from diffzoo.eval.needle.cli import model_answer_fn
+from diffzoo.eval.needle.cli import main, model_answer_fn
 from tests.eval.test_needle import _corpus
+from tests.factory import call
 
 
 @pytest.fixture(scope='module')
@@ -40,10 +38,8 @@ def test_two_step_protocol_asks_a_differential_vlm_and_scores_every_sample(hayst
 @pytest.mark.slow
 def test_run_subcommand_writes_answers_results_and_heatmap(haystacks, tmp_path):
     root, _ = haystacks
-    cmd = [sys.executable, '-m', 'diffzoo.eval.needle', 'run', '--haystacks', str(root / 'set'),
-           '--recipe', str(root / 'recipe.yaml'), '--protocol', 'mmneedle', '--max-new-tokens', '4',
-           '--out', str(tmp_path / 'out')]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    done = call(main, ['run', '--haystacks', root / 'set', '--recipe', root / 'recipe.yaml', '--protocol', 'mmneedle',
+                       '--max-new-tokens', '4', '--out', tmp_path / 'out'], tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     answers = [json.loads(line) for line in (tmp_path / 'out' / 'answers.jsonl').read_text().splitlines()]
     assert len(answers) == 4 and all(a['query'] == 'mmneedle' for a in answers)
