@@ -164,21 +164,21 @@ def _records(run_dir) -> list:
 
 @pytest.mark.slow
 def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_says_so_once(tmp_path):
-    """2 clean shards of 8 whose sizes.json says 32 each: batches of 4, so an epoch is 4 whole passes."""
-    write_shards(tmp_path / 'shards', 2, 8)
-    (tmp_path / 'shards' / 'sizes.json').write_text(json.dumps({'00000.tar': 32, '00001.tar': 32}))
+    """2 clean shards of 4 whose sizes.json says 16 each: batches of 4, so an epoch is 4 whole passes."""
+    write_shards(tmp_path / 'shards', 2, 4)
+    (tmp_path / 'shards' / 'sizes.json').write_text(json.dumps({'00000.tar': 16, '00001.tar': 16}))
     result = call(train_main, ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '2',
                                '--global_batch_size', '4'], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / 'runs' / 'clip-tiny-baseline'
     for epoch, record in enumerate(_records(run_dir), 1):
         assert record['epoch'] == epoch
-        assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (64, 16, 48)
-        assert record['samples_read'] == 64 and record['samples_readable'] == 16  # the last batch's samples too
+        assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (32, 8, 24)
+        assert record['samples_read'] == 32 and record['samples_readable'] == 8  # the last batch's samples too
         assert record['skipped'] == {}
     log = (run_dir / 'out.log').read_text()
-    assert 'epoch 2 data: 64 samples trained (16 distinct, 48 repeats: trained again in the same epoch)' in log
-    warning = ('shards/sizes.json says 64 samples, the shards hold 16 readable ones: each sample is trained ~4× per '
-               'epoch (48 repeats in epoch 1); fix sizes.json with `python -m diffzoo.data sizes shards --recount` '
-               'or pass --train-num-samples 16')
+    assert 'epoch 2 data: 32 samples trained (8 distinct, 24 repeats: trained again in the same epoch)' in log
+    warning = ('shards/sizes.json says 32 samples, the shards hold 8 readable ones: each sample is trained ~4× per '
+               'epoch (24 repeats in epoch 1); fix sizes.json with `python -m diffzoo.data sizes shards --recount` '
+               'or pass --train-num-samples 8')
     assert log.count('the shards hold') == 1 and warning in log
