@@ -44,11 +44,11 @@ def _optimizer_steps(state) -> set:
 
 def test_a_lost_node_ends_the_job_clearly_and_a_restart_of_both_resumes(tmp_path):
     """2 nodes × 1 process, 4 shards of 8, batch 8: 4 steps an epoch, 2 epochs, started with a c10d rendezvous.
-    Node 1's launcher and its worker are killed (SIGKILL, as a node losing power) a step into epoch 2, three before its end; node 0
-    must stop with a message naming what happened and what to do. The same command on both nodes, started this
-    time with a static master (NODE_RANK, MASTER_ADDR, MASTER_PORT), resumes from epoch 1's checkpoint, its
-    optimizer state included; the data accounting shows every sample of every epoch trained once, and global
-    rank 0 alone prints the plan (node 1's process is a local rank 0 too)."""
+    Node 1's launcher and its worker are killed (SIGKILL, as a node losing power) a step into epoch 2, three
+    before its end; node 0 must stop with a message naming what happened and what to do. The same command on both
+    nodes, started this time with a static master (NODE_RANK, MASTER_ADDR, MASTER_PORT), resumes from epoch 1's
+    checkpoint, its optimizer state included; the data accounting shows every sample of every epoch trained once,
+    and global rank 0 alone prints the plan (node 1's process is a local rank 0 too)."""
     write_shards(tmp_path / 'shards', 4, 8)
     argv = ['--train_data', 'shards', '--epochs', '2', '--global_batch_size', '8', '--logs', 'runs']
     run_dir = tmp_path / 'runs' / 'diffclip-tiny'
