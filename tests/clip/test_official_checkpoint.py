@@ -1,8 +1,6 @@
 """The published DiffCLIP checkpoints: strict loading, exact outputs, offline tags, refusal of
 unsafe or broken files. Checkpoints are generated in the official format; nothing is downloaded."""
 import os
-import subprocess
-import sys
 from typing import NamedTuple
 
 import open_clip
@@ -58,7 +56,8 @@ def test_official_file_loads_strictly_and_matches_official_outputs(official, exp
 def test_converter_is_a_complete_key_map(official):
     _, state_dict = official
     converted = official_diffclip_to_open_clip(state_dict)
-    expected = open_clip.create_model('diffclip-b16').state_dict()
+    with torch.device('meta'):  # keys and shapes only
+        expected = open_clip.create_model('diffclip-b16', device='meta').state_dict()
     assert converted.keys() == expected.keys()
     assert all(converted[k].shape == expected[k].shape for k in expected)
     q, k, v = (state_dict[f'visual.blocks.3.attn.{p}_proj.weight'] for p in 'qkv')
@@ -76,8 +75,8 @@ def _assert_diffclip_preprocessing(preprocess):
 def test_convert_cli_writes_safetensors_open_clip_loads(official, expected, tmp_path, recwarn):
     path = official.path
     out = tmp_path / 'diffclip_b16_cc12m.safetensors'
-    proc = subprocess.run([sys.executable, '-m', 'diffzoo.convert', 'official-diffclip', str(path), str(out)],
-                          capture_output=True, text=True, check=True)
+    proc = call(convert, ['official-diffclip', path, out], cwd=tmp_path)  # the process: tests/test_cli.py
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert '149,629,185 parameters' in proc.stdout and 'mean (0.485, 0.456, 0.406)' in proc.stdout
     model, _, preprocess = open_clip.create_model_and_transforms('diffclip-b16', pretrained=str(out))
     _assert_matches_official(model, expected)
@@ -85,11 +84,19 @@ def test_convert_cli_writes_safetensors_open_clip_loads(official, expected, tmp_
     assert not [w for w in recwarn if 'no record of the preprocessing' in str(w.message)]
 
 
+@pytest.fixture(scope='module')
+def converted(official, tmp_path_factory):
+    """`official` converted into a folder, open_clip's hub layout (`diffzoo.convert official-diffclip IN.pt DIR`);
+    read-only."""
+    out = tmp_path_factory.mktemp('converted') / 'diffclip-b16-cc12m'
+    result = call(convert, ['official-diffclip', official.path, out], cwd=out.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
-def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(official, expected, tmp_path, offline_hub):
-    path = official.path
-    out = tmp_path / 'diffclip-b16-cc12m'
-    assert call(convert, ['official-diffclip', path, out], cwd=tmp_path).returncode == 0
+def test_convert_cli_writes_open_clips_hub_layout_local_dir_and_hf_hub_load(converted, expected, offline_hub):
+    out = converted
     assert {p.name for p in out.iterdir()} == {'open_clip_config.json', 'open_clip_model.safetensors'}
     model, _, preprocess = open_clip.create_model_and_transforms(f'local-dir:{out}')
     _assert_matches_official(model, expected)
@@ -108,14 +115,15 @@ def test_publish_refuses_a_folder_without_the_hub_layout(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_publish_to_a_local_dir_writes_what_the_upload_sends_and_open_clip_loads_it(official, expected, tmp_path,
+def test_publish_to_a_local_dir_writes_what_the_upload_sends_and_open_clip_loads_it(converted, expected, tmp_path,
                                                                                      capsys):
     """A converted folder published offline with --local-dir: only open_clip's two files (not a stray
     file beside them), loading with the official outputs and DiffCLIP's preprocessing."""
     from diffzoo.convert import main
-    path = official.path
     folder, out = tmp_path / 'converted', tmp_path / 'published'
-    assert main(['official-diffclip', str(path), str(folder)]) == 0
+    folder.mkdir()
+    for f in converted.iterdir():  # `converted`'s files, beside a file of this folder's own
+        (folder / f.name).hardlink_to(f)
     (folder / 'notes.txt').write_text('training notes, not for the hub\n')
     capsys.readouterr()
     assert main(['publish', str(folder), '--repo', 'me/diffclip-b16', '--local-dir', str(out)]) == 0
