@@ -193,3 +193,10 @@ def wilson(hits, n, z=1.959963984540054):
     p = hits / n
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return 100 * (centre - half) / (1 + z * z / n), 100 * (centre + half) / (1 + z * z / n)
+
+
+def as_in_a_terminal():
+    """Popen's preexec_fn for a process a test sends Ctrl-C: SIGINT's default action, as a terminal's foreground job
+    has it (a suite started in the background of a non-interactive shell passes SIGINT on ignored, and then neither
+    Python nor bash ever sees it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -19,7 +19,7 @@ from diffzoo.data.shards import iter_samples
 from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
 from diffzoo.eval.models import HASH_CHARS
-from tests.factory import call, descendants, kill_tree, wilson
+from tests.factory import as_in_a_terminal, call, descendants, kill_tree, wilson
 from tests.pages import ROOT, commands
 
 pytestmark = pytest.mark.slow  # the demo trains two models
@@ -168,7 +168,7 @@ def test_ctrl_c_ends_on_one_line_and_stops_the_training(first_run, tmp_path):
     log = tmp_path / 'out' / 'runs' / f'{MODELS[0]}-128x1' / 'train.log'
     proc = subprocess.Popen([sys.executable, '-m', 'diffzoo.demo', '--out', 'out', *SMALL], cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_as_in_a_terminal)
+                            preexec_fn=as_in_a_terminal)
     try:
         start = time.monotonic()
         while not (log.exists() and 'Train Epoch: 0' in log.read_text()) and time.monotonic() - start < 240:
@@ -187,12 +187,6 @@ def test_ctrl_c_ends_on_one_line_and_stops_the_training(first_run, tmp_path):
     assert err.strip().splitlines() == ['interrupted: run the same command again to go on (it reuses out/data and '
                                         'every finished training, and resumes an unfinished one from its last '
                                         'finished epoch)']
-
-
-def _as_in_a_terminal():
-    """SIGINT's default action, as a terminal's foreground job has it (a suite started in the background of a
-    non-interactive shell passes SIGINT on ignored, and Python then never raises KeyboardInterrupt)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _running(pid):

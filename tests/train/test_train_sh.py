@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factory import free_port, kill_tree, python_env, run, write_shards
+from tests.factory import as_in_a_terminal, free_port, kill_tree, python_env, run, write_shards
 
 pytestmark = pytest.mark.slow  # real torchrun launchers
 
@@ -118,7 +118,8 @@ def test_ctrl_c_ends_on_one_line_naming_the_checkpoint_and_the_same_command_resu
     def interrupted(ready, name):
         out, err = tmp_path / f'{name}.out', tmp_path / f'{name}.err'
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=python_env(NPROC_PER_NODE=1), text=True,
-                                stdout=open(out, 'w'), stderr=open(err, 'w'), start_new_session=True)
+                                stdout=open(out, 'w'), stderr=open(err, 'w'), start_new_session=True,
+                                preexec_fn=as_in_a_terminal)
         try:
             start = time.monotonic()
             while not ready(out.read_text()) and proc.poll() is None and time.monotonic() - start < 240:
