@@ -146,14 +146,14 @@ def test_lora_trains_only_adapters_lambda_sub_norm_and_projector_and_round_trips
 
 
 def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, language_model_dir, tmp_path):
-    recipe = _recipe(assets, language_model_dir, tmp_path / 'runs')
+    recipe = _recipe(assets, language_model_dir, tmp_path / 'runs', max_steps=80, log_every=20, save_every=40)
     out = _train(recipe).stdout
     run = tmp_path / 'runs' / 'tiny-vqa'
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
-    assert [r['step'] for r in log] == [40, 80, 120, 160]
+    assert [r['step'] for r in log] == [20, 40, 60, 80]
     assert log[-1]['loss'] < log[0]['loss'] - 0.02, log  # the answers start to depend on the image
     results = json.loads((run / 'results.json').read_text())
-    assert results['steps'] == 160 and results['questions'] == 16 and 0 <= results['vqa_accuracy'] <= 100
+    assert results['steps'] == 80 and results['questions'] == 16 and 0 <= results['vqa_accuracy'] <= 100
     assert results['trainable_parameters']['other'] == 0
     assert (run / 'loss.png').stat().st_size > 0 and (run / 'adapter' / 'diffzoo_extra.safetensors').is_file()
     assert 'VQA accuracy' in out
@@ -161,12 +161,12 @@ def test_cpu_fine_tune_lowers_the_loss_scores_vqa_and_resumes(assets, language_m
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(next((run / 'tensorboard').rglob('events.out.tfevents*')).parent)).Reload()
     assert {'train/loss', 'train/lambda/layer_0', 'train/learning_rate'} <= set(events.Tags()['scalars'])
-    resumed = _train(recipe, '--max_steps', '170').stdout
-    assert 'resuming tiny-vqa from step 160' in resumed
+    resumed = _train(recipe, '--max_steps', '90').stdout
+    assert 'resuming tiny-vqa from step 80' in resumed
     log = [json.loads(line) for line in (run / 'log.jsonl').read_text().splitlines()]
-    assert log[-1]['step'] == 170
-    assert (run / 'checkpoints' / 'checkpoint-170' / 'adapter_model.safetensors').is_file()
-    refused = call(train_vlm, ['--recipe', recipe, '--max_steps', '180', '--lr', '1e-4'], cwd=tmp_path)
+    assert log[-1]['step'] == 90
+    assert (run / 'checkpoints' / 'checkpoint-90' / 'adapter_model.safetensors').is_file()
+    refused = call(train_vlm, ['--recipe', recipe, '--max_steps', '100', '--lr', '1e-4'], cwd=tmp_path)
     assert refused.returncode == 2 and "other settings for ['lr']" in refused.stderr
 
 
