@@ -54,7 +54,9 @@ def test_build_forward_backward(name):
 
 
 def test_base_patch16_is_diffclip_vision_tower():
-    model = timm.create_model('vit_diff_base_patch16_224', num_classes=0)
+    with torch.device('meta'):  # structure and parameter counts only
+        model = timm.create_model('vit_diff_base_patch16_224', num_classes=0)
+        baseline = timm.create_model('vit_diff_baseline_base_patch16_224', num_classes=0)
     assert model.has_class_token and model.global_pool == 'token'
     assert isinstance(model.norm_pre, nn.Identity) and isinstance(model.fc_norm, nn.Identity)
     assert model.patch_embed.proj.bias is not None
@@ -66,7 +68,6 @@ def test_base_patch16_is_diffclip_vision_tower():
     for norm in (blk.norm1, blk.norm2, model.norm):
         assert norm.eps == 1e-5
     assert all(b.attn.lambda_init == 0.8 for b in model.blocks)
-    baseline = timm.create_model('vit_diff_baseline_base_patch16_224', num_classes=0)
     n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert n(model) - n(baseline) == 12 * (4 * 64 + 128)  # λ vectors + sub-norm per block
     assert baseline.blocks[0].attn.num_heads == 12
@@ -171,7 +172,7 @@ def test_timm_model_cases_hold_for_every_registered_name(name):
     """What timm's own tests/test_models.py checks of a ViT (non-standard, token-output) model: the
     default cfg names real parameters, forward_features ends in num_features, a reset or absent
     classifier gives pooled (B, num_features); small models also train with every parameter reached."""
-    with _device(name):
+    with torch.device('cpu' if name in SMALL else 'meta'):  # the others: names of parameters only
         model = timm.create_model(name).eval()
     cfg, state = model.pretrained_cfg, model.state_dict()
     for key in ('input_size', 'crop_pct', 'interpolation', 'mean', 'std', 'first_conv', 'classifier', 'num_classes'):
@@ -214,16 +215,22 @@ def test_diffclip_tags_load_the_official_vision_tower_through_the_hub_cache_offl
     timm.create_model('vit_diff_base_patch16_224.diffclip_cc3m', pretrained=True, in_chans=1, num_classes=0)
 
 
+@pytest.fixture(scope='module')
+def converted(official, tmp_path_factory):
+    """`official` as diffzoo.convert writes it, open_clip's layout in safetensors; read-only."""
+    from diffzoo.clip.hub import official_diffclip
+    path = tmp_path_factory.mktemp('converted') / 'diffclip.safetensors'
+    official_diffclip(official.path, path)
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('route', ['pretrained_cfg_overlay', 'checkpoint_path'])
 @pytest.mark.parametrize('layout', ['official', 'open_clip'])
-def test_a_local_file_fine_tunes_with_a_new_head(official, official_clip, tmp_path, layout, route):
+def test_a_local_file_fine_tunes_with_a_new_head(request, official, official_clip, layout, route):
     """pretrained_cfg_overlay=dict(file=…) or checkpoint_path=: the official checkpoint or diffzoo.convert's
     safetensors; the trunk loads, the head is new (10 classes)."""
-    from diffzoo.clip.hub import official_diffclip
-    path = official.path if layout == 'official' else tmp_path / 'diffclip.safetensors'
-    if layout == 'open_clip':
-        official_diffclip(official.path, path)
+    path = official.path if layout == 'official' else request.getfixturevalue('converted')
     if route == 'checkpoint_path':
         with pytest.warns(UserWarning, match='has a 512-class head, this model num_classes=10'):
             model = timm.create_model('vit_diff_base_patch16_224', num_classes=10, checkpoint_path=str(path)).eval()
