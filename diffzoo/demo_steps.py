@@ -25,7 +25,7 @@ from diffzoo.data.synthetic import CorpusConfig, class_names, write_corpus
 from diffzoo.eval.models import load as load_model
 from diffzoo.eval.models import run_checkpoints
 from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
-from diffzoo.train.metrics import plot_lambda, read_lambda_log
+from diffzoo.train.lambda_log import plot_lambda, read_lambda_log
 
 METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('image_to_text', 'text_to_image')
                                                        for k in (1, 5, 10)))

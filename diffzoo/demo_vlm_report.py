@@ -29,7 +29,7 @@ def tower_report(towers: Dict[str, Path], val_dir: Path) -> Dict[str, Dict]:
     from diffzoo.data.synthetic import class_names
     from diffzoo.demo_steps import load
     from diffzoo.eval.synthetic import encode_images, load_split, zero_shot_accuracy
-    from diffzoo.train.metrics import read_lambda_log
+    from diffzoo.train.lambda_log import read_lambda_log
     report = {}
     for name, checkpoint in towers.items():
         run = checkpoint.parents[1]

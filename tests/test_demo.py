@@ -212,7 +212,7 @@ def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(fi
 
     from diffzoo.demo_vlm import main as demo_vlm
     from diffzoo.eval.lmm.metrics import pope_answer
-    from diffzoo.train.metrics import read_lambda_log
+    from diffzoo.train.lambda_log import read_lambda_log
     from tests.test_demo_vlm import check_pope_table
     out, _ = first_run
     done = call(demo_vlm, ['--out', out, '--towers', out, '--scenes', '48', '--pope-scenes', '12', '--steps', '3'],

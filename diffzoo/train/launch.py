@@ -43,7 +43,7 @@ def _plot_lambda(argv: List[str]) -> int:
     p.add_argument('run_dir')
     p.add_argument('--out', default=None, help='PNG path (default RUN_DIR/lambda.png)')
     a = p.parse_args(argv)
-    from .metrics import plot_lambda  # torch: imported after parsing, so --help answers at once
+    from .lambda_log import plot_lambda  # matplotlib: imported after parsing, so --help answers at once
     print(plot_lambda(a.run_dir, a.out))
     return 0
 

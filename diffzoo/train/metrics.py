@@ -10,13 +10,12 @@ open_clip_train's own `train/…` ones). Layers whose λ depends on the input (v
 """
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
 from diffzoo.layers import DifferentialAttention
-
-LAMBDA_FILE = 'lambda.jsonl'
+from diffzoo.train.lambda_log import LAMBDA_FILE
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -141,49 +140,3 @@ class LambdaLog:
         if self.wandb is not None and scalars:
             # wandb drops a step that goes back; open_clip_train logs `train/…` at the step in progress, never ahead
             self.wandb.log(scalars, step=step)
-
-
-def read_lambda_log(run_dir: str) -> List[Dict]:
-    path = os.path.join(run_dir, LAMBDA_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f'{path} not found: is {run_dir} a run directory of python -m diffzoo.train?')
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_lambda(run_dir: str, out: Optional[str] = None) -> str:
-    """λ against step for every layer, vision and text towers side by side, to a PNG."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    records = read_lambda_log(run_dir)
-    by_step = {}
-    for r in records:
-        by_step[r['step']] = r['lambda']  # a resumed run repeats steps; the latest record wins
-    steps = sorted(by_step)
-    names = list(by_step[steps[-1]]) if steps else []
-    if not names:
-        raise ValueError(f'{run_dir}: the model has no layer with a learned λ (a baseline run?)')
-    towers = {'vision': [n for n in names if n.startswith('visual.')],
-              'text': [n for n in names if not n.startswith('visual.')]}
-    towers = {k: v for k, v in towers.items() if v}
-    fig, axes = plt.subplots(1, len(towers), figsize=(6 * len(towers), 4), squeeze=False)
-    for ax, (tower, layers) in zip(axes[0], towers.items()):
-        colours = plt.cm.viridis([i / max(1, len(layers) - 1) for i in range(len(layers))])
-        for i, (name, colour) in enumerate(zip(layers, colours)):
-            xs = [s for s in steps if name in by_step[s]]
-            ax.plot(xs, [by_step[s][name] for s in xs], color=colour, label=f'block {i}')
-        ax.set_title(f'{tower} tower')
-        ax.set_xlabel('optimizer step')
-        ax.set_ylabel('λ')
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(f'{os.path.basename(os.path.normpath(run_dir))}\n'
-                 f'λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init: at step 0 it is λ_init plus the difference that the '
-                 f'random λ vectors give, not λ_init itself', fontsize=9)
-    fig.tight_layout()
-    out = out or os.path.join(run_dir, 'lambda.png')
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out

@@ -8,7 +8,8 @@ import timm
 import torch
 import torch.nn as nn
 
-from diffzoo.train.metrics import LambdaLog, lambda_scalars, read_lambda_log
+from diffzoo.train.lambda_log import read_lambda_log
+from diffzoo.train.metrics import LambdaLog, lambda_scalars
 
 STEPS, EVERY = 5, 2
 
