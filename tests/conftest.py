@@ -102,10 +102,10 @@ def offline_hub(tmp_path, monkeypatch):
 # The longest files on the 2-core machine, started first: pytest-xdist's loadfile (with --no-loadscope-reorder, as
 # `make test` runs it; by default it orders files by their number of tests) hands out whole files in this order,
 # the next to the first worker that is nearly done, and one long file started last would run alone at the end
-LONGEST_FIRST = ('tests.layers.test_kernels', 'tests.train.test_end_to_end', 'tests.train.test_train_sh',
-                 'tests.clip.test_official_checkpoint', 'tests.test_demo', 'tests.models.test_vit_diff',
-                 'tests.train.test_launch', 'tests.clip.test_tracing', 'tests.bench.test_bench', 'tests.vlm.test_train',
-                 'tests.test_cli', 'tests.train.test_data_events')
+LONGEST_FIRST = ('tests.test_demo', 'tests.train.test_train_sh', 'tests.layers.test_kernels',
+                 'tests.clip.test_official_checkpoint', 'tests.train.test_end_to_end', 'tests.bench.test_bench',
+                 'tests.test_readme', 'tests.train.test_launch', 'tests.models.test_vit_diff', 'tests.vlm.test_train',
+                 'tests.eval.test_lmms_eval', 'tests.clip.test_models', 'tests.clip.test_tracing', 'tests.test_cli')
 
 
 def pytest_collection_modifyitems(items):
