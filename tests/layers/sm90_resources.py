@@ -39,24 +39,25 @@ def resources(kernel, constexprs, launch, workdir: Path):
 
 def main(tokens):
     rows = []
-    workdir = Path(tempfile.mkdtemp())
-    for n in tokens:
-        for causal in (False, True):
-            common = dict(HEAD_D=64, HEAD_DV=128, BLOCK_D=64, BLOCK_DV=128, IS_CAUSAL=causal, HAS_BIAS=not causal,
-                          PRECISION='tf32', DOT_UPCAST=False)
-            fwd, dq, dkdv = (st.launch_config(k, n, 64, 128, 'sm_90') for k in st.KERNELS)
-            for kernel, constexprs, launch in (
-                    (st._diff_attn_fwd, dict(common, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, ONE_TILE=fwd.one_tile,
-                                             STORE_STATS=True),
-                     fwd),
-                    (st._diff_attn_bwd_dq, dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, ONE_TILE=dq.one_tile),
-                     dq),
-                    (st._diff_attn_bwd_dkdv, dict(common, BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n), dkdv),
-                    (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True),
-                     st.Launch(0, 0, 4))):
-                rows.append({'kernel': kernel.__name__, 'tokens': n, 'causal': causal, 'num_warps': launch.warps,
-                             'num_stages': launch.stages, 'block_m': launch.block_m, 'block_n': launch.block_n,
-                             **resources(kernel, constexprs, launch, workdir)})
+    with tempfile.TemporaryDirectory() as workdir:  # the cubins cuobjdump reads, removed with it
+        for n in tokens:
+            for causal in (False, True):
+                common = dict(HEAD_D=64, HEAD_DV=128, BLOCK_D=64, BLOCK_DV=128, IS_CAUSAL=causal, HAS_BIAS=not causal,
+                              PRECISION='tf32', DOT_UPCAST=False)
+                fwd, dq, dkdv = (st.launch_config(k, n, 64, 128, 'sm_90') for k in st.KERNELS)
+                for kernel, constexprs, launch in (
+                        (st._diff_attn_fwd, dict(common, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n,
+                                                 ONE_TILE=fwd.one_tile, STORE_STATS=True),
+                         fwd),
+                        (st._diff_attn_bwd_dq, dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
+                                                    ONE_TILE=dq.one_tile),
+                         dq),
+                        (st._diff_attn_bwd_dkdv, dict(common, BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n), dkdv),
+                        (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True),
+                         st.Launch(0, 0, 4))):
+                    rows.append({'kernel': kernel.__name__, 'tokens': n, 'causal': causal, 'num_warps': launch.warps,
+                                 'num_stages': launch.stages, 'block_m': launch.block_m, 'block_n': launch.block_n,
+                                 **resources(kernel, constexprs, launch, Path(workdir))})
     print(json.dumps(rows))
 
 
