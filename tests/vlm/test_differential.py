@@ -9,13 +9,9 @@ import transformers
 from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA, diffzoo_eager_attention, diffzoo_sdpa_attention
 from diffzoo.vlm.differential import differential_parameters, differentialize, load_differential
 from diffzoo.vlm.hf_config import SETTINGS_KEY
-from tests.vlm.models import lm_config, paligemma_config, tiny_lm
+from tests.vlm.models import paligemma_config, tiny_lm
 
 VOCAB = 64
-
-
-def _config(family: str, **kw):
-    return lm_config(family, vocab=VOCAB, **kw)
 
 
 def _model(family: str, implementation: str = 'sdpa', seed: int = 0):
