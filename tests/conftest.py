@@ -99,13 +99,20 @@ def offline_hub(tmp_path, monkeypatch):
 
 
 
-# The longest files on the 2-core machine, started first: pytest-xdist's loadfile (with --no-loadscope-reorder, as
-# `make test` runs it; by default it orders files by their number of tests) hands out whole files in this order,
-# the next to the first worker that is nearly done, and one long file started last would run alone at the end
-LONGEST_FIRST = ('tests.test_demo', 'tests.train.test_train_sh', 'tests.layers.test_kernels',
-                 'tests.clip.test_official_checkpoint', 'tests.train.test_end_to_end', 'tests.bench.test_bench',
-                 'tests.test_readme', 'tests.train.test_launch', 'tests.models.test_vit_diff', 'tests.vlm.test_train',
-                 'tests.eval.test_lmms_eval', 'tests.clip.test_models', 'tests.clip.test_tracing', 'tests.test_cli')
+# The files over ~7 s on the 2-core machine, longest first (their time in a `make test` run, summed over their
+# tests): pytest-xdist's loadfile (with --no-loadscope-reorder, as `make test` runs it; by default it orders files
+# by their number of tests) hands out whole files in this order, the next to the first worker that is nearly done,
+# and a long file handed out last would run alone at the end while the other worker waits
+LONGEST_FIRST = ('tests.test_demo', 'tests.train.test_train_sh', 'tests.layers.test_kernels', 'tests.train.test_launch',
+                 'tests.train.test_end_to_end', 'tests.bench.test_bench', 'tests.models.test_vit_diff',
+                 'tests.test_readme', 'tests.clip.test_tracing', 'tests.train.test_saving', 'tests.eval.test_lmms_eval',
+                 'tests.clip.test_official_checkpoint', 'tests.vlm.test_train', 'tests.clip.test_models',
+                 'tests.vlm.test_stages', 'tests.test_cli', 'tests.train.test_device_data', 'tests.vlm.test_fsdp',
+                 'tests.train.test_resume', 'tests.bench.test_gpu_check', 'tests.vlm.test_hf_auto',
+                 'tests.test_differential', 'tests.vlm.test_stage_reruns', 'tests.train.test_distributed',
+                 'tests.vlm.test_differential', 'tests.eval.test_lmm_resume', 'tests.data.test_download',
+                 'tests.eval.test_clip_benchmark', 'tests.vlm.test_eramv', 'tests.layers.test_diff_attention',
+                 'tests.layers.test_tracing', 'tests.analysis.test_layers', 'tests.bench.test_tune')
 
 
 def pytest_collection_modifyitems(items):

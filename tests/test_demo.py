@@ -39,13 +39,14 @@ QUICK_START = [c for c in commands('Quick start') if not c.startswith('source ')
 @pytest.fixture(scope='module')
 def first_run(tmp_path_factory):
     """The README quick start's demo command, in a scratch directory, at the sizes of SMALL (they set only how
-    long it trains; every other word is the README's)."""
+    long it trains; every other word is the README's), through `diffzoo.demo.main` in this process (its trainings
+    are processes of their own; a real `python -m diffzoo.demo` process is the Ctrl-C test's)."""
     cwd = tmp_path_factory.mktemp('demo')
     argv = QUICK_START[0].split()
     assert argv[:3] == ['python', '-m', 'diffzoo.demo'] and '--out' in argv, QUICK_START
     for flag in ('--train', '--epochs'):
         del argv[argv.index(flag):argv.index(flag) + 2]
-    proc = subprocess.run([sys.executable, *argv[1:], *SMALL], capture_output=True, text=True, timeout=600, cwd=cwd)
+    proc = call(main, [*argv[3:], *SMALL], cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cwd / argv[argv.index('--out') + 1], proc
 
@@ -279,16 +280,25 @@ def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(fi
 
 def test_the_quick_start_runs_as_written(first_run):
     """The README's quick start, its commands in order in the demo's scratch directory, in the environment this
-    suite runs in: the demo (first_run), a training with scripts/train.sh, its evaluation and its λ plot; then
-    docs/evaluation.md's evaluation of `make demo`'s run (demo/, 4000 scenes × 4 epochs) on that smaller demo."""
+    suite runs in: the demo (first_run), a training with scripts/train.sh (a real torchrun job), its evaluation and
+    its λ plot; then docs/evaluation.md's evaluation of `make demo`'s run (demo/, 4000 scenes × 4 epochs) on that
+    smaller demo. The `python -m diffzoo.…` commands run through their `main` in this process (each has a
+    real-process test of its own: tests/test_cli.py, tests/test_readme.py)."""
+    from diffzoo.eval.__main__ import main as evaluate
+    from diffzoo.train.launch import main as train
     out, _ = first_run
     cwd = out.parent
     assert len(QUICK_START) == 4, QUICK_START
+    mains = {'diffzoo.eval': evaluate, 'diffzoo.train': train}
     env = dict(os.environ, HF_HUB_OFFLINE='1', PYTHON=sys.executable, NPROC_PER_NODE='1')
     for command in QUICK_START[1:]:
         argv = command.split()
-        argv = [sys.executable, *argv[1:]] if argv[0] == 'python' else ['bash', str(ROOT / argv[0]), *argv[1:]]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+        if argv[0] == 'python':
+            assert argv[1] == '-m', command
+            done = call(mains[argv[2]], argv[3:], cwd)
+        else:
+            done = subprocess.run(['bash', str(ROOT / argv[0]), *argv[1:]], capture_output=True, text=True,
+                                  timeout=600, cwd=cwd, env=env)
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
     assert (cwd / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
     assert (cwd / 'runs' / 'first' / 'eval' / 'results.json').is_file()
@@ -296,6 +306,6 @@ def test_the_quick_start_runs_as_written(first_run):
     scenes, epochs = (SMALL[SMALL.index(flag) + 1] for flag in ('--train', '--epochs'))
     demo_eval = next(c for c in commands() if c.startswith('python -m diffzoo.eval --run-dir demo/runs/'))
     argv = demo_eval.replace('demo/', f'{out.name}/').replace('-4000x4', f'-{scenes}x{epochs}').split()
-    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+    done = call(evaluate, argv[3:], cwd)
     assert done.returncode == 0, (demo_eval, done.stdout[-2000:], done.stderr[-2000:])
     assert (out / 'runs' / f'diffclip-tiny-{scenes}x{epochs}' / 'eval' / 'results.json').is_file()
