@@ -1,5 +1,6 @@
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Dict, NamedTuple
 
@@ -31,7 +32,18 @@ from tests.vlm.models import write_language_model, write_paligemma  # noqa: E402
 _DISK_NEEDED_GB = 4
 
 
+def _temporary_files_under(base: Path) -> None:
+    """This process and those it starts write their temporary files under `base`/tmp, which pytest prunes with
+    its older runs, not into the system's: torchrun's torchelastic_* folders, wandb's tmp*wandb-media and
+    tmp*wandb-artifacts, a killed training's diffzoo-data-* are never removed by the processes that made them."""
+    tmp = base / 'tmp'
+    tmp.mkdir(exist_ok=True)
+    os.environ['TMPDIR'] = str(tmp)
+    tempfile.tempdir = None  # tempfile reads TMPDIR again
+
+
 def pytest_sessionstart(session):
+    _temporary_files_under(session.config._tmp_path_factory.getbasetemp())
     if hasattr(session.config, 'workerinput') or session.config.args:  # a worker (the controller checks), or a
         return                                                            # chosen file or test: not the whole suite
     base = session.config._tmp_path_factory.getbasetemp()
