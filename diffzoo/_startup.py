@@ -6,10 +6,10 @@ module already imported, once per model: wandb's import took 0.8 s before torch 
 each training process (`python -X importtime -m diffzoo.train`, 2-core machine).
 """
 import importlib.util
+import sys
 
 
 def import_wandb_first() -> None:
     """Import wandb now if it is installed and torch is not yet imported (otherwise it gains nothing)."""
-    import sys
     if 'torch' not in sys.modules and importlib.util.find_spec('wandb') is not None:
         import wandb  # noqa: F401
