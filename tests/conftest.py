@@ -47,10 +47,10 @@ def _temporary_files_under(base: Path) -> None:
 
 
 def pytest_sessionstart(session):
-    _temporary_files_under(session.config._tmp_path_factory.getbasetemp())
+    base = session.config._tmp_path_factory.getbasetemp()
+    _temporary_files_under(base)
     if hasattr(session.config, 'workerinput') or session.config.args:  # a worker (the controller checks), or a
         return                                                            # chosen file or test: not the whole suite
-    base = session.config._tmp_path_factory.getbasetemp()
     free_gb = shutil.disk_usage(base).free / 1e9
     if free_gb < _DISK_NEEDED_GB:
         pytest.exit(f'{free_gb:.1f} GB free on the disk holding {base}; the suite needs about '
