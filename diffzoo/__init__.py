@@ -15,6 +15,9 @@ transformers' Auto classes the `diffzoo_differential` model type of saved differ
   module is itself importing one of them (its own import not finished), registration waits for the
   outermost diffzoo module importing to finish, since it imports diffzoo modules itself.
 
+The same finder imports wandb just before timm or open_clip, which import it anyway: the import is
+slowest after them (diffzoo/_startup.py).
+
 The public names below (`DifferentialAttention`, `capture_attention_maps`, `diff_attn_layer`,
 `differentialize` (any timm / open_clip model made differential, `diffzoo.differential`), the
 `layers` and `models` packages) are imported on first use (PEP 562).
@@ -24,6 +27,7 @@ import sys
 import threading
 
 from diffzoo._lazy import lazy_exports
+from diffzoo._startup import IMPORT_WANDB, import_wandb_first
 
 __version__ = '0.1.0'
 __all__ = ['DifferentialAttention', 'capture_attention_maps', 'diff_attn_layer', 'differentialize', 'layers', 'models',
@@ -108,6 +112,8 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname not in _LIBRARIES and not fullname.startswith(f'{__name__}.'):
             return None
+        if fullname in IMPORT_WANDB:
+            import_wandb_first()
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, 'find_spec'):
                 continue

@@ -73,8 +73,9 @@ IMPORT_ORDERS = [
     'import diffzoo.layers\nimport timm, open_clip',  # a diffzoo module importing timm itself
     'import diffzoo.eval.models\nimport timm, open_clip',  # … and open_clip
 ]
-# what each import-order process starts with: the libraries below timm and open_clip (the seconds of their import)
-PRELOADED = ['torch', 'torchvision', 'torchvision.models.feature_extraction']
+# what each import-order process starts with: the libraries below timm and open_clip (the seconds of their import),
+# and this module, which holds the function each process runs (with pytest, which it imports)
+PRELOADED = ['torch', 'torchvision', 'torchvision.models.feature_extraction', __name__]
 
 
 def _import_in_order(imports: str) -> str:
@@ -82,6 +83,10 @@ def _import_in_order(imports: str) -> str:
     imported = sorted({m.split('.')[0] for m in sys.modules} & {*HEAVY, 'diffzoo'} - {'torch'})
     assert not imported, f'the process started with {imported} imported'
     exec(f'import sys\n{imports}\nimport diffzoo\n{REGISTERED}', {'__name__': '__import_order__'})
+    if imports.startswith('import diffzoo'):  # its hook imports wandb just before timm (diffzoo/_startup.py)
+        order = list(sys.modules)  # in the order their imports finished
+        first_timm = next(i for i, name in enumerate(order) if name.split('.')[0] == 'timm')
+        assert order.index('wandb') < first_timm, 'wandb was imported inside timm'
     return 'registered'
 
 

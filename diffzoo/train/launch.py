@@ -30,7 +30,6 @@ from typing import List, Optional
 
 import yaml
 
-from diffzoo._startup import import_wandb_first
 from diffzoo.data.shards import DataError
 
 from .recipe import DIFFZOO_KEYS, RecipeError, find_recipe, recipe_names
@@ -124,7 +123,6 @@ def _main(argv: List[str]) -> int:
     except (RecipeError, DataError, FileNotFoundError) as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
-    import_wandb_first()
     from . import runner  # open_clip, open_clip_train and torch: imported once the command is known (--help at once)
     try:
         return runner.run(argv, __doc__)

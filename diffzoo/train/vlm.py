@@ -41,7 +41,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from diffzoo._startup import import_wandb_first
 from diffzoo.recipes import RecipeError, recipe_names
 from diffzoo.vlm.recipe import VLM_RECIPE, checked_recipe, load_vlm_recipe
 
@@ -111,7 +110,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not args.recipe:
             p.error('--recipe is required (`recipes` lists the shipped ones)')
-        import_wandb_first()
         recipe = checked_recipe(args.recipe, rest)
         if recipe['train'] is not None:  # a LLaVA-style stage
             from .vlm_stage import run_stage as run
