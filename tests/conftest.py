@@ -11,10 +11,6 @@ if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
     os.environ.setdefault('OMP_NUM_THREADS', str(_THREADS))
 
 import pytest  # noqa: E402
-
-from diffzoo._startup import import_wandb_first  # noqa: E402
-
-import_wandb_first()  # timm imports it below: before torch it takes 0.8 s of each worker's start, not 2
 import torch  # noqa: E402
 
 if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
@@ -37,13 +33,18 @@ _DISK_NEEDED_GB = 4
 
 
 def _temporary_files_under(base: Path) -> None:
-    """This process and those it starts write their temporary files under `base`/tmp, which pytest prunes with
-    its older runs, not into the system's: torchrun's torchelastic_* folders, wandb's tmp*wandb-media and
-    tmp*wandb-artifacts, a killed training's diffzoo-data-* are never removed by the processes that made them."""
+    """The processes this one starts write their temporary files under `base`/tmp, which pytest prunes with its
+    older runs, not into the system's: torchrun's torchelastic_* folders, wandb's tmp*wandb-media and
+    tmp*wandb-artifacts, a killed training's diffzoo-data-* are never removed by the processes that made them.
+    This process keeps the system's: what it makes there it removes at its exit, after pytest has removed `base`
+    (multiprocessing's pymp-* folder). torch.compile's cache stays where torch keeps it by default, for every
+    process: kept between runs, as it is for any user of torch."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', default_cache_dir())
+    tempfile.gettempdir()  # this process's own, read before TMPDIR changes
     tmp = base / 'tmp'
     tmp.mkdir(exist_ok=True)
     os.environ['TMPDIR'] = str(tmp)
-    tempfile.tempdir = None  # tempfile reads TMPDIR again
 
 
 def pytest_sessionstart(session):
