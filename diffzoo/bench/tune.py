@@ -65,7 +65,7 @@ def prepare(x: Dict, causal: bool) -> Dict:
     """The forward's outputs and the backward's intermediates with default launches: what dQ and dK/dV read."""
     from diffzoo.layers.kernels import split_triton as st
     y, D_, lse = st.forward(x['q'], x['k'], x['v'], x['lam'], x['weight'], None, x['scale'], x['eps'], causal)
-    dD, _, _ = st.norm_backward(x['dy'], x['weight'], D_, x['eps'], False)
+    dD, _, _, _ = st.norm_backward(x['dy'], x['weight'], D_, x['eps'], False)
     dq, delta = st.dq_backward(x['q'], x['k'], x['v'], x['lam'], None, dD, lse, x['scale'], causal)
     return dict(x, D=D_, lse=lse, dD=dD, delta=delta)
 
@@ -162,7 +162,7 @@ def tune_class(n: int, causal: bool, batch: int, compiled: Dict, device: str, li
     picks = {k: st.Launch(**row['best'][k]['launch']) for k in st.KERNELS}
 
     def bwd():
-        dD, _, _ = st.norm_backward(s['dy'], s['weight'], s['D'], s['eps'], True)
+        dD, _, _, _ = st.norm_backward(s['dy'], s['weight'], s['D'], s['eps'], True)
         _, delta = launch('dq', dict(s, dD=dD), causal, picks['dq'])
         launch('dkdv', dict(s, dD=dD, delta=delta), causal, picks['dkdv'])
 

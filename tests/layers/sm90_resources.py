@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from diffzoo.layers.kernels import split_triton as st
 
 FP32 = {'KB', 'LAM', 'LSE', 'DW', 'DELTA'}
-POINTERS = FP32 | {'Q', 'K', 'V', 'W', 'Y', 'D', 'G', 'DD', 'DQ', 'DK', 'DV'}
+POINTERS = FP32 | {'Q', 'K', 'V', 'W', 'Y', 'D', 'G', 'DD', 'DD_LO', 'DQ', 'DK', 'DV'}
 
 
 def resources(kernel, constexprs, launch, workdir: Path):
@@ -50,10 +50,11 @@ def main(tokens):
                                                  ONE_TILE=fwd.one_tile, STORE_STATS=True),
                          fwd),
                         (st._diff_attn_bwd_dq, dict(common, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
-                                                    ONE_TILE=dq.one_tile),
+                                                    ONE_TILE=dq.one_tile, HAS_LO=False),
                          dq),
                         (st._diff_attn_bwd_dkdv, dict(common, BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n), dkdv),
-                        (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True),
+                        (st._diff_attn_norm_bwd, dict(HEAD_DV=128, BLOCK_DV=128, BLOCK_R=32, WRITE_Y=True,
+                                                       WRITE_LO=False),
                          st.Launch(0, 0, 4))):
                     rows.append({'kernel': kernel.__name__, 'tokens': n, 'causal': causal, 'num_warps': launch.warps,
                                  'num_stages': launch.stages, 'block_m': launch.block_m, 'block_n': launch.block_n,

@@ -25,6 +25,8 @@ class Settings:
     checkout: Optional[Path]  # the repository root; None for an installed package (no tests/, no scripts/)
     sizes: commands.Sizes
     b16_recipes: Sequence[str]
+    b16_backends: Sequence[str]
+    b16_only: bool
     corpus_processes: int
     test_workers: int
 
@@ -45,7 +47,7 @@ def tune(runner: Runner, s: Settings) -> None:
 def tests(runner: Runner, s: Settings) -> None:
     """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), then every other
     test marked gpu; on the CPU only the tests marked gpu are collected (and skip, no CUDA): the plumbing."""
-    workers = ['-n', str(s.test_workers)] if s.device == 'cuda' else []
+    workers = ['-n', str(s.test_workers), '--dist', 'loadgroup'] if s.device == 'cuda' else []  # xdist_group marks
     pytest = [sys.executable, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
     kernel = [*pytest, *([] if s.device == 'cuda' else ['-m', 'gpu']), *KERNEL_TESTS]
     rest = [*pytest, '-m', 'gpu', 'tests', '--ignore', KERNEL_TESTS[0]]
@@ -85,7 +87,8 @@ def compile_models(runner: Runner, s: Settings) -> None:
 def run_commands(runner: Runner, s: Settings) -> None:
     train_sh = s.checkout / 'scripts' / 'train.sh' if s.checkout else None
     runner.results['commands'] = commands.run(runner, s.device, s.sizes, s.b16_recipes, s.corpus_processes,
-                                              train_sh if train_sh and train_sh.is_file() else None, s.out)
+                                              train_sh if train_sh and train_sh.is_file() else None, s.out,
+                                              s.b16_backends, s.b16_only)
 
 
 # LLaVA-style stages on the suite's tiny DiffCLIP tower and Qwen2-style LM: name -> (data JSON, format, train,

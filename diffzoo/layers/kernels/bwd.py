@@ -1,4 +1,9 @@
-"""The split kernel's backward: the sub-norm's gradient, then dQ (with the row sums δ1, ρ2) and dK/dV."""
+"""The split kernel's backward: the sub-norm's gradient, then dQ (with the row sums δ1, ρ2) and dK/dV.
+
+dλ = −Σ ρ2 is one sum over every row of terms that cancel to a small fraction of their size, so in
+fp16 the rounding of dD to fp16 (ρ2 = dD·(P2V) with dD in the products' dtype) sets its error: with
+HAS_LO the dQ kernel adds ρ2_lo = dD_lo·(P2V), the part of dD that rounding lost, as a third row
+statistic that only dλ reads (dS2 keeps ρ2 of the dD its products see, so Σ_j dS2 stays 0)."""
 import triton
 import triton.language as tl
 
@@ -7,13 +12,15 @@ from .tl_common import _dot, _key_tile, _load_rows, _maps_and_dpv, _scores_t, _s
 
 @triton.jit
 def _diff_attn_norm_bwd(
-        D, G, W, DD, Y, DW,
+        D, G, W, DD, DD_LO, Y, DW,
         n_rows, n_heads, eps,
         HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, WRITE_Y: tl.constexpr,
+        WRITE_LO: tl.constexpr,
 ):
     """dD = rstd·(g∘w − n·mean(g∘w∘n)) with n = D·rstd and rstd recomputed from the stored D, per
-    (row tile, head); partial Σ g∘n for the weight's gradient; y = n∘w when the output projection's
-    weight gradient needs it."""
+    (row tile, head); with WRITE_LO, what rounding dD to D's dtype lost, in that dtype (dD_lo);
+    partial Σ g∘n for the weight's gradient; y = n∘w when the output projection's weight gradient
+    needs it."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows of (B·N)
@@ -30,7 +37,10 @@ def _diff_attn_norm_bwd(
     gw = g * w[None, :]
     mean = tl.sum(gw * normed, 1) / HEAD_DV
     dd = rstd[:, None] * (gw - normed * mean[:, None])
-    tl.store(DD + offs, dd.to(DD.dtype.element_ty), mask=mask)
+    dd_hi = dd.to(DD.dtype.element_ty)
+    tl.store(DD + offs, dd_hi, mask=mask)
+    if WRITE_LO:
+        tl.store(DD_LO + offs, (dd - dd_hi.to(tl.float32)).to(DD_LO.dtype.element_ty), mask=mask)
     if WRITE_Y:
         tl.store(Y + offs, (normed * w[None, :]).to(Y.dtype.element_ty), mask=mask)
     tl.store(DW + (pid * n_heads + h) * BLOCK_DV + cols, tl.sum(g * normed, 0))
@@ -38,11 +48,11 @@ def _diff_attn_norm_bwd(
 
 @triton.jit
 def _diff_attn_bwd_dq(
-        Q, K, V, KB, LAM, DD, LSE, DELTA, DQ,
+        Q, K, V, KB, LAM, DD, DD_LO, LSE, DELTA, DQ,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdq_b, sdq_h, sdq_n,
         n_ctx, n_heads, qk_scale, sm_scale,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, HAS_LO: tl.constexpr,
         IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -55,6 +65,9 @@ def _diff_attn_bwd_dq(
     q2 = _load_rows(q_base + sq_h, offs_m, sq_n, n_ctx, HEAD_D, BLOCK_D)
     C = n_heads * HEAD_DV
     dd = _load_rows(DD + b * n_ctx * C + h * HEAD_DV, offs_m, C, n_ctx, HEAD_DV, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+    rho2_lo = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_LO:
+        dd_lo = _load_rows(DD_LO + b * n_ctx * C + h * HEAD_DV, offs_m, C, n_ctx, HEAD_DV, BLOCK_DV)
     stat = bh * n_ctx + offs_m
     second = tl.num_programs(1) * n_ctx  # offset of stream 2 in (2, B, h, N)
     lse1 = tl.load(LSE + stat, mask=row_ok, other=float('inf'))
@@ -71,6 +84,8 @@ def _diff_attn_bwd_dq(
                                     IS_CAUSAL, PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N) each
         delta1 = tl.sum(p1 * dpv, 1)
         rho2 = tl.sum(p2 * dpv, 1)
+        if HAS_LO:
+            rho2_lo = tl.sum(p2 * _dot(dd_lo, tl.trans(v), PRECISION, DOT_UPCAST), 1)
         ds1 = p1 * (dpv - delta1[:, None])
         ds2 = -lam * p2 * (dpv - rho2[:, None])
         dq1 = _dot(ds1.to(k1.dtype), k1, PRECISION, DOT_UPCAST)
@@ -89,6 +104,8 @@ def _diff_attn_bwd_dq(
                                         IS_CAUSAL, PRECISION, DOT_UPCAST)
             delta1 += tl.sum(p1 * dpv, 1)
             rho2 += tl.sum(p2 * dpv, 1)
+            if HAS_LO:
+                rho2_lo += tl.sum(p2 * _dot(dd_lo, tl.trans(v), PRECISION, DOT_UPCAST), 1)
         dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start_n in range(0, hi, BLOCK_N):  # second pass: dQ
@@ -104,6 +121,8 @@ def _diff_attn_bwd_dq(
 
     tl.store(DELTA + stat, delta1, mask=row_ok)
     tl.store(DELTA + second + stat, rho2, mask=row_ok)
+    if HAS_LO:
+        tl.store(DELTA + 2 * second + stat, rho2_lo, mask=row_ok)
     dq_base = DQ + b * sdq_b + 2 * h * sdq_h
     _store_rows(dq_base, offs_m, sdq_n, n_ctx, dq1 * sm_scale, HEAD_D, BLOCK_D)
     _store_rows(dq_base + sdq_h, offs_m, sdq_n, n_ctx, dq2 * sm_scale, HEAD_D, BLOCK_D)

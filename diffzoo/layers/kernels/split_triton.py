@@ -21,7 +21,7 @@ gradient reaching D through the sub-norm and dPV = dD Vᵀ computed once:
     dV  = (P1 − λ·P2)ᵀ dD                                      one product
     dS1 = P1 ∘ (dPV − δ1),        δ1 = rowsum(P1 ∘ dPV) = dD·(P1V)
     dS2 = −λ·P2 ∘ (dPV − ρ2),     ρ2 = rowsum(P2 ∘ dPV) = dD·(P2V)
-    dQm = dSm Km/√d,  dKm = dSmᵀ Qm/√d,  dλ = −Σ ρ2
+    dQm = dSm Km/√d,  dKm = dSmᵀ Qm/√d,  dλ = −Σ ρ2   (fp16: −Σ (ρ2 + dD_lo·(P2V)), `bwd`)
 
 The sub-norm's backward recomputes rstd from the stored D, as the SDPA kernels' path does, so dD
 is orthogonal to the D it was formed from (a stale rstd would leak a radial part into dλ).
@@ -164,8 +164,8 @@ def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal:
 
 
 def norm_backward(dy, weight, D, eps: float, want_y: bool):
-    """The sub-norm's backward: dD (B, N, C) in D's dtype, the weight's gradient (fp32, (2d,)) and,
-    with `want_y`, y recomputed."""
+    """The sub-norm's backward: dD (B, N, C) in D's dtype; for fp16, dD_lo, what rounding dD to fp16
+    lost (else None); the weight's gradient (fp32, (2d,)); and, with `want_y`, y recomputed."""
     dy = dy.contiguous()
     h = D.shape[-1] // weight.shape[0]
     dv_width = weight.shape[0]
@@ -174,25 +174,28 @@ def norm_backward(dy, weight, D, eps: float, want_y: bool):
     n_row_blocks = triton.cdiv(rows, block_r)
     block_dv = _pow2(dv_width)
     dD = torch.empty_like(D)
+    dD_lo = torch.empty_like(D) if D.dtype == torch.float16 else None
     y = torch.empty_like(D) if want_y else None
     dw_parts = torch.empty(n_row_blocks, h, block_dv, device=D.device, dtype=torch.float32)
     _diff_attn_norm_bwd[(n_row_blocks, h)](
-        D, dy, weight, dD, y, dw_parts, rows, h, eps,
-        HEAD_DV=dv_width, BLOCK_DV=block_dv, BLOCK_R=block_r, WRITE_Y=want_y,
+        D, dy, weight, dD, dD_lo, y, dw_parts, rows, h, eps,
+        HEAD_DV=dv_width, BLOCK_DV=block_dv, BLOCK_R=block_r, WRITE_Y=want_y, WRITE_LO=dD_lo is not None,
     )
-    return dD, dw_parts.sum((0, 1))[:dv_width], y
+    return dD, dD_lo, dw_parts.sum((0, 1))[:dv_width], y
 
 
-def dq_backward(q, k, v, lam, key_bias, dD, lse, scale: float, is_causal: bool, launch: Optional[Launch] = None):
-    """dq (the shape of q, in (B, N, 2h, d) memory) and the row sums δ1, ρ2 as (2, B, h, N) fp32."""
+def dq_backward(q, k, v, lam, key_bias, dD, lse, scale: float, is_causal: bool, launch: Optional[Launch] = None,
+                dD_lo: Optional[torch.Tensor] = None):
+    """dq (the shape of q, in (B, N, 2h, d) memory) and the row sums δ1, ρ2 as (2, B, h, N) fp32, with
+    `dD_lo` (`norm_backward`'s) ρ2_lo = dD_lo·(P2V) as a third, (3, B, h, N)."""
     B, h, N, d, _ = _geometry(q, v)
     cfg = _launch('dq', q, v, launch)
     dq = q.new_empty(B, N, 2 * h, d).transpose(1, 2)
-    delta = torch.empty(2, B, h, N, device=q.device, dtype=torch.float32)
+    delta = torch.empty(2 if dD_lo is None else 3, B, h, N, device=q.device, dtype=torch.float32)
     _diff_attn_bwd_dq[(triton.cdiv(N, cfg.block_m), B * h)](
-        q, k, v, key_bias, lam, dD, lse, delta, dq, *_strides(q, k, v),
+        q, k, v, key_bias, lam, dD, dD_lo, lse, delta, dq, *_strides(q, k, v),
         dq.stride(0), dq.stride(1), dq.stride(2), N, h, scale * LOG2E, scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ONE_TILE=cfg.one_tile,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ONE_TILE=cfg.one_tile, HAS_LO=dD_lo is not None,
         num_warps=cfg.warps, num_stages=cfg.stages, **_common(q, v, key_bias, is_causal),
     )
     return dq, delta
@@ -218,8 +221,8 @@ def backward(dy, q, k, v, lam, weight, key_bias, D, lse, scale: float, eps: floa
     """Gradients from dy (B, N, C), the gradient of y: dq, dk, dv in the shapes of q, k, v (as views
     of (B, N, heads, width) memory); dλ (0-dim fp32); the weight's gradient (fp32, (2d,)); and,
     with `want_y`, y recomputed."""
-    dD, dweight, y = norm_backward(dy, weight, D, eps, want_y)
-    dq, delta = dq_backward(q, k, v, lam, key_bias, dD, lse, scale, is_causal)
+    dD, dD_lo, dweight, y = norm_backward(dy, weight, D, eps, want_y)
+    dq, delta = dq_backward(q, k, v, lam, key_bias, dD, lse, scale, is_causal, dD_lo=dD_lo)
     dk, dv = dkdv_backward(q, k, v, lam, key_bias, dD, lse, delta, scale, is_causal)
-    dlam = -delta[1].sum()
+    dlam = -delta[1:].sum()  # ρ2, and ρ2_lo where there is one
     return dq, dk, dv, dlam, dweight, y
