@@ -34,6 +34,11 @@ def parser() -> argparse.ArgumentParser:
                         'compile 600, commands 1000, stages 600)')
     p.add_argument('--b16-recipes', nargs=2, default=list(commands.B16_RECIPES), metavar=('RECIPE', 'BASELINE'),
                    help='commands: the differential B/16 recipe and its baseline (default %(default)s)')
+    p.add_argument('--b16-backends', nargs='+', default=list(commands.B16_BACKENDS), choices=('device', 'open_clip'),
+                   metavar='BACKEND', help='commands: train.sh --data_backend of the B/16 runs: the first for both '
+                                           'recipes, each other for the first recipe (default %(default)s)')
+    p.add_argument('--b16-only', action='store_true',
+                   help='commands: the environment check and the B/16 runs alone (no tiny run, VLM stage, eRAM-V)')
     p.add_argument('--b16-batch', type=int, default=None, help='commands: B/16 batch (default cuda 256, cpu 4)')
     p.add_argument('--b16-steps', type=int, default=None,
                    help='commands: B/16 steps, one epoch, a multiple of --b16-workers (default cuda 112, cpu 4)')
@@ -107,6 +112,9 @@ def table(runner: Runner) -> str:
     ratio = runner.results.get('commands', {}).get('train_b16', {}).get('train_time_ratio')
     if ratio is not None:
         lines.append(f'B/16 train-time ratio (baseline images/s / differential images/s, medians): {ratio:.3f}')
+    for name, r in runner.results.get('commands', {}).get('train_b16', {}).get('backend_ratios', {}).items():
+        if r is not None:
+            lines.append(f'B/16 images/s of {name} / of the first backend (medians): {r:.3f}')
     bad = [r[0] for r in rows if r[1] in ('failed', 'timed out', 'interrupted')]
     lines.append(f'{runner.report["elapsed_s"]:.0f} s of a {runner.report["budget_s"]:.0f} s budget; failed or timed '
                  f'out: {", ".join(bad) or "none"}')
@@ -150,6 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                PYTHONPATH=os.pathsep.join(paths + [p for p in [os.environ.get('PYTHONPATH')] if p]))
     cpus = os.cpu_count() or 4
     settings = steps.Settings(args.device, out, checkout, sizes, args.b16_recipes,
+                              list(dict.fromkeys(args.b16_backends)), args.b16_only,
                               args.corpus_processes or (10 if cpus > 12 else cpus - 2 if cpus > 2 else 1),
                               args.test_workers)
     runner = Runner(out, work, budget, env, checkout or work, header(args, checkout))

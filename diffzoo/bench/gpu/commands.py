@@ -4,9 +4,12 @@ nothing downloaded, about 250 s on an H200:
   0-env            environment, package versions, nvidia-smi, a one-process all_reduce over NCCL (gloo on CPU)
   1-train-tiny     scripts/train.sh diffclip-tiny on a small synthetic webdataset corpus (1-corpus-tiny), one
                    process, on the device
-  2-train-RECIPE   scripts/train.sh diffclip-b16-cc3m, then clip-b16-baseline-cc3m, on synthetic shards
-                   (2-corpus), with the flags diffzoo/bench/end_to_end.py passes: images/s per GPU of each,
-                   their ratio and the share of each step spent waiting for data, as `--sections train` reports
+  2-train-RECIPE@BACKEND
+                   scripts/train.sh diffclip-b16-cc3m, then clip-b16-baseline-cc3m, on synthetic shards
+                   (2-corpus), with the flags diffzoo/bench/end_to_end.py passes, with the first data backend
+                   (default `device`: JPEG decode and augmentation on the GPU), then diffclip-b16-cc3m with
+                   each other one (default `open_clip`, the workers decode): images/s per GPU of each, the
+                   baseline's ratio, each backend's and the share of each step spent waiting for data
   3-vlm            one VLM fine-tuning stage: python -m diffzoo.train.vlm --recipe paligemma-3b-vqav2-diff on a
                    tiny random PaliGemma and a generated VQAv2-layout set (3-assets), and the device it trained on
   4-eramv          python -m diffzoo.bench.eramv --model diffclip-b16 LM --device cuda: FLOPs, forward latency,
@@ -20,12 +23,13 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .runner import Runner
 
 VLM_RECIPE = 'paligemma-3b-vqav2-diff'
 B16_RECIPES = ('diffclip-b16-cc3m', 'clip-b16-baseline-cc3m')
+B16_BACKENDS = ('device', 'open_clip')  # train.sh --data_backend: the first for both recipes, the rest for the first
 NO_TRAIN_SH = 'scripts/train.sh is not here (an installed package): run from a diffzoo checkout'
 RUNNING_RE = re.compile(r'Running (with a single process|in distributed mode with multiple processes)\. '
                         r'Device:? ([\w:]+)')
@@ -71,24 +75,34 @@ SIZES = {
 }
 
 
+def b16_runs(recipes: Sequence[str], backends: Sequence[str]) -> List[Tuple[str, str]]:
+    """(recipe, data backend) of each B/16 run: both recipes with the first backend, then the differential
+    recipe with each other one."""
+    return [(r, backends[0]) for r in recipes] + [(recipes[0], b) for b in backends[1:]]
+
+
 def run(runner: Runner, device: str, sizes: Sizes, recipes: Sequence[str], corpus_processes: int,
-        train_sh: Optional[Path], out: Path) -> Dict:
-    """Run the commands under `runner` (its step begun), then read what they wrote; returns the summary."""
+        train_sh: Optional[Path], out: Path, backends: Sequence[str] = B16_BACKENDS, b16_only: bool = False) -> Dict:
+    """Run the commands under `runner` (its step begun), then read what they wrote; returns the summary.
+    `b16_only`: the environment and the B/16 runs alone."""
     py, work, k = sys.executable, runner.work, sizes.slack
     shards = 2 * sizes.b16_workers  # every data worker reads 2 shards of its own
     per_shard = sizes.b16_steps // sizes.b16_workers * sizes.b16_batch // 2  # and yields whole batches
     lm_hidden, lm_layers = sizes.lm
     # CPU work for steps 1-3, started now so that it overlaps the commands before the ones that read it
-    corpus_tiny = runner.start('1-corpus-tiny', [py, '-m', 'diffzoo.data', 'synthetic', str(work / 'tiny'), '--train',
-                                                 str(sizes.tiny_scenes), '--val', '32', '--image-size', '64',
-                                                 '--per-shard', '128'], 30 * k, grace=5, background=True)
+    corpus_tiny = assets = None
+    if not b16_only:
+        corpus_tiny = runner.start('1-corpus-tiny', [py, '-m', 'diffzoo.data', 'synthetic', str(work / 'tiny'),
+                                                     '--train', str(sizes.tiny_scenes), '--val', '32', '--image-size',
+                                                     '64', '--per-shard', '128'], 30 * k, grace=5, background=True)
     corpus = runner.start('2-corpus', [py, '-m', 'diffzoo.bench.gpu.tasks', 'corpus', str(work / 'b16'), '--train',
                                        str(shards * per_shard), '--per-shard', str(per_shard), '--image-size',
                                        str(sizes.b16_image_size), '--processes', str(corpus_processes)],
                           90 * k, grace=5, background=True)
-    assets = runner.start('3-assets', [py, '-m', 'diffzoo.bench.gpu.tasks', 'assets', str(work / 'assets'),
-                                       '--lm-hidden', str(lm_hidden), '--lm-layers', str(lm_layers)],
-                          90 * k, grace=5, background=True)
+    if not b16_only:
+        assets = runner.start('3-assets', [py, '-m', 'diffzoo.bench.gpu.tasks', 'assets', str(work / 'assets'),
+                                           '--lm-hidden', str(lm_hidden), '--lm-layers', str(lm_layers)],
+                              90 * k, grace=5, background=True)
 
     runner.run('0-env', ['env', 'NCCL_DEBUG=INFO', py, '-m', 'diffzoo.bench.gpu.tasks', 'env', str(work / 'env.json'),
                          '--device', device], 40 * k, reserve=200 * k)
@@ -96,30 +110,38 @@ def run(runner: Runner, device: str, sizes: Sizes, recipes: Sequence[str], corpu
     # 1. train.sh diffclip-tiny, one process (the recipe says cpu: --device overrides it). open_clip_train makes
     #    no process group for a world of one, so NCCL carries nothing here and 0-env's all_reduce is the NCCL check;
     #    NCCL_DEBUG=INFO would show any communicator in the log.
-    runner.wait(corpus_tiny)
     script = str(train_sh or 'scripts/train.sh')
+    if corpus_tiny is not None:
+        runner.wait(corpus_tiny)
     tiny = ['env', 'NPROC_PER_NODE=1', 'NCCL_DEBUG=INFO', 'bash', script, 'diffclip-tiny', '--device', device,
             '--train_data', str(work / 'tiny' / 'train'), '--logs', str(work / 'runs'), '--name', 'diffclip-tiny',
             '--workers', '2']
-    if train_sh:
-        runner.run('1-train-tiny', tiny, 60 * k, reserve=180 * k)
+    runs = b16_runs(recipes, backends)
+    if b16_only:
+        pass
+    elif train_sh:
+        runner.run('1-train-tiny', tiny, 60 * k, reserve=(60 * len(runs) + 60) * k)
     else:
         runner.skip('1-train-tiny', tiny, NO_TRAIN_SH)
 
     # 2. the differential B/16 recipe against its baseline: train.sh with the flags diffzoo/bench/end_to_end.py
     #    passes (one epoch, one process, log every step, no checkpoints), and no tensorboard
     runner.wait(corpus)
-    for recipe, limit, reserve in zip(recipes, (70, 60), (120, 70)):
+    for i, (recipe, backend) in enumerate(runs):
+        limit, reserve = 70 if i == 0 else 60, 60 * (len(runs) - 1 - i) + (10 if b16_only else 70)
         b16 = ['env', 'NPROC_PER_NODE=1', f'CC3M_SHARDS={work / "b16" / "train"}', 'bash', script, recipe,
                '--train_data', str(work / 'b16' / 'train'), '--epochs', '1', '--logs', str(work / 'runs-b16'),
-               '--name', recipe, '--global_batch_size', str(sizes.b16_batch), '--max_batch_per_gpu',
+               '--name', f'{recipe}-{backend}', '--data_backend', backend,
+               '--global_batch_size', str(sizes.b16_batch), '--max_batch_per_gpu',
                str(sizes.b16_batch), '--warmup_epochs', '0', '--workers', str(sizes.b16_workers),
                '--log_every_n_steps', '1', '--save_frequency', '0', '--save_most_recent', 'false', '--resume', 'null',
                '--report_to', 'none', *sizes.b16_precision]
         if train_sh:
-            runner.run(f'2-train-{recipe}', b16, limit * k, reserve=reserve * k)
+            runner.run(f'2-train-{recipe}@{backend}', b16, limit * k, reserve=reserve * k)
         else:
-            runner.skip(f'2-train-{recipe}', b16, NO_TRAIN_SH)
+            runner.skip(f'2-train-{recipe}@{backend}', b16, NO_TRAIN_SH)
+    if b16_only:
+        return summarise(work, out, runs, sizes)
 
     # 3. one VLM fine-tuning stage (LoRA + λ on a differential decoder, VQA accuracy on the val split)
     runner.wait(assets)
@@ -135,7 +157,7 @@ def run(runner: Runner, device: str, sizes: Sizes, recipes: Sequence[str], corpu
                            *sizes.eramv_anchors,
                            '--device', device, '--new-tokens', str(sizes.new_tokens), '--out', str(out / 'eramv.json')],
                60 * k, reserve=8 * k)
-    return summarise(work, out, recipes, sizes)
+    return summarise(work, out, runs, sizes)
 
 
 def _read(path: Path) -> str:
@@ -170,7 +192,7 @@ def _train_run(log: Path, warmup: int) -> Dict:
     return row
 
 
-def summarise(work: Path, out: Path, recipes: Sequence[str], sizes: Sizes) -> Dict:
+def summarise(work: Path, out: Path, runs: Sequence[Tuple[str, str]], sizes: Sizes) -> Dict:
     """What the commands measured, read from their outputs, and a one-line note per command for the table."""
     env = json.loads(_read(work / 'env.json') or '{}')
     result = {key: env.get(key) for key in ('environment', 'packages', 'missing_packages', 'nvidia_smi',
@@ -184,13 +206,14 @@ def summarise(work: Path, out: Path, recipes: Sequence[str], sizes: Sizes) -> Di
                              'collective_check shows NCCL itself working on this machine')
     result['train_tiny'] = tiny
 
-    rows = [_train_run(work / 'runs-b16' / r / 'out.log', warmup=sizes.b16_warmup) for r in recipes]
-    ratio = None
-    try:
-        ratio = rows[1]['images_per_s_per_gpu']['median'] / rows[0]['images_per_s_per_gpu']['median']
-    except (KeyError, TypeError, ZeroDivisionError, IndexError):
-        pass
-    result['train_b16'] = {'recipes': list(recipes), 'rows': rows, 'train_time_ratio': ratio}
+    rows = [dict(_train_run(work / 'runs-b16' / f'{r}-{b}' / 'out.log', warmup=sizes.b16_warmup), name=f'{r}@{b}',
+                 data_backend=b) for r, b in runs]
+    result['train_b16'] = {
+        'runs': [f'{r}@{b}' for r, b in runs], 'rows': rows,
+        # baseline images/s / differential images/s, both on the first backend
+        'train_time_ratio': _ratio(rows[1], rows[0]) if len(rows) > 1 else None,
+        # the differential recipe's images/s on each backend / on the first
+        'backend_ratios': {row['name']: _ratio(row, rows[0]) for row in rows[2:]}}
 
     vlm_dir = work / 'vlm' / VLM_RECIPE
     settings = json.loads(_read(vlm_dir / 'recipe.json') or '{}')
@@ -201,15 +224,23 @@ def summarise(work: Path, out: Path, recipes: Sequence[str], sizes: Sizes) -> Di
         'settings': {k: settings.get(k) for k in ('device', 'precision', 'batch_size', 'max_steps', 'differential',
                                                   'lora')}}
     result['eramv'] = json.loads(_read(out / 'eramv.json') or 'null')
-    result['notes'] = notes(result, work, recipes)
+    result['notes'] = notes(result, work)
     return result
+
+
+def _ratio(a: Dict, b: Dict) -> Optional[float]:
+    """a's median images/s over b's."""
+    try:
+        return a['images_per_s_per_gpu']['median'] / b['images_per_s_per_gpu']['median']
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _fmt(x, spec: str = '.1f') -> str:
     return '-' if x is None else format(x, spec)
 
 
-def notes(result: Dict, work: Path, recipes: Sequence[str]) -> Dict[str, str]:
+def notes(result: Dict, work: Path) -> Dict[str, str]:
     """A line per command: what it measured."""
     check, tiny, vlm = result['collective_check'] or {}, result['train_tiny'], result['vlm']
     results = vlm['results'] or {}
@@ -226,11 +257,12 @@ def notes(result: Dict, work: Path, recipes: Sequence[str]) -> Dict[str, str]:
         found = [line.strip() for line in _read(work / 'logs' / f'commands-{name}.log').splitlines()
                  if re.search(r'train: [\d,]+ scenes$', line) or name != '1-corpus-tiny' and line.strip()]
         lines[name] = found[-1][:120] if found else ''
-    for recipe, row in zip(recipes, result['train_b16']['rows']):
+    for row in result['train_b16']['rows']:
         ips = (row.get('images_per_s_per_gpu') or {}).get('median')
         share = (row.get('data_share') or {}).get('median')
-        lines[f'2-train-{recipe}'] = (f'{row.get("steps", 0)} steps on {row.get("device")}, {_fmt(ips)} images/s/gpu '
-                                      f'(median), data wait {_fmt(share * 100 if share is not None else None)} %')
+        lines[f'2-train-{row["name"]}'] = (f'{row.get("steps", 0)} steps on {row.get("device")}, {_fmt(ips)} '
+                                           f'images/s/gpu (median), data wait '
+                                           f'{_fmt(share * 100 if share is not None else None)} %')
     e = result['eramv'] or {}
     if e.get('full') and e.get('eramv'):
         lines['4-eramv'] = ' | '.join(
