@@ -11,14 +11,21 @@ the run's device (`diffzoo.train.device_data` is the workers' side).
   (bicubic or bilinear as open_clip's crop, with antialias), uint8 as PIL's output; then the batch scaled to
   [0, 1] and normalised with the model's mean and std, float32 (open_clip's loop casts it to the input dtype).
   Against open_clip's PIL resize on the same box a pixel differs by at most 1 of 255 (rounding).
+- Overlap: the batches are made one ahead, in a thread of the training process (on CUDA on a stream of its own,
+  which the training stream waits on per batch), so the decode's CPU work and any wait inside the decoder
+  overlap the training step instead of stalling it; an error there is raised in the training loop, and a loop
+  that stops early stops the thread. open_clip_train's `Data (t)` is then the wait for a batch not yet made.
 - Equal batches: every rank must make `num_batches` batches of `batch_size` (DDP steps and open_clip's gathered
   loss need the same shapes). A skipped image leaves a hole that the next sample fills, and so on to the end of
   the epoch, where the batches lack as many samples as were skipped here: samples trained earlier in the epoch
   (the last batch's, in order) fill them, counted as trained again (`fill_repeats`, among data.jsonl's repeats).
 """
 import collections
+import contextlib
 import io
 import logging
+import queue
+import threading
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -116,6 +123,10 @@ class DeviceLoader:
         return images, torch.stack([token for _, token, _ in samples])
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        return ahead(self.batches, self.device)
+
+    def batches(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches, made in the calling thread."""
         log = data_events.device_log()
         if log is not None:
             log.start_pass()
@@ -146,3 +157,61 @@ class DeviceLoader:
                     log.device['fill_repeats'] = log.device.get('fill_repeats', 0) + 1
             made += 1
             yield self.batch(samples, log)
+
+
+_END = object()
+
+
+def ahead(make, device: torch.device, depth: int = 1) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """`make()`'s batches, made in a thread up to `depth` ahead of the one the caller holds; on CUDA on a side
+    stream, each batch's use on the caller's stream ordered after its making (an event) and its memory kept from
+    reuse until that use is done (`record_stream`). A thread, not a library's prefetcher: timm's PrefetchLoader
+    and torch's pin-memory thread move finished tensors, and the work to overlap here is the making itself."""
+    cuda = device.type == 'cuda'
+    stream = torch.cuda.Stream(device) if cuda else None
+    made: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                made.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work():
+        try:
+            with torch.cuda.device(device) if cuda else contextlib.nullcontext(), \
+                    torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for images, tokens in make():
+                    event = None
+                    if cuda:
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    if not put((images, tokens, event)):
+                        return
+            put(_END)
+        except BaseException as exc:  # noqa: BLE001  raised again in the training loop
+            put(exc)
+
+    thread = threading.Thread(target=work, name='diffzoo-device-batches', daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = made.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            images, tokens, event = item
+            if event is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(event)
+                images.record_stream(current)
+            yield images, tokens
+    finally:
+        stop.set()
+        thread.join(timeout=30)  # it ends at its next batch; a daemon, it cannot hold up the process's exit
+

@@ -231,3 +231,39 @@ def test_two_processes_with_the_device_backend_train_every_sample_once(tmp_path)
     assert [r['samples_trained'] for r in record['ranks']] == [8, 8]
     assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (16, 15, 1)
     assert record['skipped'] == {'undecodable_image': 1} and record['device_data']['fill_repeats'] == 1
+
+
+def test_batches_are_made_ahead_in_order_an_error_reaches_the_loop_and_an_early_stop_ends_the_thread():
+    """`ahead`: the batches in order, at most one made beyond the one held plus the one in the making; the maker's
+    DataError raised in the loop after the batches before it; a loop that stops early leaves no thread behind."""
+    import threading
+    import time
+    from diffzoo.data.shards import DataError
+    from diffzoo.train.device_loader import ahead
+    made = []
+
+    def make(fail_at=None):
+        for i in range(6):
+            if i == fail_at:
+                raise DataError('shard 3 is unreadable')
+            made.append(i)
+            yield torch.full((2,), i), torch.tensor([i])
+
+    seen = []
+    for images, tokens in ahead(make, torch.device('cpu')):
+        time.sleep(0.05)  # the maker is ahead by now, as far as it may go
+        assert len(made) <= len(seen) + 3
+        seen.append(int(tokens))
+        assert images.tolist() == [seen[-1]] * 2
+    assert seen == list(range(6))
+
+    got = []
+    with pytest.raises(DataError, match='shard 3'):
+        for _, tokens in ahead(lambda: make(fail_at=3), torch.device('cpu')):
+            got.append(int(tokens))
+    assert got == [0, 1, 2]
+
+    batches = ahead(make, torch.device('cpu'))
+    next(batches)
+    batches.close()
+    assert not [t for t in threading.enumerate() if t.name == 'diffzoo-device-batches']
