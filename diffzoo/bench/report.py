@@ -188,11 +188,13 @@ def render(results: Dict) -> str:
             out.append(f'\nWorker CPU per sample, one pass of {w["samples"]} samples with one torch thread; the device '
                        f'side per batch of {w["batch"]} on {w["device"]} (decode, crop, resize, normalise)')
             out.append(_table(['open_clip pipeline', 'data_backend device', 'ratio', 'device ms per batch',
-                               'its CPU ms'],
+                               'its CPU ms', 'ms per image / batched'],
                               [[f'{w["open_clip_cpu_s_per_sample"] * 1e3:.3f} ms',
                                 f'{w["device_cpu_s_per_sample"] * 1e3:.3f} ms', f'{w["ratio"]:.3f}x',
                                 f'{w["device_s_per_batch"] * 1e3:.1f}',
-                                f'{w["device_cpu_s_per_batch"] * 1e3:.1f}']]))
+                                f'{w["device_cpu_s_per_batch"] * 1e3:.1f}',
+                                f'{w["device_s_per_batch_per_image"] * 1e3:.1f} / '
+                                f'{w["device_s_per_batch_batched"] * 1e3:.1f}']]))
         a = data.get('accounting')
         if a:
             out.append(f'\nTraining loader with and without data accounting ({a["shards"]:,} shards of {a["per_shard"]:,} '

@@ -7,10 +7,12 @@ the run's device (`diffzoo.train.device_data` is the workers' side).
   marker), is decoded as open_clip decodes it (PIL, `convert('RGB')`) and counted (`pil_decodes`); one that PIL
   cannot read either is skipped and counted as open_clip's pipeline counts it (an undecodable image, and not
   trained: the worker had counted it as trained when the batch left it).
-- The transform: per image, torchvision's `resized_crop` to the model's size on the worker's crop box
-  (bicubic or bilinear as open_clip's crop, with antialias), uint8 as PIL's output; then the batch scaled to
-  [0, 1] and normalised with the model's mean and std, float32 (open_clip's loop casts it to the input dtype).
-  Against open_clip's PIL resize on the same box a pixel differs by at most 1 of 255 (rounding).
+- The transform: each worker's crop box resized to the model's size (bicubic or bilinear as open_clip's crop, with
+  antialias), uint8 as PIL's output; then the batch scaled to [0, 1] and normalised with the model's mean and std,
+  float32 (open_clip's loop casts it to the input dtype). On CUDA the whole batch is cropped and resized at once
+  (`diffzoo.train.resample`: two batched products, not one launch-bound call per image); on the CPU, where
+  torchvision's per-image uint8 resize is the faster, one `resized_crop` per image (`batched` chooses). Against
+  open_clip's PIL resize on the same box a pixel differs by at most 1 of 255 either way (rounding).
 - Overlap: the batches are made one ahead, in a thread of the training process (on CUDA on a stream of its own,
   which the training stream waits on per batch), so the decode's CPU work and any wait inside the decoder
   overlap the training step instead of stalling it; an error there is raised in the training loop, and a loop
@@ -31,10 +33,12 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F
 
 from diffzoo.data.shards import DataError
 from . import data_events
+from .resample import resized_crops
 
 Decoded = Tuple[torch.Tensor, torch.Tensor, tuple]  # (image (3, S, S) uint8, tokens (context,), (url, position, key))
 
@@ -81,8 +85,11 @@ class DeviceLoader:
     """open_clip_train's training loader (its `num_batches` and `num_samples` too) yielding (images, tokens)
     batches made on `device` from the workers' encoded batches (module docstring)."""
 
-    def __init__(self, loader, transform, batch_size: int, device: torch.device):
+    def __init__(self, loader, transform, batch_size: int, device: torch.device, batched: Optional[bool] = None):
         self.loader, self.transform, self.batch_size, self.device = loader, transform, batch_size, device
+        self.batched = device.type == 'cuda' if batched is None else batched
+        if not transform.antialias:  # resample's weights are the antialiased resize's
+            self.batched = False
         self.num_batches, self.num_samples = loader.num_batches, loader.num_samples
         self.mean = torch.tensor(transform.mean, device=device).view(-1, 1, 1)  # (3, 1, 1)
         self.std = torch.tensor(transform.std, device=device).view(-1, 1, 1)
@@ -106,9 +113,16 @@ class DeviceLoader:
         images, pil = decode_images(list(files), encoded['needs_pil'].tolist(), self.device)
         if log is not None and pil:
             log.device['pil_decodes'] = log.device.get('pil_decodes', 0) + pil
-        for image, box, token, sample_id in zip(images, encoded['boxes'].tolist(), tokens, encoded['ids']):
+        read = [i for i, image in enumerate(images) if image is not None]
+        crops = {}
+        if self.batched and read:
+            resized = resized_crops([images[i] for i in read], encoded['boxes'][read], self.transform.size,
+                                    self.transform.interpolation == InterpolationMode.BICUBIC)
+            crops = dict(zip(read, resized))
+        for i, (image, box, token, sample_id) in enumerate(zip(images, encoded['boxes'].tolist(), tokens,
+                                                                encoded['ids'])):
             if image is not None:
-                yield self.cropped(image, box), token, sample_id
+                yield crops[i] if self.batched else self.cropped(image, box), token, sample_id
             else:
                 url, position, key = sample_id
                 logging.warning(f'data_backend device: no decoder reads the image of {url} {key}; skipped')

@@ -137,7 +137,8 @@ def test_data_backend_device_worker_cpu_is_measured_against_open_clips_pipeline(
     w = results['data']['worker_cpu']
     assert w['open_clip_cpu_s_per_sample'] > 0 and w['device_cpu_s_per_sample'] > 0 and w['device'] == 'cpu'
     assert w['ratio'] == pytest.approx(w['device_cpu_s_per_sample'] / w['open_clip_cpu_s_per_sample'])
-    assert w['samples'] > 0 and w['device_s_per_batch'] > 0
+    assert w['samples'] > 0 and w['device_s_per_batch'] > 0 and w['device_batched'] is False  # the CPU's default
+    assert w['device_s_per_batch'] == w['device_s_per_batch_per_image'] and w['device_s_per_batch_batched'] > 0
     targets = {t['target']: t for t in results['targets']}
     assert targets["data_backend device: worker CPU per sample vs open_clip's pipeline"]['ratio'] == w['ratio']
     assert 'Worker CPU per sample' in stdout

@@ -146,6 +146,60 @@ def test_the_device_transform_is_open_clips_on_the_same_box_within_one_level():
     assert torch.allclose(ours.std((0, 2, 3)), theirs.std((0, 2, 3)), atol=1e-3)
 
 
+@pytest.mark.parametrize('bicubic', [True, False])
+def test_the_batched_crop_and_resize_is_torchs_antialiased_resize_and_within_one_level_of_pils(bicubic):
+    """resample.resized_crops over images of five sizes (zero-padded to the largest, in chunks): each pixel within one
+    level of torch's antialiased resize of the same box in float (the CUDA path of torchvision's resized_crop, rounded)
+    and of PIL's resize; its weights equal torch's to 1e-12 in fp64."""
+    from diffzoo.train.resample import CHUNK, resized_crops, weights
+    mode = TF.InterpolationMode.BICUBIC if bicubic else TF.InterpolationMode.BILINEAR
+    shapes = [(96, 96), (120, 90), (70, 130), (96, 60), (33, 47)]
+    pils = [sample(i)[0].resize(shapes[i % len(shapes)]) for i in range(CHUNK + 6)]  # two chunks, the second short
+    images = [TF.pil_to_tensor(p) for p in pils]
+    torch.manual_seed(1)
+    boxes = draw_boxes(torch.tensor([i.shape[-2:] for i in images]), (0.08, 1.0), (3 / 4, 4 / 3))
+    ours = resized_crops(images, boxes, (40, 48), bicubic)
+    floats = torch.stack([TF.resized_crop(i.float(), *b.tolist(), [40, 48], mode, antialias=True)
+                          for i, b in zip(images, boxes)]).round().clamp(0, 255)
+    pil = torch.stack([TF.pil_to_tensor(TF.resized_crop(p, *b.tolist(), [40, 48], mode)) for p, b in zip(pils, boxes)])
+    assert ours.shape == (CHUNK + 6, 3, 40, 48) and ours.dtype == torch.uint8
+    assert (ours.int() - floats.int()).abs().max() <= 1 and (ours.int() - pil.int()).abs().max() <= 1
+    assert (ours.int() != floats.int()).float().mean() < 1e-3  # only values within float rounding of .5 differ
+    x = torch.rand(1, 1, 1, 130, dtype=torch.float64)
+    for start, length, out in ((0, 130, 48), (17, 29, 48), (5, 100, 40)):
+        w = weights(torch.tensor([float(start)], dtype=torch.float64), torch.tensor([float(length)], dtype=torch.float64),
+                    out, 130, bicubic)[0]
+        ref = torch.nn.functional.interpolate(x[..., start:start + length], size=(1, out), antialias=True,
+                                              mode='bicubic' if bicubic else 'bilinear', align_corners=False)
+        torch.testing.assert_close(w @ x[0, 0, 0], ref[0, 0, 0], rtol=0, atol=1e-12)
+
+
+def test_a_batch_cropped_at_once_trains_the_same_samples_as_one_crop_at_a_time():
+    """The loader's batched path (CUDA's) and its per-image path (the CPU's) on one collated batch of JPEGs of three
+    sizes, a PNG and a file no decoder reads: the same samples in the same order, the same one skipped, every pixel
+    within one level."""
+    transform = TrainTransform.of(open_clip.image_transform(64, is_train=True, mean=MEAN, std=STD))
+    files = [_encoded(sample(i)[0].resize(((96, 96), (120, 90), (60, 80))[i % 3])) for i in range(9)]
+    files[4] = _encoded(sample(4)[0], 'PNG')
+    files[6] = _encoded(sample(6)[0], cut=True)  # its header reads, its pixels do not
+    from diffzoo.train.device_data import EncodedCollation
+    encoded_files = [encoded_image('.png' if i == 4 else '.jpg', f) for i, f in enumerate(files)]
+    kept = [i for i, e in enumerate(encoded_files) if e is not None]
+    tokens = torch.arange(len(kept))[:, None]
+    torch.manual_seed(0)
+    batch, tokens = EncodedCollation(transform)([(encoded_files[i], tokens[j]) for j, i in enumerate(kept)])
+    out = {}
+    for batched in (True, False):
+        loader = DeviceLoader(argparse.Namespace(num_batches=0, num_samples=0), transform, 8, torch.device('cpu'),
+                              batched=batched)
+        out[batched] = list(loader.decoded(batch, tokens, None))
+    assert [int(t) for _, t, _ in out[True]] == [int(t) for _, t, _ in out[False]] == [
+        j for j, i in enumerate(kept) if i != 6]  # the tokens name the samples
+    for (a, _, _), (b, _, _) in zip(out[True], out[False]):
+        assert a.shape == b.shape == (3, 64, 64)
+        assert (a.int() - b.int()).abs().max() <= 2  # each within one level of the float resize, either side
+
+
 @pytest.mark.filterwarnings('ignore:Unused augmentation cfg items')  # open_clip warns of the jitter it applies
 def test_the_transform_is_read_from_open_clips_and_one_with_other_steps_is_refused():
     transform = TrainTransform.of(open_clip.image_transform(64, True, mean=MEAN, std=STD, aug_cfg={'scale': (0.5, 1)}))
