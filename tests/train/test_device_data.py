@@ -200,6 +200,30 @@ def test_a_batch_cropped_at_once_trains_the_same_samples_as_one_crop_at_a_time()
         assert (a.int() - b.int()).abs().max() <= 2  # each within one level of the float resize, either side
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='the CUDA path: nvJPEG, the batched resize, the side stream')
+def test_on_cuda_the_batches_made_ahead_on_a_side_stream_equal_the_cpus_within_one_level():
+    """The loader on CUDA (nvJPEG, the batch resized at once in float64, made ahead in a thread on its own stream,
+    the consumer's stream waiting on each) against the same loader on the CPU, batch for batch."""
+    from diffzoo.train.device_data import EncodedCollation
+    from diffzoo.train.device_loader import ahead
+    transform = TrainTransform.of(open_clip.image_transform(64, is_train=True, mean=MEAN, std=STD))
+    files = [_encoded(sample(i)[0].resize(((96, 96), (120, 90), (60, 80))[i % 3])) for i in range(12)]
+    torch.manual_seed(0)
+    collate = EncodedCollation(transform)
+    encoded = [collate([(encoded_image('.jpg', f), torch.tensor([i])) for i, f in enumerate(files[k:k + 4], k)])
+               for k in range(0, 12, 4)]
+    made = {}
+    for device in ('cpu', 'cuda'):
+        loader = DeviceLoader(argparse.Namespace(num_batches=3, num_samples=12), transform, 4, torch.device(device))
+        loader.loader = encoded
+        assert loader.batched == (device == 'cuda')
+        made[device] = [(images.cpu(), tokens) for images, tokens in ahead(loader.batches, torch.device(device))]
+    for (a, ta), (b, tb) in zip(made['cuda'], made['cpu']):
+        assert torch.equal(ta, tb) and a.shape == b.shape == (4, 3, 64, 64)
+        assert (a - b).abs().max() <= 2 / 255 / min(STD) + 1e-5  # each within one level of the float resize
+
+
 @pytest.mark.filterwarnings('ignore:Unused augmentation cfg items')  # open_clip warns of the jitter it applies
 def test_the_transform_is_read_from_open_clips_and_one_with_other_steps_is_refused():
     transform = TrainTransform.of(open_clip.image_transform(64, True, mean=MEAN, std=STD, aug_cfg={'scale': (0.5, 1)}))
