@@ -124,10 +124,10 @@ def worker_cpu(urls: Sequence[str], model: str, batch: int, device) -> Dict:
             out[f'{backend}_cpu_s_per_sample'] = (time.process_time() - start) / max(1, samples)
     finally:
         torch.set_num_threads(threads)
-    timed = {}
-    for batched in (False, True):  # one resized_crop per image (the CPU's default), the batch at once (CUDA's)
-        loader = DeviceLoader(SimpleNamespace(num_batches=0, num_samples=0),
-                              TrainTransform.of(train_transform(model)), batch, device, batched=batched)
+    transform, source = TrainTransform.of(train_transform(model)), SimpleNamespace(num_batches=0, num_samples=0)
+    default = DeviceLoader(source, transform, batch, device)
+    timed = {}  # batched: (seconds, CPU seconds) per batch; one resized_crop per image (the CPU's), the batch at once
+    for loader in (default, DeviceLoader(source, transform, batch, device, batched=not default.batched)):
         seconds, cpu_seconds = [], []
         for images, tokens in encoded:
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -136,14 +136,12 @@ def worker_cpu(urls: Sequence[str], model: str, batch: int, device) -> Dict:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
             cpu_seconds.append(time.process_time() - cpu_start)
-        timed[batched] = (statistics.median(seconds[1:] or seconds), statistics.median(cpu_seconds[1:] or cpu_seconds))
-    default = DeviceLoader(SimpleNamespace(num_batches=0, num_samples=0), TrainTransform.of(train_transform(model)),
-                           batch, device).batched
-    per_batch, cpu_per_batch = timed[default]
+        timed[loader.batched] = tuple(statistics.median(t[1:] or t) for t in (seconds, cpu_seconds))
+    per_batch, cpu_per_batch = timed[default.batched]
     return {**out, 'ratio': out['device_cpu_s_per_sample'] / out['open_clip_cpu_s_per_sample'],
             'samples': samples, 'batch': batch, 'device': str(device), 'device_s_per_batch': per_batch,
             'device_s_per_sample': per_batch / batch, 'device_cpu_s_per_batch': cpu_per_batch,
-            'device_batched': default, 'device_s_per_batch_per_image': timed[False][0],
+            'device_batched': default.batched, 'device_s_per_batch_per_image': timed[False][0],
             'device_s_per_batch_batched': timed[True][0],
             'device_threads': threads if device.type == 'cpu' else None}
 

@@ -111,18 +111,16 @@ def run(runner: Runner, device: str, sizes: Sizes, recipes: Sequence[str], corpu
     #    no process group for a world of one, so NCCL carries nothing here and 0-env's all_reduce is the NCCL check;
     #    NCCL_DEBUG=INFO would show any communicator in the log.
     script = str(train_sh or 'scripts/train.sh')
-    if corpus_tiny is not None:
-        runner.wait(corpus_tiny)
-    tiny = ['env', 'NPROC_PER_NODE=1', 'NCCL_DEBUG=INFO', 'bash', script, 'diffclip-tiny', '--device', device,
-            '--train_data', str(work / 'tiny' / 'train'), '--logs', str(work / 'runs'), '--name', 'diffclip-tiny',
-            '--workers', '2']
     runs = b16_runs(recipes, backends)
-    if b16_only:
-        pass
-    elif train_sh:
-        runner.run('1-train-tiny', tiny, 60 * k, reserve=(60 * len(runs) + 60) * k)
-    else:
-        runner.skip('1-train-tiny', tiny, NO_TRAIN_SH)
+    if not b16_only:
+        runner.wait(corpus_tiny)
+        tiny = ['env', 'NPROC_PER_NODE=1', 'NCCL_DEBUG=INFO', 'bash', script, 'diffclip-tiny', '--device', device,
+                '--train_data', str(work / 'tiny' / 'train'), '--logs', str(work / 'runs'), '--name', 'diffclip-tiny',
+                '--workers', '2']
+        if train_sh:
+            runner.run('1-train-tiny', tiny, 60 * k, reserve=(60 * len(runs) + 60) * k)
+        else:
+            runner.skip('1-train-tiny', tiny, NO_TRAIN_SH)
 
     # 2. the differential B/16 recipe against its baseline: train.sh with the flags diffzoo/bench/end_to_end.py
     #    passes (one epoch, one process, log every step, no checkpoints), and no tensorboard
