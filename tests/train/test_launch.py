@@ -1,5 +1,6 @@
-"""`python -m diffzoo.train` on shards with bad samples in them: in a real process (the damaged run, torchrun),
-the other command lines through its `main` in this process."""
+"""`python -m diffzoo.train` on shards with bad samples in them: the two-process run under torchrun, the other
+command lines through its `main` in this process (a single-process `python -m diffzoo.train` is a real process in
+tests/test_demo.py, whose trainings are, and under scripts/train.sh in tests/train/test_train_sh.py)."""
 import json
 import os
 import sys
@@ -9,9 +10,7 @@ import pytest
 from diffzoo.train.launch import main
 from tests.factory import call, run, write_shards
 
-pytestmark = pytest.mark.slow  # trainings, one in a real process and one under torchrun
-
-TRAIN = [sys.executable, '-m', 'diffzoo.train']
+pytestmark = pytest.mark.slow  # trainings, one of them under torchrun
 
 
 def train(argv, cwd):
@@ -27,11 +26,11 @@ def damaged_run(tmp_path_factory):
     write_shards(root / 'shards', 5, 12, corrupt={(0, 3)}, no_caption={(1, 5)}, empty={2})
     truncated = root / 'shards' / '00004.tar'
     truncated.write_bytes(truncated.read_bytes()[:truncated.stat().st_size // 2])
-    cmd = TRAIN + ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8',
-                   '--report_to', 'tensorboard']
-    result = run(cmd, cwd=root)
+    argv = ['--recipe', 'diffclip-tiny', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '8',
+            '--report_to', 'tensorboard']
+    result = train(argv, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return root, cmd, result
+    return root, argv, result
 
 
 def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
@@ -100,19 +99,19 @@ def test_lambda_log_and_plot(damaged_run):
 
 
 def test_a_run_directory_with_other_settings_is_refused(damaged_run):
-    root, cmd, _ = damaged_run
-    result = train(cmd[len(TRAIN):] + ['--lr', '0.01'], cwd=root)
+    root, argv, _ = damaged_run
+    result = train(argv + ['--lr', '0.01'], cwd=root)
     assert result.returncode == 2
     assert 'holds a run started with other settings (lr: 0.001 -> 0.01)' in result.stderr
     assert '--name NEW' in result.stderr
 
 
 def test_rerunning_a_finished_run_says_so_and_how_to_extend_it(damaged_run):
-    root, cmd, _ = damaged_run
+    root, argv, _ = damaged_run
     checkpoint = root / 'runs' / 'diffclip-tiny' / 'checkpoints' / 'epoch_1.pt'
     before = checkpoint.stat().st_mtime_ns
     log_before = (root / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
-    result = train(cmd[len(TRAIN):], cwd=root)
+    result = train(argv, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == (
         f'{os.path.join("runs", "diffclip-tiny")}: finished, epoch 1 of 1; nothing to train. To train longer, run '
