@@ -68,8 +68,7 @@ IMPORT_ORDERS = [
     'import diffzoo\nimport timm\nimport open_clip',
     'import diffzoo\nimport open_clip\nimport timm',
     'import timm\nimport diffzoo\nimport open_clip',
-    'import open_clip\nimport diffzoo\nimport timm',
-    'import timm, open_clip, diffzoo',
+    'import timm, open_clip, diffzoo',  # both already imported (importing open_clip first imports timm too)
     'import diffzoo.layers\nimport timm, open_clip',  # a diffzoo module importing timm itself
     'import diffzoo.eval.models\nimport timm, open_clip',  # … and open_clip
 ]
