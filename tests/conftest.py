@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import tempfile
@@ -57,6 +58,21 @@ def pytest_sessionstart(session):
         pytest.exit(f'{free_gb:.1f} GB free on the disk holding {base}; the suite needs about '
                     f'{_DISK_NEEDED_GB} GB there. Free some space, or point --basetemp at a disk that has it '
                     f'(the folder is emptied when the run starts)', returncode=1)
+
+
+def pytest_collection_finish(session):
+    """The objects alive once the tests are collected (the modules of torch, timm, open_clip, transformers, …: most
+    of a worker's objects, alive until it ends) are left out of the garbage collector's full passes, which walk
+    them all each time: 15.7 s of the 200 s of CPU two workers spent on tests/clip, tests/models and two VLM
+    files, 9.4 s once frozen (gc.freeze, for objects that live as long as the process)."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    """Python's exit ends with a garbage collection over every object still alive: in a worker, seconds on two
+    cores, which the controller waits for before it reports. Everything is done by now (results sent, files closed,
+    atexit's cleanup still to come), so what is alive is frozen too and the exit frees it without that walk."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
