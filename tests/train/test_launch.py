@@ -1,6 +1,6 @@
 """`python -m diffzoo.train` on shards with bad samples in them: the two-process run under torchrun, the other
-command lines through its `main` in this process (a single-process `python -m diffzoo.train` is a real process in
-tests/test_demo.py, whose trainings are, and under scripts/train.sh in tests/train/test_train_sh.py)."""
+command lines through its `main` in this process (`python -m diffzoo.train` runs as a process of its own in the
+demo's trainings, tests/test_demo.py, and under scripts/train.sh, tests/train/test_train_sh.py)."""
 import json
 import os
 import sys
