@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from diffzoo._startup import freeze_imports
 from diffzoo.recipes import RecipeError, recipe_names
 from diffzoo.vlm.recipe import VLM_RECIPE, checked_recipe, load_vlm_recipe
 
@@ -98,7 +99,7 @@ def _chain(argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    own_process, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     if argv == ['recipes']:  # as `python -m diffzoo.train recipes` lists the CLIP ones
         return _list_recipes()
     if argv[:1] == ['chain']:
@@ -115,6 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .vlm_stage import run_stage as run
         else:
             from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
+        freeze_imports(own_process)
         run(recipe, Path(args.recipe).stem)
     except (RecipeError, ValueError, OSError) as exc:  # OSError: a missing file, a failed write (vlm_resume.writing)
         print(f'error: {exc}', file=sys.stderr)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import diffzoo  # noqa: F401
+from diffzoo._startup import freeze_imports
 from diffzoo.train import seams
 
 
@@ -52,4 +53,5 @@ def main(out_path):
 
 
 if __name__ == '__main__':
+    freeze_imports(True)  # its own process, as diffzoo's commands freeze theirs
     main(sys.argv[1])

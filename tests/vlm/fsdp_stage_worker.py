@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from diffzoo._startup import freeze_imports  # noqa: E402
 from diffzoo.train.vlm_stage import _full, prepare  # noqa: E402
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
 from diffzoo.vlm.differential import find_decoder  # noqa: E402
@@ -78,6 +79,7 @@ if __name__ == '__main__':
     p.add_argument('--from-stage')
     p.add_argument('--then', nargs=2, metavar=('OUT2', 'STEPS2'))
     a = p.parse_args()
+    freeze_imports(True)  # its own process, as diffzoo's commands freeze theirs
     if int(os.environ.get('WORLD_SIZE', 1)) > 1:
         dist.init_process_group('gloo')
     train(a.recipe, a.out, a.steps, a.from_stage)
