@@ -5,26 +5,35 @@ import tempfile
 from pathlib import Path
 from typing import Dict, NamedTuple
 
+import pytest
+
 # pytest-xdist (make test runs -n auto): the cores shared out between the workers, each torch and OpenMP
 # pool sized to its share (pools of every core in every worker spin against each other: no faster than serial)
 if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
     _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT']))
     os.environ.setdefault('OMP_NUM_THREADS', str(_THREADS))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
-    torch.set_num_threads(_THREADS)
 os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')  # img2dataset's albumentations checks PyPI on import
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-if not torch.cuda.is_available():  # the Triton kernels run under Triton's interpreter (read at import)
-    os.environ.setdefault('TRITON_INTERPRET', '1')
 
-import diffzoo  # noqa: E402,F401  registers the timm and open_clip models
-from tests.clip import official_reference  # noqa: E402
-from tests.factory import hub_cache  # noqa: E402
-from tests.vlm.models import write_language_model, write_paligemma  # noqa: E402
+# torch, diffzoo and the fixtures' helpers are imported where tests run (pytest_configure, the fixtures), not in
+# pytest-xdist's controller, which runs none: its start is the only time a single core works while the other
+# waits, and these imports took about 6 s of it
+
+
+def _runs_no_tests(config) -> bool:
+    """pytest-xdist's controller: it hands the tests out to its workers."""
+    return config.getoption('dist', default='no') != 'no' and not hasattr(config, 'workerinput')
+
+
+def pytest_configure(config):
+    if _runs_no_tests(config):
+        return
+    import torch
+    if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
+        torch.set_num_threads(_THREADS)
+    if not torch.cuda.is_available():  # the Triton kernels run under Triton's interpreter (read at import)
+        os.environ.setdefault('TRITON_INTERPRET', '1')
+    import diffzoo  # noqa: F401  registers the timm and open_clip models
 
 
 # the suite's files at their peak (checkpoints, shards, runs of the tests running at once), measured on a full
@@ -50,7 +59,8 @@ def _temporary_files_under(base: Path) -> None:
 
 def pytest_sessionstart(session):
     base = session.config._tmp_path_factory.getbasetemp()
-    _temporary_files_under(base)
+    if not _runs_no_tests(session.config):  # the controller's workers each set their own
+        _temporary_files_under(base)
     if hasattr(session.config, 'workerinput') or session.config.args:  # a worker (the controller checks), or a
         return                                                            # chosen file or test: not the whole suite
     free_gb = shutil.disk_usage(base).free / 1e9
@@ -77,6 +87,7 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def _seed():
+    import torch
     torch.manual_seed(0)
 
 
@@ -93,6 +104,7 @@ def _pil_refuses_images_cut_short():
 @pytest.fixture(scope='session')
 def language_model_dir(tmp_path_factory) -> Path:
     """tests.vlm.models' word-level Gemma (tokenizer + weights) saved once as a local checkpoint; read-only."""
+    from tests.vlm.models import write_language_model
     directory = tmp_path_factory.mktemp('language_model') / 'lm'
     write_language_model(directory)
     return directory
@@ -101,6 +113,7 @@ def language_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope='session')
 def paligemma_dir(tmp_path_factory) -> Path:
     """tests.vlm.models' tiny PaliGemma checkpoint with its processor, saved once; read-only."""
+    from tests.vlm.models import write_paligemma
     directory = tmp_path_factory.mktemp('paligemma') / 'paligemma'
     write_paligemma(directory)
     return directory
@@ -108,12 +121,13 @@ def paligemma_dir(tmp_path_factory) -> Path:
 
 class OfficialCheckpoint(NamedTuple):
     path: Path  # checkpoint_best.pt, as the official DiffCLIP repositories hold it
-    state_dict: Dict[str, torch.Tensor]
+    state_dict: Dict[str, 'torch.Tensor']
 
 
 @pytest.fixture(scope='session')
 def official(tmp_path_factory) -> OfficialCheckpoint:
     """A random DiffCLIP ViT-B/16 checkpoint in the official format and its state dict; read-only."""
+    from tests.clip import official_reference
     state_dict = official_reference.random_official_state_dict(seed=1)
     path = tmp_path_factory.mktemp('official') / 'checkpoint_best.pt'
     official_reference.save_official_checkpoint(path, state_dict)
@@ -125,6 +139,8 @@ def offline_hub(tmp_path, monkeypatch):
     """An offline Hugging Face cache that huggingface_hub reads in this process (HF_HUB_OFFLINE is set above):
     call it with (repo, files) to hold `files` (a folder or a file) as that repository's snapshot."""
     import huggingface_hub
+
+    from tests.factory import hub_cache
     assert huggingface_hub.constants.HF_HUB_OFFLINE
     cache = tmp_path / 'hub'
     monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
