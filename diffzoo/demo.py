@@ -28,7 +28,7 @@ import signal
 import sys
 from typing import List
 
-from diffzoo._startup import freeze_imports
+from diffzoo._startup import startup_imports
 from diffzoo.train.recipe import RecipeError, find_recipe
 
 
@@ -55,8 +55,8 @@ def main(argv: List[str] = None) -> int:
         except RecipeError as exc:
             parser.error(f'--model/--baseline {name}: {exc}')
 
-    from diffzoo import demo_steps  # torch, open_clip and matplotlib: imported after parsing, so --help answers at once
-    freeze_imports(argv is None)
+    with startup_imports(argv is None):  # torch, open_clip, matplotlib: imported after parsing (--help at once)
+        from diffzoo import demo_steps
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill ends the training child too (demo_steps.stop)
     try:
         return demo_steps.run(args)

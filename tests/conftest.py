@@ -28,6 +28,7 @@ def _runs_no_tests(config) -> bool:
 def pytest_configure(config):
     if _runs_no_tests(config):
         return
+    gc.disable()  # until the tests are collected (pytest_collection_finish), as diffzoo's commands import theirs
     import torch
     if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
         torch.set_num_threads(_THREADS)
@@ -74,8 +75,10 @@ def pytest_collection_finish(session):
     """The objects alive once the tests are collected (the modules of torch, timm, open_clip, transformers, …: most
     of a worker's objects, alive until it ends) are left out of the garbage collector's full passes, which walk
     them all each time: 15.7 s of the 200 s of CPU two workers spent on tests/clip, tests/models and two VLM
-    files, 9.4 s once frozen (gc.freeze, for objects that live as long as the process)."""
+    files, 9.4 s once frozen (gc.freeze, for objects that live as long as the process). The collector, off while
+    they were imported (diffzoo/_startup.py), runs again for what the tests make."""
     gc.freeze()
+    gc.enable()
 
 
 def pytest_unconfigure(config):

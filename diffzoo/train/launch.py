@@ -30,7 +30,7 @@ from typing import List, Optional
 
 import yaml
 
-from diffzoo._startup import freeze_imports
+from diffzoo._startup import startup_imports
 from diffzoo.data.shards import DataError
 
 from .recipe import DIFFZOO_KEYS, RecipeError, find_recipe, recipe_names
@@ -74,11 +74,10 @@ def _torchrun(argv: List[str], own_process: bool) -> int:
               file=sys.stderr)
         return 2
     flags, args = argv[:argv.index('--')], argv[argv.index('--') + 1:]
-    # torch: imported once the command is known (--help at once)
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    freeze_imports(own_process)
+    with startup_imports(own_process):  # torch: imported once the command is known (--help at once)
+        from torch.distributed import run as torchrun
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     for name in ('torch.distributed.elastic.multiprocessing.api', 'torch.distributed.elastic.agent.server.api'):
         logging.getLogger(name).addFilter(_quiet)
     try:
@@ -125,8 +124,8 @@ def _main(argv: List[str], own_process: bool) -> int:
     except (RecipeError, DataError, FileNotFoundError) as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
-    from . import runner  # open_clip, open_clip_train and torch: imported once the command is known (--help at once)
-    freeze_imports(own_process)
+    with startup_imports(own_process):  # open_clip, open_clip_train, torch: once the command is known (--help at once)
+        from . import runner
     try:
         return runner.run(argv, __doc__)
     except runner.ERRORS as exc:

@@ -8,13 +8,14 @@ from every rank. Both run here exactly so, inside `diffzoo.train.seams.installed
 import json
 import sys
 
-import open_clip
-import torch
-import torch.distributed as dist
+from diffzoo._startup import startup_imports  # (importing diffzoo, which registers its models)
 
-import diffzoo  # noqa: F401
-from diffzoo._startup import freeze_imports
-from diffzoo.train import seams
+with startup_imports(__name__ == '__main__'):  # its own process: as diffzoo's commands import theirs
+    import open_clip
+    import torch
+    import torch.distributed as dist
+
+    from diffzoo.train import seams
 
 
 def gradients(model):
@@ -53,5 +54,4 @@ def main(out_path):
 
 
 if __name__ == '__main__':
-    freeze_imports(True)  # its own process, as diffzoo's commands freeze theirs
     main(sys.argv[1])

@@ -13,20 +13,22 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import yaml
-from safetensors.torch import load_file, save_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from diffzoo._startup import freeze_imports  # noqa: E402
-from diffzoo.train.vlm_stage import _full, prepare  # noqa: E402
-from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
-from diffzoo.vlm.differential import find_decoder  # noqa: E402
-from diffzoo.vlm.factory import load_vlm  # noqa: E402
-from diffzoo.vlm.recipe import check  # noqa: E402
-from diffzoo.vlm.stages import copy_tensors  # noqa: E402
+from diffzoo._startup import startup_imports  # noqa: E402
+
+with startup_imports(__name__ == '__main__'):  # its own process: as diffzoo's commands import theirs
+    import torch
+    import torch.distributed as dist
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    from diffzoo.train.vlm_stage import _full, prepare
+    from diffzoo.vlm.conversations import ConversationCollator, load_conversations
+    from diffzoo.vlm.differential import find_decoder
+    from diffzoo.vlm.factory import load_vlm
+    from diffzoo.vlm.recipe import check
+    from diffzoo.vlm.stages import copy_tensors
 
 
 def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> None:
@@ -79,7 +81,6 @@ if __name__ == '__main__':
     p.add_argument('--from-stage')
     p.add_argument('--then', nargs=2, metavar=('OUT2', 'STEPS2'))
     a = p.parse_args()
-    freeze_imports(True)  # its own process, as diffzoo's commands freeze theirs
     if int(os.environ.get('WORLD_SIZE', 1)) > 1:
         dist.init_process_group('gloo')
     train(a.recipe, a.out, a.steps, a.from_stage)
