@@ -66,6 +66,7 @@ def _cmd_check(a, _) -> int:
             ('undecodable captions or json', undecodable_text),
             ('samples repeating a key', report.key_repeats),
             ('members named to leave the dir', sum(len(s.hostile) for s in report.shards)),
+            ('captions holding other rows', sum(len(s.merged) for s in report.shards)),
             ('empty shards', empty), ('unreadable shards', unreadable)]
     if report.sizes is not None:
         rows.insert(1, ('samples in sizes.json', sum(report.sizes.get(s.name, 0) for s in report.shards)))
