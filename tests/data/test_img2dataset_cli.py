@@ -2,6 +2,7 @@
 --url_list cc3m.tsv --input_format tsv --url_col url --caption_col caption --output_format webdataset …`), against a
 real HTTP server: no sizes.json, and one caption that starts with `"` and no closing quote, which img2dataset's TSV
 reader runs on over the rows after it."""
+import json
 import re
 import shutil
 import sys
@@ -10,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from diffzoo.data.__main__ import main as data_main
+from diffzoo.train.launch import main as train_main
+from diffzoo.train.recipe import RecipeError, load_recipe, resolve
 from tests.factory import call, http_server, run, serve_dataset
 
-pytestmark = pytest.mark.slow  # img2dataset's own command
+pytestmark = pytest.mark.slow  # img2dataset's own command, a training
 
 IMAGES, PER_SHARD = 12, 4
 OPEN_QUOTE = 3  # the row whose caption opens a quote; the next row and the one after it end up in its caption
@@ -58,3 +61,28 @@ def test_check_names_the_caption_that_holds_other_rows(cli_shards, tmp_path):
         'img2dataset read a caption starting with " as a quoted field, and the rows it ran over were neither '
         'downloaded nor counted; download the list again into a new directory with python -m diffzoo.data download, '
         'which hands img2dataset every row as it is']
+
+
+def test_training_sizes_its_epoch_from_img2dataset_stats(cli_shards, tmp_path):
+    """No sizes.json: the recipe's checks and open_clip read the one written from the 3 _stats.json (10 samples)."""
+    shards = copy_of(cli_shards, tmp_path)
+    stats = [json.loads((shards / f'0000{i}_stats.json').read_text())['successes'] for i in range(3)]
+    assert sum(stats) == IMAGES - 2
+    result = call(train_main, ['--recipe', 'clip-tiny-baseline', '--train_data', 'cc3m', '--epochs', '1',
+                               '--global_batch_size', '4', '--workers', '1'], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == (
+        "no sizes.json in cc3m: wrote it from img2dataset's 3 *_stats.json (10 samples in 3 shards), "
+        'as python -m diffzoo.data sizes does')
+    assert json.loads((shards / 'sizes.json').read_text()) == {f'0000{i}.tar': n for i, n in enumerate(stats)}
+    record = json.loads((tmp_path / 'runs' / 'clip-tiny-baseline' / 'data.jsonl').read_text().splitlines()[0])
+    assert record['samples_readable'] == 10
+
+
+def test_a_shard_img2dataset_did_not_finish_is_named(cli_shards, tmp_path):
+    shards = copy_of(cli_shards, tmp_path)
+    (shards / '00001_stats.json').unlink()
+    with pytest.raises(RecipeError, match=r'no sizes.json in .*cc3m, and 1 of its 3 shards have no img2dataset '
+                                          r'_stats.json to count them \(00001.tar\): img2dataset did not finish them'):
+        resolve(dict(load_recipe('clip-tiny-baseline'), train_data=str(shards)), 'x', 1)
+    assert not (shards / 'sizes.json').exists()

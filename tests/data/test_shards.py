@@ -271,6 +271,15 @@ def test_sizes_refuses_shards_img2dataset_did_not_finish(tmp_path, capsys):
     assert json.loads((tmp_path / 'sizes.json').read_text()) == {'00000.tar': 4, '00001.tar': 4}
 
 
+def test_sizes_names_a_stats_file_cut_short(tmp_path, capsys):
+    write_shards(tmp_path, 2, 4, sizes=False)
+    (tmp_path / '00000_stats.json').write_text(json.dumps({'successes': 4}))
+    (tmp_path / '00001_stats.json').write_text('{"count": 4, "succ')  # img2dataset was killed while writing it
+    assert data_main(['sizes', str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f'{tmp_path / "00001_stats.json"} is not JSON (' in err and 'delete it and its shard, then re-run' in err
+
+
 def test_sizes_names_a_truncated_shard(tmp_path, capsys):
     write_shards(tmp_path, 2, 4, sizes=False)
     data = (tmp_path / '00001.tar').read_bytes()
