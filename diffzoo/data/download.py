@@ -10,7 +10,7 @@ img2dataset's incremental mode reads every `*.json` in OUT_DIR as a shard's stat
 """
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -33,25 +33,71 @@ class DatasetCard:
     shards: str = ''
 
 
+# What each key of a card holds, for the message that names a missing or wrong one.
+CARD_KEYS = {
+    'name': 'the dataset name, e.g. cc3m',
+    'title': 'a title for the log, e.g. Conceptual Captions 3M',
+    'source': 'where the URL list is published (a URL)',
+    'img2dataset': 'img2dataset arguments, at least input_format, url_col and caption_col',
+    'expected': 'figures to compare a download with: urls: N, downloaded: [LOW, HIGH]; {} when there are none',
+    'columns': 'the column names of a headerless TSV, in order, e.g. [caption, url]',
+    'file': 'the URL list file as published',
+    'shards': 'the brace pattern of the shards a full download writes',
+}
+
+
 def card_names() -> List[str]:
     return sorted(p.name[:-5] for p in resources.files('diffzoo.data').joinpath('cards').iterdir()
                   if p.name.endswith('.yaml'))
 
 
+def _card_problem(data) -> Optional[str]:
+    """What is wrong with a card's keys (None: nothing), naming the key and what it holds."""
+    if not isinstance(data, dict):
+        return f'holds {type(data).__name__ if data is not None else "nothing"}, not the keys of a card'
+    required = [f.name for f in fields(DatasetCard) if f.default is MISSING]
+    missing = [k for k in required if k not in data]
+    if missing:
+        return 'no ' + '; no '.join(f'`{k}` key ({CARD_KEYS[k]})' for k in missing)
+    unknown = sorted(set(map(str, data)) - set(CARD_KEYS))
+    if unknown:
+        return f'unknown key{"s" * (len(unknown) > 1)} {", ".join(unknown)}; a card\'s keys are {", ".join(CARD_KEYS)}'
+    for key in ('img2dataset', 'expected'):
+        if not isinstance(data[key], dict):
+            return f'`{key}` is {data[key]!r}, not a mapping ({CARD_KEYS[key]})'
+    absent = [k for k in ('url_col', 'caption_col') if k not in data['img2dataset']]
+    if absent:
+        return f'`img2dataset` has no {" and no ".join(absent)} (the names of the URL and caption columns)'
+    columns = data.get('columns')
+    if columns is not None:
+        if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+            return f'`columns` is {columns!r}, not a list of column names ({CARD_KEYS["columns"]})'
+        absent = [data['img2dataset'][k] for k in ('url_col', 'caption_col') if data['img2dataset'][k] not in columns]
+        if absent:
+            return f'`columns` {columns} lacks {" and ".join(map(str, absent))}, which `img2dataset` names'
+    return None
+
+
 def load_card(name_or_path: str) -> DatasetCard:
-    """A card by name ('cc3m') or by path to a YAML file."""
+    """A card by name ('cc3m') or by path to a YAML file; a DataError naming the card, the key and the fix when it
+    is not one."""
     path = Path(name_or_path)
     if not path.suffix:
         path = Path(str(resources.files('diffzoo.data').joinpath('cards', f'{name_or_path}.yaml')))
         if not path.exists():
             raise DataError(f'no dataset card {name_or_path!r}; known: {", ".join(card_names())}')
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    data.pop('shards', None)
     try:
-        return DatasetCard(**data)
-    except TypeError as exc:
-        raise DataError(f'dataset card {path}: {exc}') from exc
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise DataError(f'dataset card {path}: {exc.strerror}') from None
+    except yaml.YAMLError as exc:
+        raise DataError(f'dataset card {path} is not YAML ({exc})') from None
+    problem = _card_problem(data)
+    if problem:
+        raise DataError(f'dataset card {path}: {problem}. Fix the card (data/cc3m.yaml is one to follow)')
+    data.pop('shards', None)
+    return DatasetCard(**data)
 
 
 def img2dataset_arguments(card: DatasetCard, url_list: Path, out_dir, processes: int, threads: int,

@@ -6,10 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from diffzoo.data.__main__ import main as data_main
 from diffzoo.data.download import DataError, card_names, command_line, img2dataset_arguments, load_card
 from diffzoo.data.url_list import describe, prepare_url_list
 from diffzoo.data.shards import iter_samples
-from tests.factory import http_server, run, serve_dataset
+from tests.factory import call, http_server, run, serve_dataset
 
 
 def test_cards_ship_with_the_package_and_match_the_paper_preprocessing():
@@ -20,6 +21,40 @@ def test_cards_ship_with_the_package_and_match_the_paper_preprocessing():
         assert card.img2dataset['image_size'] == 224 and card.img2dataset['resize_mode'] == 'keep_ratio'
         assert card.img2dataset['output_format'] == 'webdataset'
         assert card.img2dataset['incremental_mode'] == 'incremental'
+
+
+CARD = {'name': 'mine', 'title': 'My pairs', 'source': 'https://example.org', 'columns': ['url', 'caption'],
+        'expected': {}, 'img2dataset': {'input_format': 'tsv', 'url_col': 'url', 'caption_col': 'caption'}}
+
+
+@pytest.mark.parametrize('change, problem', [
+    (dict(expected=None), 'no `expected` key (figures to compare a download with: urls: N, downloaded: [LOW, HIGH]; '
+                          '{} when there are none)'),
+    (dict(expected=None, source=None), 'no `source` key (where the URL list is published (a URL)); no `expected` key'),
+    (dict(expect={}), 'unknown key expect; a card\'s keys are name, title, source, img2dataset, expected, columns, '
+                      'file, shards'),
+    (dict(img2dataset={'input_format': 'tsv', 'url_col': 'url'}), '`img2dataset` has no caption_col (the names of '
+                                                                   'the URL and caption columns)'),
+    (dict(columns=['caption', 'link']), "`columns` ['caption', 'link'] lacks url, which `img2dataset` names"),
+    (dict(expected=[1, 2]), '`expected` is [1, 2], not a mapping'),
+])
+def test_a_card_missing_a_key_or_with_a_wrong_one_is_named(tmp_path, change, problem):
+    card = {k: v for k, v in {**CARD, **change}.items() if v is not None}
+    (tmp_path / 'mine.yaml').write_text(yaml.safe_dump(card, sort_keys=False))
+    (tmp_path / 'list.tsv').write_text('http://x/1.jpg\ta dog\n')
+    result = call(data_main, ['download', 'mine.yaml', 'list.tsv', 'out'], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f'error: dataset card mine.yaml: {problem}')
+    assert result.stderr.rstrip().endswith('. Fix the card (data/cc3m.yaml is one to follow)')
+    assert not (tmp_path / 'out').exists()
+
+
+def test_a_card_that_is_not_a_mapping_or_not_there_is_named(tmp_path):
+    (tmp_path / 'empty.yaml').write_text('')
+    with pytest.raises(DataError, match='dataset card .*empty.yaml: holds nothing, not the keys of a card'):
+        load_card(str(tmp_path / 'empty.yaml'))
+    with pytest.raises(DataError, match='dataset card .*gone.yaml: No such file or directory'):
+        load_card(str(tmp_path / 'gone.yaml'))
 
 
 def test_img2dataset_accepts_every_card_argument():
