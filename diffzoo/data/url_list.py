@@ -92,10 +92,18 @@ def _reason(row: List[str], columns: List[str], url_at: int) -> Optional[str]:
     return None
 
 
+def _csv_reason(exc: csv.Error) -> str:
+    """A csv.Error of a line read with quoting off, in words: a '\\r' inside it, or a field over csv's size limit."""
+    return 'a carriage return (\\r) inside the line' if 'new-line' in str(exc) else f'what csv cannot read ({exc})'
+
+
 def _first_row(tsv: Path) -> List[str]:
     with open(tsv, 'rb') as f:
         line = f.readline().decode('utf-8', 'replace')
-    return next(csv.reader([line], delimiter='\t', quoting=csv.QUOTE_NONE), [])
+    try:
+        return next(csv.reader([line], delimiter='\t', quoting=csv.QUOTE_NONE), [])
+    except csv.Error as exc:  # the layout cannot be told from it
+        raise DataError(f'{tsv}: line 1 holds {_csv_reason(exc)}; it must be a header or a row of the list') from None
 
 
 def _left_out_record(number: int, reason: str, raw: str) -> bytes:
@@ -138,8 +146,7 @@ def _convert(tsv: Path, columns: List[str], header: bool, url_at: int, target: P
                 break
             except csv.Error as exc:  # a '\r' inside the line, or a field over csv's size limit
                 rows += 1
-                leave_out(reader.line_num, 'a carriage return (\\r) inside the line' if 'new-line' in str(exc)
-                          else f'unreadable ({exc})')
+                leave_out(reader.line_num, _csv_reason(exc))
                 continue
             number = reader.line_num
             if header and number == 1:

@@ -137,6 +137,10 @@ def test_a_list_with_no_row_to_download_is_refused(tmp_path):
     tsv.write_text('url\tcaption\n\tno url\n')
     with pytest.raises(DataError, match=r'none of its 1 rows can be downloaded \(line 2: no URL\)'):
         prepare_url_list(load_card('cc3m'), tsv, tmp_path / 'out')
+    tsv.write_text('a\rdog\thttp://x/1.jpg\n')
+    with pytest.raises(DataError, match=r'line 1 holds a carriage return \(\\r\) inside the line; it must be a '
+                                        r'header or a row of the list'):
+        prepare_url_list(load_card('cc3m'), tsv, tmp_path / 'out')
     assert list((tmp_path / 'out' / '_url_list').iterdir()) == []
 
 
