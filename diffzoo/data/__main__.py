@@ -38,11 +38,11 @@ def _cmd_download(a, extra) -> int:
     threads = a.threads or _env_int('IMG2DATASET_THREADS', 64)
     wandb = os.environ.get('WANDB', '0').lower() in ('1', 'true', 'yes', 'on')
     report = download(card, a.tsv, a.out_dir, processes, threads, wandb, a.extend, _img2dataset_flags(extra))
-    print(f'{len(report.sizes)} shards, {report.total:,} samples in {a.out_dir} (sizes.json written)')
+    for line in report.lines(a.tsv, a.out_dir):
+        print(line)
     if 'downloaded' in card.expected:
         lo, hi = card.expected['downloaded']
         print(f'  the full {card.name} ends with about {lo:,}-{hi:,}')
-    print(f'  failed URLs, to download again: python -m diffzoo.data retry {a.out_dir} failed.tsv')
     return 0
 
 
@@ -66,6 +66,7 @@ def _cmd_check(a, _) -> int:
             ('undecodable captions or json', undecodable_text),
             ('samples repeating a key', report.key_repeats),
             ('members named to leave the dir', sum(len(s.hostile) for s in report.shards)),
+            ('captions holding other rows', sum(len(s.merged) for s in report.shards)),
             ('empty shards', empty), ('unreadable shards', unreadable)]
     if report.sizes is not None:
         rows.insert(1, ('samples in sizes.json', sum(report.sizes.get(s.name, 0) for s in report.shards)))

@@ -1,10 +1,12 @@
 """`python -m diffzoo.data check`: every sample of a shard directory read as open_clip_train's pipeline reads it,
-and what training would skip (no image, a blank caption, a member that does not decode), repeated keys and member
-names that would leave the directory, counted per shard and for the whole set."""
+and what training would skip (no image, a blank caption, a member that does not decode), repeated keys, member
+names that would leave the directory and captions that hold other rows of the URL list, counted per shard and for the
+whole set."""
 import io
 import json
 import multiprocessing
 import os
+import re
 import tarfile
 import time
 from collections import Counter
@@ -23,6 +25,9 @@ TEXT_DECODERS = {
     'json': 'json', 'jsn': 'json',
     'cls': 'int', 'cls2': 'int', 'index': 'int', 'inx': 'int', 'id': 'int',
 }
+# A caption with a tab or line break and then a URL holds the rows after it: img2dataset read a TSV caption that
+# starts with `"` as a quoted field, which ran on to the next `"` (a TSV row holds neither character).
+MERGED_ROWS = re.compile(rb'[\t\r\n]\s*https?://', re.IGNORECASE)
 
 
 def undecodable_member(ext: str, data: bytes) -> Optional[str]:
@@ -56,6 +61,7 @@ class ShardReport:
     keys: List[list] = field(default_factory=list)  # distinct sample keys (`diffzoo.data.keys` groups)
     key_repeats: List[Tuple[int, str]] = field(default_factory=list)  # (position, key): a key met earlier here
     hostile: List[Tuple[str, str]] = field(default_factory=list)  # (member name, why): would leave the directory
+    merged: List[str] = field(default_factory=list)  # sample keys whose caption holds other rows of the URL list
 
     @property
     def usable(self) -> int:
@@ -70,14 +76,15 @@ class ShardReport:
     @property
     def ok(self) -> bool:
         return (self.error is None and self.samples > 0 and not self.missing and not self.undecodable
-                and not self.undecodable_text and not self.key_repeats and not self.hostile)
+                and not self.undecodable_text and not self.key_repeats and not self.hostile and not self.merged)
 
 
 def check_shard(shard: Path, decode: bool = True) -> ShardReport:
     """Read every sample of a shard and skip what open_clip_train's pipeline skips, in its order:
     no image or a blank caption (its caption filter), then a member that does not decode (webdataset's
     decode stage: images with PIL unless `decode` is off, captions as UTF-8, json as JSON). Samples whose key
-    an earlier sample of the shard has, and members named to leave the directory, are noted (training keeps them)."""
+    an earlier sample of the shard has, members named to leave the directory, and captions holding other rows of the
+    URL list (`MERGED_ROWS`) are noted (training keeps them)."""
     from PIL import Image
 
     report = ShardReport(shard.name)
@@ -88,6 +95,8 @@ def check_shard(shard: Path, decode: bool = True) -> ShardReport:
             keys.append(key)
             has_image = any(e in members for e in IMAGE_EXTS)
             has_caption = bool(members.get(TEXT_EXT, b'').strip())
+            if MERGED_ROWS.search(members.get(TEXT_EXT, b'')):
+                report.merged.append(key)
             if not has_image:
                 report.missing['image'] += 1
             if not has_caption:
@@ -179,6 +188,12 @@ class DatasetReport:
                 out.append(f'{s.name}: {len(s.hostile)} members named to leave the directory they would be extracted '
                            f'into: {shown}; not written by img2dataset (nothing here extracts them: members are '
                            f'read in memory); re-create the shard')
+            if s.merged:
+                out.append(f'{s.name}: {len(s.merged)} captions hold other rows of the URL list, a tab or line break '
+                           f'and then a URL ({_shown(s.merged)}): img2dataset read a caption starting with " as a '
+                           f'quoted field, and the rows it ran over were neither downloaded nor counted; download the '
+                           f'list again into a new directory with python -m diffzoo.data download, which hands '
+                           f'img2dataset every row as it is')
         if self.key_repeats_across:
             shown = _shown([f'{key} in {" and ".join(shards[:3])}' for key, shards in self.key_repeat_examples],
                            sep='; ')

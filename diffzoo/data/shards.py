@@ -13,6 +13,7 @@ img2dataset, or made to escape a directory.
 import json
 import os
 import re
+import socket
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +68,12 @@ def read_stats(directory) -> Dict[str, dict]:
     stats = {}
     for path in Path(directory).glob('*_stats.json'):
         shard = path.name[:-len('_stats.json')] + '.tar'
-        with open(path) as f:
-            stats[shard] = json.load(f)
+        try:
+            with open(path) as f:
+                stats[shard] = json.load(f)
+        except ValueError as exc:
+            raise DataError(f'{path} is not JSON ({exc}); delete it and its shard, then re-run the download '
+                            f'into {directory} (it redoes shards without _stats.json)') from None
     return stats
 
 
@@ -138,10 +143,38 @@ def write_sizes(directory, recount: bool = False) -> SizesReport:
             except (tarfile.TarError, OSError, EOFError) as exc:
                 raise DataError(f'{shard}: unreadable ({exc}); {_rerun_download(directory)}') from exc
             counted.append(shard.name)
-    tmp = Path(directory) / (SIZES_FILE + '.tmp')
+    tmp = Path(directory) / f'{SIZES_FILE}.{socket.gethostname()}.{os.getpid()}.tmp'  # processes may race
     tmp.write_text(json.dumps(sizes, indent=1) + '\n')
     os.replace(tmp, Path(directory) / SIZES_FILE)
     return SizesReport(sizes, counted)
+
+
+def sizes_from_stats(directory, names: List[str], log=print) -> SizesReport:
+    """sizes.json for a directory that has none, written from img2dataset's *_stats.json (as `img2dataset`'s own
+    command leaves its shards) when the shards `names` all have one; one line logged. A DataError naming the fix
+    when they do not, or when it cannot be written."""
+    stats = read_stats(directory)
+    fix = f'run python -m diffzoo.data sizes {directory}, or pass --train_num_samples N'
+    if not stats:
+        raise DataError(f'no {SIZES_FILE} in {directory} and no train_num_samples: {fix}')
+    unstated = [n for n in names if 'successes' not in stats.get(n, {})]
+    if unstated:
+        raise DataError(f'no {SIZES_FILE} in {directory}, and {len(unstated)} of its {len(names)} shards have no '
+                        f'img2dataset _stats.json to count them ({", ".join(unstated[:3])}): img2dataset did not '
+                        f'finish them; {_rerun_download(directory)}, or run python -m diffzoo.data sizes {directory} '
+                        f'--recount to count them as they are')
+    total = sum(int(stats[n]['successes']) for n in names)
+    try:
+        report = write_sizes(directory)
+    except DataError as exc:
+        raise DataError(f'{exc}; or pass --train_num_samples {total}') from None
+    except OSError as exc:
+        raise DataError(f'no {SIZES_FILE} in {directory}, and it cannot be written there ({exc.strerror}): '
+                        f'img2dataset\'s _stats.json count {total:,} samples in the shards to train; pass '
+                        f'--train_num_samples {total}') from None
+    log(f'no {SIZES_FILE} in {directory}: wrote it from img2dataset\'s {len(stats)} *_stats.json '
+        f'({report.total:,} samples in {len(report.sizes)} shards), as python -m diffzoo.data sizes does')
+    return report
 
 
 def _is_count(value) -> bool:

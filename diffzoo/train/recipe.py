@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 from open_clip_train.params import parse_args
 
-from diffzoo.data.shards import SIZES_FILE, DataError, list_shards, read_sizes
+from diffzoo.data.shards import SIZES_FILE, DataError, list_shards, read_sizes, sizes_from_stats
 from diffzoo.recipes import Key, RecipeError, expand_env, unknown_keys_error
 from diffzoo.recipes import parse_overrides as _parse_overrides
 from diffzoo.recipes import find_recipe as _find
@@ -201,12 +201,15 @@ def expand_shards(train_data: str) -> Tuple[str, List[str]]:
 
 
 def shard_sizes(shards: List[str]) -> List[int]:
-    """Samples of each of `shards` from the sizes.json next to the first shard, as open_clip reads it."""
+    """Samples of each of `shards` from the sizes.json next to the first shard, as open_clip reads it (written
+    first from img2dataset's *_stats.json where there is none: `diffzoo.data.shards.sizes_from_stats`)."""
     folder = os.path.dirname(shards[0])
     path = os.path.join(folder, SIZES_FILE)
-    if not os.path.exists(path):
-        raise RecipeError(f'no {SIZES_FILE} in {folder} and no train_num_samples: run '
-                          f'python -m diffzoo.data sizes {folder}, or pass --train_num_samples N')
+    if not os.path.exists(path):  # shards from img2dataset's own command: sizes.json from its stats, if it can
+        try:
+            sizes_from_stats(folder, [os.path.basename(s) for s in shards], log=functools.partial(print, flush=True))
+        except DataError as exc:
+            raise RecipeError(str(exc)) from None
     try:
         sizes = read_sizes(folder)
     except DataError as exc:

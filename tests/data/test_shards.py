@@ -203,6 +203,19 @@ def test_check_flags_members_named_to_leave_the_directory_and_nothing_extracts_t
         '00000.tar', '00001.tar', 'sizes.json']  # no escaped.* nor absolute.*
 
 
+def test_check_finds_captions_holding_other_rows_of_either_layout(tmp_path):
+    """A CC12M caption (url <TAB> caption) opening a quote runs on over a line break into the next row's URL; a CC3M
+    one (caption <TAB> url) over a tab (tests/data/test_img2dataset_cli.py makes that one with img2dataset itself).
+    A URL within a caption, or a line break before words, is no sign of it."""
+    merged = {(0, 1): {'txt': b'a dog\nhttp://x/2.jpg\ta cat'}, (0, 2): {'txt': b'a dog\tHTTPS://x/2.jpg\na cat'},
+              (1, 0): {'txt': b'see http://x/1.jpg for more'}, (1, 1): {'txt': b'two lines\nof caption'}}
+    write_shards(tmp_path, 2, 3, members=merged)
+    report = check_dataset(tmp_path, workers=1, progress=None)
+    assert [s.merged for s in report.shards] == [['000000001', '000000002'], []]
+    assert [p.split(' (')[0] for p in report.problems()] == [
+        '00000.tar: 2 captions hold other rows of the URL list, a tab or line break and then a URL']
+
+
 @pytest.mark.parametrize('make, message', [
     (lambda p: p / 'nope', 'does not exist'),
     (lambda p: p, 'no *.tar shards'),
@@ -256,6 +269,15 @@ def test_sizes_refuses_shards_img2dataset_did_not_finish(tmp_path, capsys):
     assert not (tmp_path / 'sizes.json').exists()
     assert data_main(['sizes', str(tmp_path), '--recount']) == 0
     assert json.loads((tmp_path / 'sizes.json').read_text()) == {'00000.tar': 4, '00001.tar': 4}
+
+
+def test_sizes_names_a_stats_file_cut_short(tmp_path, capsys):
+    write_shards(tmp_path, 2, 4, sizes=False)
+    (tmp_path / '00000_stats.json').write_text(json.dumps({'successes': 4}))
+    (tmp_path / '00001_stats.json').write_text('{"count": 4, "succ')  # img2dataset was killed while writing it
+    assert data_main(['sizes', str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f'{tmp_path / "00001_stats.json"} is not JSON (' in err and 'delete it and its shard, then re-run' in err
 
 
 def test_sizes_names_a_truncated_shard(tmp_path, capsys):
