@@ -28,7 +28,6 @@ import signal
 import sys
 from typing import List
 
-from diffzoo._startup import startup_imports
 from diffzoo.train.recipe import RecipeError, find_recipe
 
 
@@ -55,8 +54,7 @@ def main(argv: List[str] = None) -> int:
         except RecipeError as exc:
             parser.error(f'--model/--baseline {name}: {exc}')
 
-    with startup_imports(argv is None):  # torch, open_clip, matplotlib: imported after parsing (--help at once)
-        from diffzoo import demo_steps
+    from diffzoo import demo_steps  # matplotlib, open_clip_train: imported after parsing
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill ends the training child too (demo_steps.stop)
     try:
         return demo_steps.run(args)

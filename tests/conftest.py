@@ -76,7 +76,7 @@ def pytest_collection_finish(session):
     of a worker's objects, alive until it ends) are left out of the garbage collector's full passes, which walk
     them all each time: 15.7 s of the 200 s of CPU two workers spent on tests/clip, tests/models and two VLM
     files, 9.4 s once frozen (gc.freeze, for objects that live as long as the process). The collector, off while
-    they were imported (diffzoo/_startup.py), runs again for what the tests make."""
+    they were imported, runs again for what the tests make."""
     gc.freeze()
     gc.enable()
 

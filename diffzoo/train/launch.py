@@ -30,7 +30,6 @@ from typing import List, Optional
 
 import yaml
 
-from diffzoo._startup import startup_imports
 from diffzoo.data.shards import DataError
 
 from .recipe import DIFFZOO_KEYS, RecipeError, find_recipe, recipe_names
@@ -65,7 +64,7 @@ def _quiet(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(TORCHRUN_NOISE)
 
 
-def _torchrun(argv: List[str], own_process: bool) -> int:
+def _torchrun(argv: List[str]) -> int:
     """`torchrun [torchrun flags] -m -- diffzoo.train ARGS`, exiting with the status of the first process that
     failed (128 + N for signal N). torchrun's ChildFailedError traceback and failure summary are left out: each
     process prints its own error, which is then the last thing on the screen."""
@@ -74,10 +73,9 @@ def _torchrun(argv: List[str], own_process: bool) -> int:
               file=sys.stderr)
         return 2
     flags, args = argv[:argv.index('--')], argv[argv.index('--') + 1:]
-    with startup_imports(own_process):  # torch: imported once the command is known (--help at once)
-        from torch.distributed import run as torchrun
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     for name in ('torch.distributed.elastic.multiprocessing.api', 'torch.distributed.elastic.agent.server.api'):
         logging.getLogger(name).addFilter(_quiet)
     try:
@@ -99,14 +97,14 @@ def _torchrun(argv: List[str], own_process: bool) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv), own_process=argv is None)
+        return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, not a traceback; every process of a torchrun job gets it
         if os.environ.get('RANK', '0') == '0':
             print(f'\ninterrupted{f": {exc}" if str(exc) else ""}', file=sys.stderr, flush=True)
         return 130
 
 
-def _main(argv: List[str], own_process: bool) -> int:
+def _main(argv: List[str]) -> int:
     if argv[:1] in (['-h'], ['--help']):
         print(USAGE)
         print(__doc__)
@@ -120,12 +118,11 @@ def _main(argv: List[str], own_process: bool) -> int:
         if argv[:1] == ['recipes']:
             return _list_recipes()
         if argv[:1] == ['torchrun']:
-            return _torchrun(argv[1:], own_process)
+            return _torchrun(argv[1:])
     except (RecipeError, DataError, FileNotFoundError) as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
-    with startup_imports(own_process):  # open_clip, open_clip_train, torch: once the command is known (--help at once)
-        from . import runner
+    from . import runner  # open_clip_train: imported once the command is known
     try:
         return runner.run(argv, __doc__)
     except runner.ERRORS as exc:

@@ -41,7 +41,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from diffzoo._startup import startup_imports
 from diffzoo.recipes import RecipeError, recipe_names
 from diffzoo.vlm.recipe import VLM_RECIPE, checked_recipe, load_vlm_recipe
 
@@ -99,7 +98,7 @@ def _chain(argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    own_process, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ['recipes']:  # as `python -m diffzoo.train recipes` lists the CLIP ones
         return _list_recipes()
     if argv[:1] == ['chain']:
@@ -112,11 +111,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.recipe:
             p.error('--recipe is required (`recipes` lists the shipped ones)')
         recipe = checked_recipe(args.recipe, rest)
-        with startup_imports(own_process):
-            if recipe['train'] is not None:  # a LLaVA-style stage
-                from .vlm_stage import run_stage as run
-            else:
-                from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
+        if recipe['train'] is not None:  # a LLaVA-style stage
+            from .vlm_stage import run_stage as run
+        else:
+            from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
         run(recipe, Path(args.recipe).stem)
     except (RecipeError, ValueError, OSError) as exc:  # OSError: a missing file, a failed write (vlm_resume.writing)
         print(f'error: {exc}', file=sys.stderr)

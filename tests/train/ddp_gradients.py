@@ -8,14 +8,11 @@ from every rank. Both run here exactly so, inside `diffzoo.train.seams.installed
 import json
 import sys
 
-from diffzoo._startup import startup_imports  # (importing diffzoo, which registers its models)
+import open_clip
+import torch
+import torch.distributed as dist
 
-with startup_imports(__name__ == '__main__'):  # its own process: as diffzoo's commands import theirs
-    import open_clip
-    import torch
-    import torch.distributed as dist
-
-    from diffzoo.train import seams
+from diffzoo.train import seams
 
 
 def gradients(model):

@@ -15,20 +15,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from diffzoo._startup import startup_imports  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import yaml  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
-with startup_imports(__name__ == '__main__'):  # its own process: as diffzoo's commands import theirs
-    import torch
-    import torch.distributed as dist
-    import yaml
-    from safetensors.torch import load_file, save_file
-
-    from diffzoo.train.vlm_stage import _full, prepare
-    from diffzoo.vlm.conversations import ConversationCollator, load_conversations
-    from diffzoo.vlm.differential import find_decoder
-    from diffzoo.vlm.factory import load_vlm
-    from diffzoo.vlm.recipe import check
-    from diffzoo.vlm.stages import copy_tensors
+from diffzoo.train.vlm_stage import _full, prepare  # noqa: E402
+from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
+from diffzoo.vlm.differential import find_decoder  # noqa: E402
+from diffzoo.vlm.factory import load_vlm  # noqa: E402
+from diffzoo.vlm.recipe import check  # noqa: E402
+from diffzoo.vlm.stages import copy_tensors  # noqa: E402
 
 
 def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> None:
