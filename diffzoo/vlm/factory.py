@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import transformers
 
-from diffzoo.recipes import expand_env
+from diffzoo.recipes import RecipeError, expand_env
 
 from .conversations import pad_colour, pad_to_square
 from .conversations import prompt as conversation_prompt
@@ -38,7 +38,7 @@ from .model import VisionLanguageModel, build_vlm
 from .parts import model_parts
 from .plan import TrainingPlan, apply_plan
 from .recipe import MODEL, check_model, load_vlm_recipe
-from .stages import STAGE_CONFIG, STAGE_DIR, load_stage
+from .stages import STAGE_CONFIG, STAGE_DIR, load_stage, stage_problem
 
 
 class VLM:
@@ -217,13 +217,18 @@ def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None]
     """The model a VLM recipe (name, path, or loaded mapping) trains, with `adapter` when given (as
     saved) or made differential as the recipe says, in eval mode: what MMNeedle, the benchmarks and the
     analysis run. `stage`: a LLaVA-style stage's run directory (or its `stage/`), whose tensors are loaded
-    (`diffzoo.vlm.stages`); a recipe that trains on conversations asks its prompts in their format."""
+    (`diffzoo.vlm.stages`; one that trained no step or whose weights are cut short is refused first,
+    RecipeError); a recipe that trains on conversations asks its prompts in their format."""
+    if stage is not None:  # refused before any model is built, as a chain refuses it (`stage_problem`)
+        stage = Path(stage) if (Path(stage) / STAGE_CONFIG).is_file() else Path(stage) / STAGE_DIR
+        problem = stage_problem(stage)
+        if problem:
+            raise RecipeError(f'stage {stage}: {problem}')
     raw = load_vlm_recipe(recipe) if isinstance(recipe, str) else dict(recipe)
     spec = expand_env(check_model(raw))
     vlm = load_vlm(spec['model'], adapter=adapter, differential=spec['differential'])
     if stage is not None:
-        stage = Path(stage)
-        load_stage(vlm.model, stage if (stage / STAGE_CONFIG).is_file() else stage / STAGE_DIR, spec)
+        load_stage(vlm.model, stage, spec)
     data = raw.get('data') or {}
     if data.get('type') == 'conversations' and isinstance(vlm, BuiltVLM):
         vlm.prompt_format, vlm.image_aspect = data['format'], data.get('image_aspect', 'pad')

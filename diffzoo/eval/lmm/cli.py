@@ -218,7 +218,7 @@ def _row(s: Sample, reply: str) -> Dict:
 
 
 def _left_out_lines(task: str, left_out: LeftOut) -> List[str]:
-    return [f'{task}: {n} question(s) left out: {reason} (e.g. {"; ".join(left_out.named[reason][:3])})'
+    return [f'{task}: {n} left out: {reason} (e.g. {"; ".join(left_out.named[reason][:3])})'
             for reason, n in left_out.counts().items()]
 
 
