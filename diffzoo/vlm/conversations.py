@@ -12,7 +12,8 @@ naming it, what is wrong and where. A record that cannot train is left out and c
 (`Problems`): an `id` that is not a string or a whole number (a missing or null one becomes `#<position>`); an
 `image` that is not a string, that leaves the image folder (an absolute path or a `..` component, the rule
 `diffzoo.data.shards.hostile_name` applies to shards; symlinks inside the folder are followed), that the system
-refuses as a path (e.g. a name over 255 bytes) or whose file is missing; `<image>` missing from an image sample
+refuses as a path (e.g. a name over 255 bytes), whose file is missing, or that is not a file (a directory, a symlink
+loop or to nothing: `diffzoo.vlm.images.path_problem` says which); `<image>` missing from an image sample
 or repeated, `<image>` in a text-only sample, turns not alternating human → gpt, no gpt turn, or not a
 conversation at all. As LLaVA's `preprocess_v1` and TinyLLaVA's templates do, a first turn that is not the
 human's is dropped (counted as a truncation); a conversation that ends on a human turn loses that turn (counted
@@ -37,7 +38,8 @@ import torch
 from PIL import Image
 
 from diffzoo.data.shards import hostile_name
-from .data import UNREADABLE, _skipped_record, read_json
+from .data import UNREADABLE, _skipped_record, read_json, unreadable_why
+from .images import open_rgb, path_problem
 from .options import CONVERSATION_FORMATS as FORMATS
 from .options import IMAGE_ASPECTS as ASPECTS
 from .options import MISMATCH_RULES
@@ -55,8 +57,7 @@ class Conversation:
         return self.image if self.image is not None else f'conversation {self.id}'
 
     def load_image(self) -> Image.Image:
-        with Image.open(self.image) as im:
-            return im.convert('RGB')
+        return open_rgb(self.image)
 
 
 @dataclass
@@ -129,11 +130,8 @@ def _image_file(image, folder: Path) -> Tuple[Optional[str], Optional[str]]:
     if outside:
         return None, f'image path outside the image folder ({outside})'
     path = folder / image
-    try:
-        found = path.is_file()
-    except OSError as exc:  # a name over 255 bytes, a folder without permission
-        return None, f'image path refused by the system ({exc.strerror})'
-    return (str(path), None) if found else (None, 'image file missing')
+    problem = path_problem(path)  # missing, a directory, a symlink loop, a name the system refuses
+    return (None, problem) if problem else (str(path), None)
 
 
 def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Path, None] = None
@@ -224,7 +222,7 @@ class ConversationCollator:
         self.pad_colour = pad_colour(image_transform) if image_aspect == 'pad' else None
 
     def __call__(self, samples: Sequence[Conversation]) -> Dict:
-        rows, images, kept, skipped, cut, long, mismatched = [], [], [], [], [], [], []
+        rows, images, kept, skipped, cut, long, mismatched, why = [], [], [], [], [], [], [], {}
         for i, sample in enumerate(samples):
             ids, scored, image_at, mismatch = encode(sample.turns, self.tokenizer, self.format, self.max_length,
                                                      self.mismatch)
@@ -244,8 +242,9 @@ class ConversationCollator:
             if sample.image is not None:
                 try:
                     image = sample.load_image()
-                except UNREADABLE:
+                except UNREADABLE as exc:
                     skipped.append(sample.source)
+                    why[sample.source] = unreadable_why(exc)
                     continue
                 if self.pad_colour is not None:
                     image = pad_to_square(image, self.pad_colour)
@@ -268,7 +267,7 @@ class ConversationCollator:
                  'input_ids': input_ids, 'attention_mask': attention_mask, 'labels': labels,
                  'image_at': torch.tensor([at for _, _, at in rows], dtype=torch.long)}
         if skipped:
-            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder)
+            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder, why)
         if cut:
             batch['cut_short'], batch['left_out_long'] = cut, long
         if mismatched:

@@ -164,7 +164,9 @@ def test_an_image_over_pils_decompression_bomb_limit_leaves_its_sample_out_of_th
         kept[1].load_image()
     batch = ConversationCollator(_tokenizer(), lambda im: torch.zeros(3, 8, 8), 'vicuna_v1')(kept)
     assert batch['input_ids'].shape[0] == 1
+    why = batch['skipped_images'].pop('why')
     assert batch['skipped_images'] == {'sources': [kept[1].image], 'kept': [0], 'placeholder': False}
+    assert why[kept[1].image].startswith('DecompressionBombError: Image size')  # PIL's refusal, over 2× its limit
     assert Image.MAX_IMAGE_PIXELS == limit
 
 

@@ -197,12 +197,13 @@ def answer(vlm, samples: List[Sample], batch_size: int, max_new_tokens: int, lab
     replies, left_out = {}, []
     with tqdm(total=len(samples), desc=label, unit='q', file=sys.stdout, dynamic_ncols=True) as bar:
         for i in range(0, len(samples), batch_size):
-            batch = samples[i:i + batch_size]
-            kept, images, _ = _load_images(batch)
+            batch, why = samples[i:i + batch_size], {}
+            kept, images, _ = _load_images(batch, why)
             chunk = [batch[k] for k in kept]
             for s in [s for k, s in enumerate(batch) if k not in kept]:  # their images do not open
                 left_out.append(s)
-                print(f'{label}: image {s.image} does not open; its question is left out', flush=True)
+                print(f'{label}: image {s.image} does not open ({why[s.source]}); its question is left out',
+                      flush=True)
             if chunk:
                 texts = vlm.answer(images, [s.prompt for s in chunk], max_new_tokens)
                 replies.update((s.id, text) for s, text in zip(chunk, texts))

@@ -9,6 +9,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 from PIL import Image
 
 from diffzoo.data.shards import DataError, hostile_name
+from diffzoo.vlm.images import open_rgb
 
 
 @dataclass
@@ -24,8 +25,7 @@ class Sample:
         return str(self.image)
 
     def load_image(self) -> Image.Image:
-        with Image.open(self.image) as im:
-            return im.convert('RGB')
+        return open_rgb(self.image)
 
 
 IMAGE_OUTSIDE = 'image name leaves the benchmark folder'
