@@ -45,8 +45,8 @@ from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_ten
 
 from .vlm_inputs import check_settings
 from .vlm_resume import resume_point, writing
-from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, run_log, start_run,
-                          training_arguments, write_results)
+from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, epoch_steps, run_log,
+                          start_run, training_arguments, write_results)
 
 DATA_PROBLEMS = 'data_problems.json'
 
@@ -217,7 +217,7 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     args = training_arguments(recipe, run_dir, cuda)
     rank, world = args.process_index, args.world_size
     samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
-    steps_per_epoch = len(train_set) // samples_per_step
+    steps_per_epoch = epoch_steps(len(train_set), recipe['batch_size'], args.gradient_accumulation_steps, world)
     if steps_per_epoch == 0:
         raise RecipeError(f'{len(train_set)} conversations make no optimizer step of {samples_per_step} samples '
                           f'({recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world} processes); lower '
