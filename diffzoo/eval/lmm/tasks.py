@@ -30,7 +30,8 @@ A question its files give badly is left out, counted by reason and named (`LeftO
 line or record that is not a JSON object, a missing field or one of another type (a question or answer that is not
 a string, answers that are not a list of strings), a POPE or MME label that is not yes/no, a ScienceQA answer that
 is not among its options, a question id one of two paired files lacks (ScienceQA's, TextVQA's, OK-VQA's), an MME
-image without its answer file (named and counted as one: its questions are not known), an image name that would leave the benchmark's folder (an absolute path or a `..` component: the
+image without its answer file (named and counted as one: its questions are not known), an image name that would
+leave the benchmark's folder (an absolute path or a `..` component: the
 shards' rule, `hostile_name`; symlinks are followed as any file), and a question id met before (the first
 question with that id is kept, every later one is a repeat and left out). A reader called without a `LeftOut`
 refuses the first such question instead (DataError).
