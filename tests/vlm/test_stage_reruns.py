@@ -27,7 +27,7 @@ def stage1(tmp_path_factory):
                              projector='mlp2x_gelu', sequence_mask='causal'),
                   attention=dict(type='differential', lambda_init=0.5), train=dict(projector=True), lr=3e-3,
                   data=dict(type='conversations', json=str(root / 'pretrain.json'), image_folder=str(root / 'images'),
-                            format='plain', max_length=64),
+                            format='plain', max_length=128),  # the tower's 64 patch positions and the text
                   global_batch_size=4, batch_size=4, log_every=1, save_every=4, report_to='none', device='cpu')
     (root / 'stage1.yaml').write_text(yaml.safe_dump(recipe))
     return root
@@ -48,7 +48,7 @@ def test_a_rerun_keeps_the_records_of_bad_data_and_the_output_and_a_cut_log_line
     for path in bad:
         path.write_bytes(path.read_bytes()[:300])
     argv = ['--recipe', stage1 / 'stage1.yaml', '--output', tmp_path / 'runs', '--data.image_folder', images,
-            '--data.max_length', '3']
+            '--data.max_length', 64 + 3]  # the image's 64 positions and 3 of each caption's tokens
     first = call(main, [*argv, '--max_steps', '2'], stage1)
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / 'runs' / 'stage1'
