@@ -110,10 +110,10 @@ def stage_recipes(tower: str, checkpoint: Path, lm: Path, paths: Dict[str, Path]
               'report_to': 'none', 'device': 'cpu', 'precision': 'fp32', 'seed': 0, 'output': str(out / 'runs')}
     stages = {
         'pretrain': {'data': {'type': 'conversations', 'json': str(paths['captions']), 'format': 'plain',
-                              'image_folder': str(paths['images']), 'max_length': 64},
+                              'image_folder': str(paths['images']), 'max_length': 128},  # 64 image positions
                      'train': {'projector': True, 'language_model': 'full'}, 'lr': 3e-3},
         'finetune': {'data': {'type': 'conversations', 'json': str(paths['conversations']), 'format': 'chat_template',
-                              'image_folder': str(paths['images']), 'max_length': 160},
+                              'image_folder': str(paths['images']), 'max_length': 224},  # and the text
                      'train': {'projector': True, 'language_model': 'full'}, 'lr': 3e-3,
                      'init_from': f'{tower}-pretrain'},
     }

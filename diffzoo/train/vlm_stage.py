@@ -45,8 +45,8 @@ from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_ten
 
 from .vlm_inputs import check_settings
 from .vlm_resume import resume_point, writing
-from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, run_log, start_run,
-                          training_arguments, write_results)
+from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, epoch_steps, run_log,
+                          start_run, training_arguments, write_results)
 
 DATA_PROBLEMS = 'data_problems.json'
 
@@ -213,11 +213,12 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
     cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
     check_settings(recipe)
     start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
-    train_set, problems = load_conversations(data['json'], data['image_folder'])  # a missing path stops here
+    # a missing path stops here
+    train_set, problems = load_conversations(data['json'], data['image_folder'], data['format'])
     args = training_arguments(recipe, run_dir, cuda)
     rank, world = args.process_index, args.world_size
     samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
-    steps_per_epoch = len(train_set) // samples_per_step
+    steps_per_epoch = epoch_steps(len(train_set), recipe['batch_size'], args.gradient_accumulation_steps, world)
     if steps_per_epoch == 0:
         raise RecipeError(f'{len(train_set)} conversations make no optimizer step of {samples_per_step} samples '
                           f'({recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world} processes); lower '
@@ -248,7 +249,8 @@ def _run_stage(recipe: Dict, name: str) -> Dict:
                   f'{recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world}; trainable {counts}'
                   + (f'; starts from {start}' if start else ''))
     collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
-                                    image_aspect=data['image_aspect'], mismatch=data['mismatch'])
+                                    image_aspect=data['image_aspect'], mismatch=data['mismatch'],
+                                    image_positions=vlm.model.image_positions())
     report = EpochReport(data['max_length'], data['mismatch'])
     trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
                            callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step), report],

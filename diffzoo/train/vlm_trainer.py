@@ -185,6 +185,12 @@ def plot_loss(log: List[Dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def epoch_steps(samples: int, batch_size: int, accumulation: int, world: int) -> int:
+    """Optimizer steps in an epoch as Trainer counts them with the last partial batch kept: the batches of each
+    process (accelerate gives each the same number), then a step per `accumulation` of them, the last one partial."""
+    return math.ceil(math.ceil(samples / (batch_size * world)) / accumulation)
+
+
 def accumulation(recipe: Dict, world: int) -> int:
     """Micro-batches per optimizer step: `grad_accum`, or what `global_batch_size` makes of batch_size × world."""
     total = recipe.get('global_batch_size')
@@ -225,7 +231,8 @@ def training_arguments(recipe: Dict, run_dir: Path, cuda: bool) -> TrainingArgum
         max_steps=recipe['max_steps'] or -1, lr_scheduler_type=recipe['lr_scheduler'],
         warmup_steps=warmup(recipe), max_grad_norm=recipe['max_grad_norm'], bf16=precision == 'bf16',
         logging_steps=recipe['log_every'], save_steps=recipe['save_every'], save_total_limit=2,
-        seed=recipe['seed'], use_cpu=not cuda, dataloader_drop_last=True,
+        seed=recipe['seed'], use_cpu=not cuda,
+        dataloader_drop_last=False,  # the last partial batch trains, as in LLaVA's and TinyLLaVA's trainers
         dataloader_num_workers=recipe['workers'], remove_unused_columns=False, report_to=report or 'none',
         log_level='warning', disable_tqdm=True)  # RunLog prints the progress
 
@@ -290,7 +297,7 @@ def _run(recipe: Dict, name: str) -> Dict:
     seed = recipe['seed'] if data['seed'] is None else data['seed']
     train_set = load_vqav2(data['root'], data['split'], data['fraction'], seed)
     val_set = load_vqav2(data['root'], data['val_split'], data['val_fraction'], seed) if data['val_split'] else []
-    steps_per_epoch = len(train_set) // (recipe['batch_size'] * world) // args.gradient_accumulation_steps
+    steps_per_epoch = epoch_steps(len(train_set), recipe['batch_size'], args.gradient_accumulation_steps, world)
     if steps_per_epoch == 0:
         raise RecipeError(f'{len(train_set)} training samples make no optimizer step at batch {recipe["batch_size"]} × '
                           f'accumulation {args.gradient_accumulation_steps} × {world} processes; lower batch_size or '

@@ -12,18 +12,24 @@ naming it, what is wrong and where. A record that cannot train is left out and c
 (`Problems`): an `id` that is not a string or a whole number (a missing or null one becomes `#<position>`); an
 `image` that is not a string, that leaves the image folder (an absolute path or a `..` component, the rule
 `diffzoo.data.shards.hostile_name` applies to shards; symlinks inside the folder are followed), that the system
-refuses as a path (e.g. a name over 255 bytes) or whose file is missing; `<image>` missing from an image sample
+refuses as a path (e.g. a name over 255 bytes), whose file is missing, or that is not a file (a directory, a symlink
+loop or to nothing: `diffzoo.vlm.images.path_problem` says which); `<image>` missing from an image sample
 or repeated, `<image>` in a text-only sample, turns not alternating human → gpt, no gpt turn, or not a
 conversation at all. As LLaVA's `preprocess_v1` and TinyLLaVA's templates do, a first turn that is not the
-human's is dropped (counted as a truncation); a conversation that ends on a human turn loses that turn (counted
-as a truncation, the sample kept). As LLaVA's `preprocess_multimodal` does, `<image>` moves to the start of the
+human's is dropped (counted as a truncation). A conversation that ends on a human turn is kept whole for vicuna_v1
+(`prompt_format`), as LLaVA's `preprocess_v1` takes it: its rounds do not add up, so it is masked whole, counted as
+a tokenization mismatch; for the other formats it loses that turn (counted as a truncation, the sample kept:
+TinyLLaVA's template stops the run on it, LLaVA's `preprocess_plain` reads the first two turns). As LLaVA's
+`preprocess_multimodal` does, `<image>` moves to the start of the
 turn that holds it (`<image>\n` + the rest of that turn, stripped: a turn that is only `<image>` stays `<image>`).
 
 How a conversation becomes tokens and labels (the formats: plain, vicuna_v1, qwen2_instruct, chat_template)
 is `diffzoo.vlm.templates`. `<image>` becomes the position where the model splices the image tokens
 (`image_at`, `VisionLanguageModel`); a text-only sample has none (-1) and its row carries a blank image that
 the model leaves out. A sample longer than `max_length` tokens is cut to it as LLaVA's and TinyLLaVA's
-collators cut it, the image placeholder counted as one token (counted); one whose cut leaves nothing scored is
+collators cut it, the image placeholder counted as one token, and again once the image is spliced in as the model's
+positions, with the tokens equal to the pad id dropped first (`ConversationCollator.fit`: what LLaVA's and
+TinyLLaVA's models do before their forward pass) (counted); one whose cut leaves nothing scored is
 left out of the batch (counted), and so is one whose rounds the format's reference could not count
 (`mismatched`, counted; `mismatch='score'` trains on it). An image that does not decode drops its sample as
 `diffzoo.vlm.data` does; the batch then carries `skipped_images` for the trainer.
@@ -37,7 +43,8 @@ import torch
 from PIL import Image
 
 from diffzoo.data.shards import hostile_name
-from .data import UNREADABLE, _skipped_record, read_json
+from .data import UNREADABLE, _skipped_record, read_json, unreadable_why
+from .images import open_rgb, path_problem
 from .options import CONVERSATION_FORMATS as FORMATS
 from .options import IMAGE_ASPECTS as ASPECTS
 from .options import MISMATCH_RULES
@@ -47,7 +54,7 @@ from .templates import GPT, HUMAN, IMAGE, VICUNA_V1_SYSTEM, encode, prompt  # no
 @dataclass(frozen=True)
 class Conversation:
     id: str
-    turns: Tuple[Tuple[str, str], ...]  # (HUMAN or GPT, text), alternating, starting with HUMAN, ending with GPT
+    turns: Tuple[Tuple[str, str], ...]  # (HUMAN or GPT, text), alternating, from HUMAN; vicuna_v1's may end on HUMAN
     image: Optional[str] = None  # the image file's path; None for a text-only sample
 
     @property
@@ -55,8 +62,7 @@ class Conversation:
         return self.image if self.image is not None else f'conversation {self.id}'
 
     def load_image(self) -> Image.Image:
-        with Image.open(self.image) as im:
-            return im.convert('RGB')
+        return open_rgb(self.image)
 
 
 @dataclass
@@ -81,9 +87,10 @@ class Problems:
         return {'left_out': dict(self.left_out), 'truncated': dict(self.truncated), 'examples': self.examples}
 
 
-def _turns(record: Dict, has_image: bool, problems: Problems, record_id: str) -> Optional[Tuple[Tuple[str, str], ...]]:
+def _turns(record: Dict, has_image: bool, problems: Problems, record_id: str, keep_last_question: bool
+           ) -> Optional[Tuple[Tuple[str, str], ...]]:
     """The record's turns as (role, text) with `<image>` leading the turn that holds it; None (counted) when
-    the record cannot train."""
+    the record cannot train. A last human turn is kept with `keep_last_question`, else dropped (counted)."""
     turns = record.get('conversations')
     if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get('value'), str)
                                               and t.get('from') in (HUMAN, GPT) for t in turns):
@@ -96,12 +103,12 @@ def _turns(record: Dict, has_image: bool, problems: Problems, record_id: str) ->
     if any(role != (HUMAN, GPT)[i % 2] for i, role in enumerate(roles)):
         problems.add('left_out', 'turns not alternating human, gpt', record_id)
         return None
-    if roles and roles[-1] == HUMAN:
-        problems.add('truncated', 'ended on a human turn (that turn dropped)', record_id)
-        turns = turns[:-1]
-    if not turns:
+    if GPT not in roles:
         problems.add('left_out', 'no gpt turn', record_id)
         return None
+    if roles[-1] == HUMAN and not keep_last_question:
+        problems.add('truncated', 'ended on a human turn (that turn dropped)', record_id)
+        turns = turns[:-1]
     placeholders = sum(t['value'].count(IMAGE) for t in turns)
     if has_image and placeholders == 0:
         problems.add('left_out', f'{IMAGE} missing from an image sample', record_id)
@@ -129,16 +136,17 @@ def _image_file(image, folder: Path) -> Tuple[Optional[str], Optional[str]]:
     if outside:
         return None, f'image path outside the image folder ({outside})'
     path = folder / image
-    try:
-        found = path.is_file()
-    except OSError as exc:  # a name over 255 bytes, a folder without permission
-        return None, f'image path refused by the system ({exc.strerror})'
-    return (str(path), None) if found else (None, 'image file missing')
+    problem = path_problem(path)  # missing, a directory, a symlink loop, a name the system refuses
+    return (None, problem) if problem else (str(path), None)
 
 
-def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Path, None] = None
-                       ) -> Tuple[List[Conversation], Problems]:
-    """The trainable conversations of a LLaVA-format JSON file, and what was left out or cut (module docstring)."""
+KEEPS_LAST_QUESTION = ('vicuna_v1',)  # formats whose reference takes a conversation ending on a human turn whole
+
+
+def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Path, None] = None,
+                       prompt_format: Optional[str] = None) -> Tuple[List[Conversation], Problems]:
+    """The trainable conversations of a LLaVA-format JSON file, and what was left out or cut (module docstring);
+    `prompt_format` the format they train in (a last human turn is kept for vicuna_v1)."""
     json_path = Path(json_path)
     if not json_path.is_file():
         raise FileNotFoundError(f'{json_path}: no such file; point data.json at a LLaVA-format JSON '
@@ -169,7 +177,7 @@ def load_conversations(json_path: Union[str, Path], image_folder: Union[str, Pat
             if unusable:
                 problems.add('left_out', unusable, record_id)
                 continue
-        turns = _turns(record, image is not None, problems, record_id)
+        turns = _turns(record, image is not None, problems, record_id, prompt_format in KEEPS_LAST_QUESTION)
         if turns is not None:
             kept.append(Conversation(record_id, turns, image))
     return kept, problems
@@ -207,10 +215,12 @@ class ConversationCollator:
     because the cut left nothing scored, `mismatched` those whose rounds the format's reference could not count
     (left out under `mismatch='mask'`, trained on under 'score'). `image_aspect`: 'pad' (LLaVA-1.5's
     image_aspect_ratio: padded to a square of the mean colour first) or 'crop' (the transform alone: TinyLLaVA's
-    Qwen2 scripts' 'square')."""
+    Qwen2 scripts' 'square'). `image_positions`: the sequence positions the model splices an image into
+    (`VisionLanguageModel.image_positions`), which `max_length` counts as the references' models do (`fit`)."""
 
     def __init__(self, tokenizer, image_transform: Callable, prompt_format: str, max_length: int = 2048,
-                 image_size: Tuple[int, int] = (224, 224), image_aspect: str = 'pad', mismatch: str = 'mask'):
+                 image_size: Tuple[int, int] = (224, 224), image_aspect: str = 'pad', mismatch: str = 'mask',
+                 image_positions: int = 1):
         if prompt_format not in FORMATS:
             raise ValueError(f'prompt format {prompt_format!r}: expected one of {FORMATS}')
         if image_aspect not in ASPECTS:
@@ -222,9 +232,37 @@ class ConversationCollator:
         self.tokenizer, self.transform, self.format = tokenizer, image_transform, prompt_format
         self.max_length, self.image_size, self.mismatch = max_length, tuple(image_size), mismatch
         self.pad_colour = pad_colour(image_transform) if image_aspect == 'pad' else None
+        self.image_positions = image_positions
+
+    def fit(self, ids: List[int], scored: List[bool], image_at: int) -> Tuple[List[int], List[bool], int, bool]:
+        """(ids, scored, image_at, whether cut) as LLaVA's and TinyLLaVA's collators and models leave a row: cut to
+        `max_length` with the image one token (their collators); the tokens equal to the pad id dropped, which their
+        collators leave unattended (`attention_mask = ids != pad`, the EOS kept where the pad is the EOS: TinyLLaVA's)
+        and `prepare_inputs_labels_for_multimodal` removes; then the image spliced in as `image_positions` tokens and
+        the whole cut to `max_length` again (`tokenizer_model_max_length`). Where that cut reaches into the image,
+        they keep part of it and nothing after: the row keeps the text before it, without the image, which scores
+        the same tokens from the same context."""
+        cut = len(ids) + (image_at >= 0) > self.max_length
+        if cut:
+            keep = self.max_length - 1 if 0 <= image_at < self.max_length else self.max_length
+            ids, scored = ids[:keep], scored[:keep]
+            image_at = image_at if image_at < self.max_length else -1
+        pad = self.tokenizer.pad_token_id
+        if pad != self.tokenizer.eos_token_id and pad in ids:
+            attended = [j for j, token in enumerate(ids) if token != pad]
+            image_at = sum(j < image_at for j in attended) if image_at >= 0 else -1
+            ids, scored = [ids[j] for j in attended], [scored[j] for j in attended]
+        if image_at >= 0 and len(ids) + self.image_positions > self.max_length:
+            cut = True
+            if image_at + self.image_positions <= self.max_length:
+                keep = self.max_length - self.image_positions
+                ids, scored = ids[:keep], scored[:keep]
+            else:
+                ids, scored, image_at = ids[:image_at], scored[:image_at], -1
+        return ids, scored, image_at, cut
 
     def __call__(self, samples: Sequence[Conversation]) -> Dict:
-        rows, images, kept, skipped, cut, long, mismatched = [], [], [], [], [], [], []
+        rows, images, kept, skipped, cut, long, mismatched, why = [], [], [], [], [], [], [], {}
         for i, sample in enumerate(samples):
             ids, scored, image_at, mismatch = encode(sample.turns, self.tokenizer, self.format, self.max_length,
                                                      self.mismatch)
@@ -232,11 +270,9 @@ class ConversationCollator:
                 mismatched.append(sample.id)
                 if self.mismatch == 'mask':
                     continue
-            if len(ids) + (image_at >= 0) > self.max_length:  # LLaVA's cut: the image placeholder is one token
+            ids, scored, image_at, was_cut = self.fit(ids, scored, image_at)
+            if was_cut:
                 cut.append(sample.id)
-                keep = self.max_length - 1 if 0 <= image_at < self.max_length else self.max_length
-                ids, scored = ids[:keep], scored[:keep]
-                image_at = image_at if image_at < self.max_length else -1
                 if not any(scored):
                     long.append(sample.id)
                     continue
@@ -244,8 +280,9 @@ class ConversationCollator:
             if sample.image is not None:
                 try:
                     image = sample.load_image()
-                except UNREADABLE:
+                except UNREADABLE as exc:
                     skipped.append(sample.source)
+                    why[sample.source] = unreadable_why(exc)
                     continue
                 if self.pad_colour is not None:
                     image = pad_to_square(image, self.pad_colour)
@@ -268,7 +305,7 @@ class ConversationCollator:
                  'input_ids': input_ids, 'attention_mask': attention_mask, 'labels': labels,
                  'image_at': torch.tensor([at for _, _, at in rows], dtype=torch.long)}
         if skipped:
-            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder)
+            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder, why)
         if cut:
             batch['cut_short'], batch['left_out_long'] = cut, long
         if mismatched:

@@ -15,10 +15,11 @@ PaliGemma's task prompt is "answer en {question}\\n" and the target the consensu
 BOS + prompt (bidirectional), suffix = answer + EOS (causal, the only scored tokens), right padding.
 `PaliGemmaCollator` uses a PaliGemma processor, whose `suffix=` does the same for real checkpoints.
 
-An image that does not decode (truncated or corrupt file, or over PIL's decompression-bomb limit: more than
-twice `Image.MAX_IMAGE_PIXELS`, which stays as PIL sets it) drops its sample from the batch; the batch
-then carries `skipped_images` (the dropped samples' `source`s and the positions of the kept ones),
-which `SkippedImages` counts (one entry per distinct file) and the trainer pops before the forward
+An image that does not decode (truncated or corrupt file, a path that is a directory, or over PIL's pixel limit
+`Image.MAX_IMAGE_PIXELS`, which stays as PIL sets it: a JPEG is decoded at a scale under it, any other image
+refused, `diffzoo.vlm.images`) drops its sample from the batch; the batch then carries `skipped_images` (the
+dropped samples' `source`s, why each did not open, and the positions of the kept ones), which `SkippedImages`
+counts (one entry per distinct file, named with why the first time) and the trainer pops before the forward
 pass. A batch with no readable image becomes one placeholder row (a blank image, nothing scored), so
 every process still takes its step. At evaluation (`train=False`) the same holds:
 `diffzoo.eval.vqa.answer_questions` answers the kept questions only and reports the others as left out.
@@ -28,10 +29,12 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from PIL import Image
+
+from .images import open_rgb
 
 PROMPT = 'answer en {question}\n'
 
@@ -55,34 +58,42 @@ class VQASample:
         return self.extra.get('source', f'question {self.question_id}')
 
     def load_image(self) -> Image.Image:
-        source = io.BytesIO(self.image) if isinstance(self.image, bytes) else self.image
-        with Image.open(source) as im:
-            return im.convert('RGB')
+        return open_rgb(io.BytesIO(self.image) if isinstance(self.image, bytes) else self.image)
 
 
 # PIL: UnidentifiedImageError (an OSError), truncated data, broken chunks, more pixels than its bomb limit
 UNREADABLE = (OSError, SyntaxError, Image.DecompressionBombError)
 
 
-def _load_images(samples: Sequence[VQASample]) -> Tuple[List[int], List[Image.Image], List[str]]:
+def unreadable_why(exc: BaseException) -> str:
+    """Why an image did not open, in words: the error's kind and message."""
+    return f'{type(exc).__name__}: {str(exc)[:200]}'
+
+
+def _load_images(samples: Sequence[VQASample], why: Optional[Dict[str, str]] = None
+                 ) -> Tuple[List[int], List[Image.Image], List[str]]:
     """(positions of the samples kept, their RGB images, sources of the dropped ones): an unreadable image
-    drops its sample, in training and at evaluation alike."""
+    drops its sample, in training and at evaluation alike; `why` (when given) receives source → why."""
     kept, images, skipped = [], [], []
     for i, s in enumerate(samples):
         try:
             image = s.load_image()
-        except UNREADABLE:
+        except UNREADABLE as exc:
             skipped.append(s.source)
+            if why is not None:
+                why[s.source] = unreadable_why(exc)
             continue
         kept.append(i)
         images.append(image)
     return kept, images, skipped
 
 
-def _skipped_record(skipped: List[str], kept: List[int], placeholder: bool) -> Dict:
-    """The batch's `skipped_images` entry: dropped sources, positions of the kept samples in the samples
-    given (what `diffzoo.eval.vqa.answer_questions` pairs answers with), whether the row is a placeholder."""
-    return {'sources': skipped, 'kept': kept, 'placeholder': bool(placeholder)}
+def _skipped_record(skipped: List[str], kept: List[int], placeholder: bool, why: Optional[Dict[str, str]] = None
+                    ) -> Dict:
+    """The batch's `skipped_images` entry: dropped sources (and why each did not open), positions of the kept
+    samples in the samples given (what `diffzoo.eval.vqa.answer_questions` pairs answers with), whether the row is
+    a placeholder."""
+    return {'sources': skipped, 'why': dict(why or {}), 'kept': kept, 'placeholder': bool(placeholder)}
 
 
 def _placeholder() -> Tuple[List[VQASample], List[Image.Image]]:
@@ -111,7 +122,9 @@ class SkippedImages:
         for source in skipped['sources']:
             if source not in self.files:
                 self.files.append(source)
-                print(f'skipped an unreadable image (its questions are left out): {source}', flush=True)
+                why = skipped.get('why', {}).get(source)
+                print(f'skipped an unreadable image (its questions are left out): {source}'
+                      + (f' ({why})' if why else ''), flush=True)
 
     def merge(self, others: Iterable['SkippedImages']) -> 'SkippedImages':
         total = SkippedImages(self.files)
@@ -241,8 +254,8 @@ class VLMCollator:
         self.max_length, self.train = max_length, train
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
-        tok = self.tokenizer
-        kept, images, skipped = _load_images(samples)
+        tok, why = self.tokenizer, {}
+        kept, images, skipped = _load_images(samples, why)
         samples = [samples[i] for i in kept]
         placeholder = skipped and not samples
         if placeholder:
@@ -270,7 +283,7 @@ class VLMCollator:
         if self.train:
             batch['labels'] = labels
         if skipped:
-            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder)
+            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder, why)
         return batch
 
 
@@ -281,8 +294,8 @@ class PaliGemmaCollator:
         self.processor, self.train = processor, train
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
-        image = getattr(self.processor, 'image_token', '<image>')  # PaliGemma's prompts start with the image tokens
-        kept, images, skipped = _load_images(samples)
+        image, why = getattr(self.processor, 'image_token', '<image>'), {}  # PaliGemma's prompts start with it
+        kept, images, skipped = _load_images(samples, why)
         samples = [samples[i] for i in kept]
         placeholder = skipped and not samples
         if placeholder:
@@ -293,5 +306,5 @@ class PaliGemmaCollator:
         if placeholder:
             batch['labels'] = torch.full_like(batch['input_ids'], -100)
         if skipped:
-            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder)
+            batch['skipped_images'] = _skipped_record(skipped, kept, placeholder, why)
         return batch

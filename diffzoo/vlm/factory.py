@@ -21,13 +21,13 @@ is made differential as saved and the adapter loaded; otherwise `differential` (
 keywords) is applied when given: the one place a model is made ready to run.
 """
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 import transformers
 
-from diffzoo.recipes import expand_env
+from diffzoo.recipes import RecipeError, expand_env
 
 from .conversations import pad_colour, pad_to_square
 from .conversations import prompt as conversation_prompt
@@ -37,16 +37,19 @@ from .lora import add_lora, load_adapter
 from .model import VisionLanguageModel, build_vlm
 from .parts import model_parts
 from .plan import TrainingPlan, apply_plan
-from .recipe import MODEL, check_model, load_vlm_recipe
-from .stages import STAGE_CONFIG, STAGE_DIR, load_stage
+from .recipe import DATA, MODEL, check_model, load_vlm_recipe
+from .stages import STAGE_CONFIG, STAGE_DIR, load_stage, stage_problem
 
 
 class VLM:
     """A vision-language model and its preprocessing (module docstring). `model` is what trains and
-    runs (a peft wrapper once LoRA is added); `tokenizer` its text tokenizer."""
+    runs (a peft wrapper once LoRA is added); `tokenizer` its text tokenizer. `max_length`: the positions (the
+    image's and the text's) a prompt may take; a longer one is cut to them (`prompt_positions` says how many it
+    takes)."""
 
     type = ''
     image_token_id: Optional[int] = None  # the id of the image positions in input_ids (PaliGemma's <image>)
+    max_length: Optional[int] = None
 
     def __init__(self, model: nn.Module, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -94,6 +97,10 @@ class VLM:
         """Greedy answers to a batch from `prompts` or `collator(train=False)`, decoded and stripped."""
         raise NotImplementedError
 
+    def prompt_positions(self, prompt: str) -> int:
+        """The positions one question takes with its image, before any cut (what `max_length` counts)."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def answer(self, images: Sequence, prompts: Sequence[str], max_new_tokens: int = 20) -> List[str]:
         """Greedy answers, one per (image, prompt) pair."""
@@ -104,7 +111,11 @@ class BuiltVLM(VLM):
     """`build_vlm`'s `VisionLanguageModel`: [image tokens | prompt | answer], the tower's transform. With a
     `prompt_format` (a conversation format, `diffzoo.vlm.conversations`: what a LLaVA-style stage trained
     on) prompts are asked in that format, the image at its `<image>` place, padded to a square when
-    `image_aspect` is 'pad'."""
+    `image_aspect` is 'pad'. `max_length` is the recipe's `data.max_length` when it trains on conversations
+    (LLaVA's `tokenizer_model_max_length`), else the language model's `max_position_embeddings`: a longer prompt is
+    cut to it with its image spliced in, as LLaVA's `prepare_inputs_labels_for_multimodal` cuts at evaluation too
+    (where the cut reaches into the image, LLaVA keeps part of it and nothing after; here the text before it is
+    asked without the image)."""
 
     type = 'build_vlm'
 
@@ -113,21 +124,52 @@ class BuiltVLM(VLM):
         self.transform = transform
         self.prompt_format: Optional[str] = None
         self.image_aspect = 'crop'
+        self.max_length = getattr(model.config.get_text_config(), 'max_position_embeddings', None)
+        self._image_positions: Optional[int] = None
+
+    @property
+    def image_positions(self) -> int:
+        """The positions the model splices an image into (counted once)."""
+        if self._image_positions is None:
+            self._image_positions = self.model.image_positions()
+        return self._image_positions
 
     def collator(self, train: bool = True, max_length: int = 64) -> Callable:
         return VLMCollator(self.tokenizer, self.transform, max_length, train=train)
 
+    def _rows(self, prompts: Sequence[str]) -> Tuple[List[List[int]], Optional[List[int]]]:
+        """Each prompt's ids and where its image goes (None: before the text, PaliGemma's layout)."""
+        tok = self.tokenizer
+        if self.prompt_format is None:  # PaliGemma's layout: [image | BOS prompt]
+            return [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts], None
+        asked = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]  # the image where <image> goes
+        return [ids for ids, _ in asked], [at for _, at in asked]
+
+    def prompt_positions(self, prompt: str) -> int:
+        rows, image_at = self._rows([prompt])
+        return len(rows[0]) + (self.image_positions if image_at is None or image_at[0] >= 0 else 0)
+
+    def _cut(self, rows: List[List[int]], image_at: Optional[List[int]]) -> None:
+        """Each row, with its image spliced in, cut in place to `max_length` positions (class docstring)."""
+        limit, positions = self.max_length, self.image_positions
+        for i, row in enumerate(rows):
+            at = 0 if image_at is None else image_at[i]
+            if limit is None or len(row) + (positions if at >= 0 else 0) <= limit:
+                continue
+            if at < 0:
+                rows[i] = row[:limit]
+            elif at + positions <= limit:
+                rows[i] = row[:limit - positions]
+            else:  # the image reaches past the cut: the text before it, without the image
+                rows[i], image_at[i] = row[:at], -1
+
     def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
         tok = self.tokenizer
-        image_at = None
-        if self.prompt_format is None:  # PaliGemma's layout: [image | BOS prompt]
-            rows = [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts]
-        else:  # the conversation format's question, the image where <image> goes
-            asked = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]
-            rows, image_at = [ids for ids, _ in asked], [at for _, at in asked]
-            if self.image_aspect == 'pad':
-                colour = pad_colour(self.transform)
-                images = [pad_to_square(im.convert('RGB'), colour) for im in images]
+        rows, image_at = self._rows(prompts)
+        self._cut(rows, image_at)
+        if self.prompt_format is not None and self.image_aspect == 'pad':
+            colour = pad_colour(self.transform)
+            images = [pad_to_square(im.convert('RGB'), colour) for im in images]
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), pad, dtype=torch.long)
@@ -150,7 +192,9 @@ class BuiltVLM(VLM):
 
 
 class PaliGemmaVLM(VLM):
-    """A PaliGemma checkpoint with its processor: [<image> × P | BOS prompt | answer]."""
+    """A PaliGemma checkpoint with its processor: [<image> × P | BOS prompt | answer]. A prompt longer than
+    `max_length` (its Gemma's `max_position_embeddings`) is cut to it by the processor's tokenizer, the image tokens
+    first, kept."""
 
     type = 'paligemma'
 
@@ -161,14 +205,21 @@ class PaliGemmaVLM(VLM):
         self.image_token_id = getattr(config, 'image_token_id', None)
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
+        self.max_length = getattr(config.get_text_config(), 'max_position_embeddings', None)
+
+    def prompt_positions(self, prompt: str) -> int:
+        image_tokens = self.processor.image_seq_length
+        return image_tokens + len(self.tokenizer(self.tokenizer.bos_token + prompt + '\n',
+                                                 add_special_tokens=False)['input_ids'])
 
     def collator(self, train: bool = True, max_length: int = 64) -> Callable:
         return PaliGemmaCollator(self.processor, train=train)
 
     def prompts(self, images: Sequence, prompts: Sequence[str]) -> Dict[str, torch.Tensor]:
         image = getattr(self.processor, 'image_token', '<image>')  # PaliGemma's prompts start with the image tokens
+        cut = {} if self.max_length is None else {'truncation': True, 'max_length': self.max_length}
         batch = self.processor(text=[image + p for p in prompts], images=list(images), return_tensors='pt',
-                               padding='longest')
+                               padding='longest', **cut)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     @torch.no_grad()
@@ -217,16 +268,22 @@ def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None]
     """The model a VLM recipe (name, path, or loaded mapping) trains, with `adapter` when given (as
     saved) or made differential as the recipe says, in eval mode: what MMNeedle, the benchmarks and the
     analysis run. `stage`: a LLaVA-style stage's run directory (or its `stage/`), whose tensors are loaded
-    (`diffzoo.vlm.stages`); a recipe that trains on conversations asks its prompts in their format."""
+    (`diffzoo.vlm.stages`; one that trained no step or whose weights are cut short is refused first,
+    RecipeError); a recipe that trains on conversations asks its prompts in their format."""
+    if stage is not None:  # refused before any model is built, as a chain refuses it (`stage_problem`)
+        stage = Path(stage) if (Path(stage) / STAGE_CONFIG).is_file() else Path(stage) / STAGE_DIR
+        problem = stage_problem(stage)
+        if problem:
+            raise RecipeError(f'stage {stage}: {problem}')
     raw = load_vlm_recipe(recipe) if isinstance(recipe, str) else dict(recipe)
     spec = expand_env(check_model(raw))
     vlm = load_vlm(spec['model'], adapter=adapter, differential=spec['differential'])
     if stage is not None:
-        stage = Path(stage)
-        load_stage(vlm.model, stage if (stage / STAGE_CONFIG).is_file() else stage / STAGE_DIR, spec)
+        load_stage(vlm.model, stage, spec)
     data = raw.get('data') or {}
     if data.get('type') == 'conversations' and isinstance(vlm, BuiltVLM):
         vlm.prompt_format, vlm.image_aspect = data['format'], data.get('image_aspect', 'pad')
+        vlm.max_length = data.get('max_length', DATA.sections['conversations'].keys['max_length'].default)
     vlm = vlm.to(device)
     vlm.model.eval()
     return vlm

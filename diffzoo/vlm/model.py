@@ -140,6 +140,14 @@ class VisionLanguageModel(nn.Module):
         """The projector's dtype, which the pixels are cast to."""
         return next(self.projector.parameters()).dtype
 
+    @torch.no_grad()
+    def image_positions(self) -> int:
+        """How many sequence positions an image takes (the tower's patch tokens, or eRAM-V's anchors), counted on
+        one blank image: what a maximum length counts beside the text."""
+        parameter = next(self.projector.parameters())
+        pixels = torch.zeros(1, 3, *self.vision.image_size, dtype=parameter.dtype, device=parameter.device)
+        return self.visual_inputs(pixels)[0].shape[1]
+
     def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, P, D): projected patch tokens (pre-divided by √D for LMs that scale all input embeddings)."""
         tokens = self.vision(pixel_values.to(self.dtype))  # (B, P, D_v)

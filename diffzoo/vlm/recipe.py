@@ -80,8 +80,10 @@ DATA = Typed({
         'format': Key((str,), REQUIRED, 'prompt format: plain (LLaVA and TinyLLaVA pre-training), vicuna_v1 '
                                         "(LLaVA-1.5), qwen2_instruct (TinyLLaVA_Factory's Qwen2) or chat_template "
                                         "(the language model's own)", CONVERSATION_FORMATS),
-        'max_length': Key((int,), 2048, "longest conversation in tokens, the image placeholder one (LLaVA's "
-                                        'model_max_length; longer ones are cut, counted)'),
+        'max_length': Key((int,), 2048, "longest conversation (LLaVA's model_max_length): cut in tokens with the "
+                                        "image placeholder one, then in positions with the image's (as LLaVA's "
+                                        'collator and model); longer ones are cut, counted; prompts asked are cut '
+                                        'to it too'),
         'image_aspect': Key((str,), 'pad', "pad (LLaVA-1.5's: to a square of the normaliser's mean colour first) or "
                                           "crop (the tower's transform alone: TinyLLaVA's Qwen2 scripts' 'square')",
                             IMAGE_ASPECTS),

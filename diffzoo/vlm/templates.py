@@ -87,8 +87,13 @@ def qwen2_instruct_pieces(turns: Sequence[Tuple[str, str]], tokenizer=None) -> L
 
 
 def _rounds(turns, system: str, end: str) -> List[Tuple[str, bool]]:
+    """The rounds' pieces; a last question without its answer is 'USER: q ' as conv_vicuna_v1 writes a message and
+    its separator."""
     pieces = [(system, False)]
     for i in range(0, len(turns), 2):
+        if i + 1 == len(turns):
+            pieces.append((f'USER: {turns[i][1]} ', False))
+            break
         pieces.append((f'USER: {turns[i][1]} ASSISTANT:', False))
         pieces.append((f' {turns[i + 1][1]}{end}', True))
     return pieces

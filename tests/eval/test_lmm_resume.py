@@ -1,7 +1,9 @@
 """`python -m diffzoo.eval.lmm` writes each batch's replies to `<task>_predictions.jsonl` as they are made, and a
 second run with the same OUT reuses them (matched by question id and prompt): a run cut at any question, by a
-kill in mid-write included, loses no reply; results.json counts the questions answered, reused and left out."""
+kill in mid-write included, loses no reply; results.json counts the questions answered, reused and left out. A
+question longer than the model takes is cut to it, counted, and neither ends the run nor takes its memory."""
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -97,3 +99,41 @@ def test_a_run_killed_while_answering_goes_on_from_its_predictions_file(tmp_path
     assert sorted(r['id'] for r in _rows(tmp_path / 'out')) == sorted(
         f'{s}-{n}' for s in tasks.POPE_SPLITS for n in range(1, 21))
 
+
+
+ADDRESS_SPACE = 8 * 2 ** 30  # the runner takes about 4.2 GB of address space on this suite's tiny model
+
+
+def _address_space_limited():
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+
+@pytest.mark.slow
+def test_a_question_longer_than_the_model_takes_is_cut_and_counted_and_the_rest_scored_in_limited_memory(tmp_path):
+    """A POPE question of 100,000 characters (about 38,000 positions with its image: its 38,000² attention mask alone
+    is 5.8 GB) among short ones, the real command in a process of 8 GiB of address space: the long question is cut
+    to the recipe's 2,048 positions as LLaVA's model cuts a prompt, answered, counted and named; every question is
+    scored; a rerun finishes, every reply reused. Before: both runs ended in prefix_lm_mask, out of memory (without
+    a limit, the kernel's out-of-memory killer took the runner)."""
+    long = json.dumps({'question_id': 2, 'image': 'red.jpg', 'label': 'yes',
+                       'text': ('Is there a dog in the image? ' * 3500)[:100_000]})
+    _pope_lines(tmp_path / 'data', [_q(1), long, _q(3, 'blue.jpg', label='no')])
+    out = tmp_path / 'out'
+    command = [sys.executable, '-m', 'diffzoo.eval.lmm', '--model', tiny_recipe(tmp_path), '--task', 'pope', '--data',
+               tmp_path / 'data', '--out', out, '--max-new-tokens', '2', '--batch-size', '2']
+    runs = [subprocess.run(list(map(str, command)), cwd=tmp_path, env=python_env(), capture_output=True, text=True,
+                           timeout=900, preexec_fn=_address_space_limited) for _ in ('first', 'rerun')]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+    pope, rows = _results(out), _rows(out)
+    assert (pope['questions'], pope['answered'], pope['left_out']) == (9, 9, {})
+    assert pope['cut_to_max_length']['count'] == 3 and pope['cut_to_max_length']['max_length'] == 2048
+    assert [e.split(' (')[0] for e in pope['cut_to_max_length']['examples']] == [f'{s}-2' for s in tasks.POPE_SPLITS]
+    positions = int(pope['cut_to_max_length']['examples'][0].split('(')[1].split(' ')[0].replace(',', ''))
+    assert positions > 20_000
+    assert "pope: 3 question(s) longer than the model's 2,048 positions, cut to them" in runs[0].stdout
+    assert 'pope (9 answered, 3 cut to 2,048 positions; scored as pope)' in runs[0].stdout
+    assert sorted(r['id'] for r in rows) == sorted(f'{s}-{q}' for s in tasks.POPE_SPLITS for q in (1, 2, 3))
+    assert pope['scores'] == tasks.TASKS['pope'].score(rows)
+    assert sum(split['questions'] for split in pope['scores'].values()) == 9
+    assert f'pope: 9 replies reused from {out / "pope_predictions.jsonl"}; 0 questions to ask' in runs[1].stdout

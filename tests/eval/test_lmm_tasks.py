@@ -198,16 +198,76 @@ def test_one_malformed_record_is_left_out_and_named_and_the_rest_are_asked(tmp_p
         ('textvqa_ocr', 'textvqa'): (['1'], {
             'question id not in TextVQA_0.5.1_val.json (both files must be TextVQA 0.5.1 val)': [
                 f"{tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl'}:2 (question 2)"]}),
-        ('gqa', 'gqa'): (['1'], {"not in the set's layout (no 'imageId' field)": [
-            str(tmp_path / 'gqa' / 'testdev_balanced_questions.json')]}),
-        ('okvqa', 'okvqa'): (['1'], {"not in the set's layout (a field of another type)": [
-            str(tmp_path / 'okvqa' / 'mscoco_val2014_annotations.json')]}),
+        ('gqa', 'gqa'): (['1'], {'no imageId': [f"{tmp_path / 'gqa' / 'testdev_balanced_questions.json'} question 2"]}),
+        ('okvqa', 'okvqa'): (['1'], {'answers not a list of {answer: string}': [
+            f"{tmp_path / 'okvqa' / 'mscoco_val2014_annotations.json'} entry 1 (question 2)"]}),
     }
     for (task, folder), (ids, named) in expected.items():
         questions, left_out = tasks.TASKS[task].questions(tmp_path / folder)
         assert ([s.id for s in questions], left_out.named) == (ids, named), (task, folder)
-    with pytest.raises(DataError, match="testdev_balanced_questions.json: not in the set's layout"):
+    with pytest.raises(DataError, match="testdev_balanced_questions.json question 2: no imageId"):
         tasks.read_gqa(tmp_path / 'gqa')  # a reader alone refuses the first
+
+
+def test_a_field_of_another_type_is_left_out_named_by_its_record_and_the_rest_are_asked(tmp_path):
+    """Before: an OK-VQA question without its id, or a TextVQA question that is not a string, ended the task before
+    any inference (KeyError, AttributeError); TextVQA answers given as one string ended it after every question was
+    answered (in scoring), a TextVQA-OCR text that is null at the first batch's tokenization; a GQA question that is
+    null was asked as "None"; GQA and OK-VQA records were named by their file only."""
+    (tmp_path / 'okvqa').mkdir()
+    (tmp_path / 'okvqa' / 'OpenEnded_mscoco_val2014_questions.json').write_text(json.dumps({'questions': [
+        {'question_id': 1, 'image_id': 42, 'question': 'what?'}, {'image_id': 42, 'question': 'no id?'},
+        {'question_id': 3, 'image_id': 42, 'question': ['not', 'text']}]}))
+    (tmp_path / 'okvqa' / 'mscoco_val2014_annotations.json').write_text(json.dumps({'annotations': [
+        {'question_id': n, 'image_id': 42, 'answers': [{'answer': 'cat'}] * 10} for n in (1, 2, 3)]}))
+    (tmp_path / 'textvqa').mkdir()
+    (tmp_path / 'textvqa' / 'TextVQA_0.5.1_val.json').write_text(json.dumps({'data': [
+        {'question_id': 1, 'question': 'what?', 'image_id': 'abc', 'answers': ['a'] * 10},
+        {'question_id': 2, 'question': 7, 'image_id': 'abc', 'answers': ['a'] * 10},
+        {'question_id': 3, 'question': 'what?', 'image_id': 'abc', 'answers': 'a'}]}))
+    (tmp_path / 'textvqa' / 'llava_textvqa_val_v051_ocr.jsonl').write_text(''.join(
+        json.dumps({'question_id': n, 'image': 'abc.jpg', 'text': text}) + '\n' for n, text in ((1, 'q'), (2, None))))
+    (tmp_path / 'gqa').mkdir()
+    (tmp_path / 'gqa' / 'testdev_balanced_questions.json').write_text(json.dumps({
+        '1': {'imageId': 'n1', 'question': 'q?', 'answer': 'no'}, '2': {'imageId': 'n1', 'question': None,
+                                                                        'answer': 'no'}}))
+    okvqa, textvqa = tmp_path / 'okvqa', tmp_path / 'textvqa'
+    expected = {
+        ('okvqa', 'okvqa'): (['1'], {
+            'no question_id': [f'{okvqa / "OpenEnded_mscoco_val2014_questions.json"} entry 1'],
+            'question id not in OpenEnded_mscoco_val2014_questions.json': [
+                f'{okvqa / "mscoco_val2014_annotations.json"} entry 1 (question 2)'],
+            'question not a string': [f"{okvqa / 'OpenEnded_mscoco_val2014_questions.json'} entry 2 "
+                                      f"(question ['not', 'text'])"]}),
+        ('textvqa', 'textvqa'): (['1'], {
+            'question not a string': [f'{textvqa / "TextVQA_0.5.1_val.json"} entry 1 (question 7)'],
+            'answers not a list of strings': [f'{textvqa / "TextVQA_0.5.1_val.json"} entry 2']}),
+        ('textvqa_ocr', 'textvqa'): (['1'], {
+            'text not a string': [f'{textvqa / "llava_textvqa_val_v051_ocr.jsonl"}:2 (text None)']}),
+        ('gqa', 'gqa'): (['1'], {
+            'question not a string': [f'{tmp_path / "gqa" / "testdev_balanced_questions.json"} question 2 (question '
+                                      f'None)']}),
+    }
+    for (task, folder), (ids, named) in expected.items():
+        questions, left_out = tasks.TASKS[task].questions(tmp_path / folder)
+        assert ([s.id for s in questions], left_out.named) == (ids, named), (task, folder)
+        assert all(isinstance(s.prompt, str) for s in questions)
+        tasks.TASKS[task].score(tasks.rows_for_scoring(questions, ['a'] * len(questions)))  # scored as they are
+
+
+def test_an_mme_image_without_its_answer_file_is_named_and_counted(tmp_path):
+    """Before: an image whose .txt was missing was passed over without a word (`mme: 5 questions`, nothing left
+    out), in either sub-layout."""
+    _mme_release(tmp_path / 'mme')
+    _image(tmp_path / 'mme' / 'artwork' / 'images' / '10003.jpg')
+    _image(tmp_path / 'mme' / 'existence' / '000000006041.png')
+    (tmp_path / 'mme' / 'existence' / 'notes.md').write_text('not an image')
+    questions, left_out = tasks.TASKS['mme'].questions(tmp_path / 'mme')
+    assert len(questions) == 5
+    assert left_out.named == {tasks.NO_ANSWER_FILE: [str(tmp_path / 'mme' / 'existence' / '000000006041.png'),
+                                                     str(tmp_path / 'mme' / 'artwork' / 'images' / '10003.jpg')]}
+    with pytest.raises(DataError, match=f'000000006041.png: image without its answer file'):
+        tasks.read_mme(tmp_path / 'mme')  # a reader alone refuses the first
 
 
 def test_a_repeated_question_id_keeps_the_first_question_and_leaves_out_every_repeat(tmp_path):

@@ -276,3 +276,18 @@ def test_a_model_lmms_eval_cannot_build_ends_the_command_with_status_2(tmp_path)
                       '--tasks', 'pope', '--output_path', tmp_path / 'lmms')
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"error: lmms-eval --model diffzoo: RecipeError: no recipe '{tmp_path / 'missing.yaml'}'" in done.stderr
+
+
+def test_a_stage_that_trained_no_step_is_refused_before_the_model_is_built(tmp_path, capsys):
+    """`python -m diffzoo.eval.lmm --stage` refuses such a stage before any model is built; the model lmms-eval
+    builds now refuses it by the same rule (`stage_problem`), before reading the recipe (before: only once the model
+    was built, and only where its weights did not load)."""
+    stage = tmp_path / 'run' / 'stage'
+    stage.mkdir(parents=True)
+    (stage / 'stage.json').write_text('{"steps": 0}')
+    (stage / 'stage_model.safetensors').write_bytes(b'')
+    with pytest.raises(SystemExit) as exited:
+        DiffzooLMM(recipe=str(tmp_path / 'missing.yaml'), stage=str(tmp_path / 'run'))
+    assert exited.value.code == 2
+    assert f'RecipeError: stage {stage}: stage.json records 0 steps: that stage trained nothing' \
+        in capsys.readouterr().err

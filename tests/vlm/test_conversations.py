@@ -104,8 +104,8 @@ def test_the_loader_keeps_what_trains_and_counts_each_left_out_record_once(tmp_p
                                  '<image> repeated': 1, '<image> in a sample without an image': 1,
                                  'turns not alternating human, gpt': 1, 'no gpt turn': 1,
                                  'not a conversation (a list of {from: human|gpt, value})': 1}
-    assert problems.truncated == {'ended on a human turn (that turn dropped)': 2,  # ends-human, only-human
-                                  'started on a gpt turn (that turn dropped)': 1}  # as LLaVA's preprocess_v1
+    assert problems.truncated == {'ended on a human turn (that turn dropped)': 1,  # ends-human (only-human: once,
+                                  'started on a gpt turn (that turn dropped)': 1}  # as no gpt turn); as LLaVA
     assert 'no-file' in problems.summary()
     with pytest.raises(FileNotFoundError, match='nothere.json'):
         load_conversations(tmp_path / 'nothere.json', tmp_path / 'images')
@@ -164,7 +164,9 @@ def test_an_image_over_pils_decompression_bomb_limit_leaves_its_sample_out_of_th
         kept[1].load_image()
     batch = ConversationCollator(_tokenizer(), lambda im: torch.zeros(3, 8, 8), 'vicuna_v1')(kept)
     assert batch['input_ids'].shape[0] == 1
+    why = batch['skipped_images'].pop('why')
     assert batch['skipped_images'] == {'sources': [kept[1].image], 'kept': [0], 'placeholder': False}
+    assert why[kept[1].image].startswith('DecompressionBombError: Image size')  # PIL's refusal, over 2× its limit
     assert Image.MAX_IMAGE_PIXELS == limit
 
 

@@ -57,14 +57,17 @@ def test_unreadable_images_are_dropped_and_named(data, language_model_dir):
     collate = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))
     batch = collate(samples[:6])  # images 0, 1 (truncated), 2 (not an image): 2 good questions of 6
     assert batch['pixel_values'].shape[0] == batch['input_ids'].shape[0] == 2
+    why = batch['skipped_images'].pop('why')
     assert batch['skipped_images'] == {'sources': [samples[2].image, samples[3].image, samples[4].image,
                                                    samples[5].image], 'kept': [0, 1], 'placeholder': False}
+    assert why[samples[2].image].startswith('OSError: ')  # the truncated file
+    assert why[samples[4].image].startswith('UnidentifiedImageError: cannot identify image file')
     assert (batch['labels'] != -100).sum(1).tolist() == [2, 2]  # answer + EOS of each kept question
     assert 'skipped_images' not in collate(samples[:2])  # a good batch is the model's input, unchanged
     batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64), train=False)(samples[1:4])  # evaluation
     assert batch['input_ids'].shape[0] == 1 and 'labels' not in batch
-    assert batch['skipped_images'] == {'sources': [samples[2].image, samples[3].image], 'kept': [0],
-                                       'placeholder': False}
+    assert {k: v for k, v in batch['skipped_images'].items() if k != 'why'} == {
+        'sources': [samples[2].image, samples[3].image], 'kept': [0], 'placeholder': False}
 
 
 def test_a_batch_of_unreadable_images_becomes_one_unscored_row(data, language_model_dir, paligemma_dir):
@@ -72,7 +75,8 @@ def test_a_batch_of_unreadable_images_becomes_one_unscored_row(data, language_mo
     tokenizer = transformers.AutoTokenizer.from_pretrained(language_model_dir)
     batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))(samples[2:6])
     assert batch['input_ids'].shape[0] == 1 and (batch['labels'] == -100).all()
-    assert batch['skipped_images'] == {'sources': [s.image for s in samples[2:6]], 'kept': [], 'placeholder': True}
+    assert {k: v for k, v in batch['skipped_images'].items() if k != 'why'} == {
+        'sources': [s.image for s in samples[2:6]], 'kept': [], 'placeholder': True}
     processor = transformers.AutoProcessor.from_pretrained(paligemma_dir)
     batch = PaliGemmaCollator(processor)(samples[1:4])
     assert batch['input_ids'].shape[0] == 1 and (batch['labels'] != -100).any()
@@ -89,8 +93,8 @@ def test_skipped_images_count_each_file_once(data, language_model_dir, capsys):
     for rank, batch in [(0, samples[0:3]), (0, samples[3:6]), (1, samples[2:4]), (1, samples[6:12])]:
         ranks[rank].update(collate(batch))
     out = capsys.readouterr().out
-    assert out.count(samples[2].image) == 2  # named once by each process that met it
-    assert out.count(samples[4].image) == 1
+    assert out.count(f'left out): {samples[2].image}') == 2  # named once by each process that met it
+    assert out.count(f'left out): {samples[4].image}') == 1
     total = ranks[0].merge(ranks[1:])
     assert total.record() == {'count': 2, 'files': [samples[2].image, samples[4].image],
                               'samples_skipped': 6, 'samples_trained': 2 + 0 + 6}
@@ -154,5 +158,6 @@ def test_an_image_over_pils_decompression_bomb_limit_is_dropped_and_named(tmp_pa
     tokenizer = transformers.AutoTokenizer.from_pretrained(language_model_dir)
     batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))([data[0], bomb])
     assert batch['input_ids'].shape[0] == 1
-    assert batch['skipped_images'] == {'sources': [bomb.image], 'kept': [0], 'placeholder': False}
+    assert {k: v for k, v in batch['skipped_images'].items() if k != 'why'} == {
+        'sources': [bomb.image], 'kept': [0], 'placeholder': False}
     assert Image.MAX_IMAGE_PIXELS == limit

@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from diffzoo.train.vlm import main
+from diffzoo.vlm import load_vlm
 from tests.factory import call
 from tests.vlm.models import write_chat_language_model, write_llava_sets
 
@@ -46,7 +47,7 @@ def chain(request, tmp_path_factory):
     runs = {}
     for name, stage in STAGES.items():
         data = dict(stage['data'], json=str(root / stage['data']['json']), image_folder=str(root / 'images'),
-                    max_length=64)
+                    max_length=128)  # the tower's 64 patch positions (eRAM-V: 5 anchors) and the text
         recipe = dict(stage, model=model, attention=dict(type='differential', lambda_init=0.5), data=data,
                       global_batch_size=8, batch_size=4, max_steps=8, warmup_ratio=0.03, lr_scheduler='cosine',
                       log_every=1, save_every=4, report_to='none', device='cpu', output=str(root / 'runs'))
@@ -226,8 +227,9 @@ def test_a_stage_output_of_no_step_or_cut_short_is_refused_as_a_start_naming_the
             assert refused.returncode == 2 and f"init_from='{run}': {run / 'stage'}: {message}" in refused.stderr, \
                 refused.stderr
     assert rerun in refused.stderr and not (tmp_path / 'out').exists()
-    with pytest.raises(RecipeError, match=f'{weights} does not load .*; {re.escape(rerun)}'):
-        vlm_from_recipe(yaml.safe_load((root / 'stage2.yaml').read_text()), stage=cut)
+    with pytest.raises(RecipeError, match=f'stage {cut / "stage"}: stage_model.safetensors holds .*; '
+                                          f'{re.escape(rerun)}'):
+        vlm_from_recipe(yaml.safe_load((root / 'stage2.yaml').read_text()), stage=cut)  # before any model is built
 
 
 def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_place(chain):
@@ -266,16 +268,17 @@ def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_
 
 def test_each_epoch_ends_with_what_the_data_lost_each_conversation_counted_once(chain):
     root, runs = chain
-    assert 'epoch 1: 0 conversation(s) cut to 64 tokens, 0 left out after the cut' in runs['stage1'].stdout
+    assert 'epoch 1: 0 conversation(s) cut to 128 tokens, 0 left out after the cut' in runs['stage1'].stdout
     # 8 steps of 8 over 32 captions: two epochs, the second's counts given once, by the stage's closing line
     assert 'epoch 2: ' not in runs['stage1'].stdout
     assert 'stage1: 8 steps, loss' in runs['stage1'].stdout
-    cut = call(main, ['--recipe', root / 'stage1.yaml', '--data.max_length', '3', '--output', root / 'cut',
+    limit = load_vlm(yaml.safe_load((root / 'stage1.yaml').read_text())['model']).model.image_positions() + 3
+    cut = call(main, ['--recipe', root / 'stage1.yaml', '--data.max_length', limit, '--output', root / 'cut',
                       '--max_steps', '8'], root)
     assert cut.returncode == 0, cut.stderr[-2000:]
-    # every caption is longer than 3 tokens: all 32 cut in epoch 1, still 32 (not 64) after epoch 2
-    assert 'epoch 1: 32 conversation(s) cut to 3 tokens' in cut.stdout
-    assert cut.stdout.count('32 conversation(s) cut to 3 tokens') == 2  # epoch 1, then the run (not epoch 2 too)
+    # every caption is longer than 3 tokens beside the image: all 32 cut in epoch 1, still 32 (not 64) after epoch 2
+    assert f'epoch 1: 32 conversation(s) cut to {limit} tokens' in cut.stdout
+    assert cut.stdout.count(f'32 conversation(s) cut to {limit} tokens') == 2  # epoch 1, then the run (not epoch 2)
     problems = json.loads((root / 'cut' / 'stage1' / 'data_problems.json').read_text())
     assert problems['cut_to_max_length'] == 32 and problems['left_out_after_cut'] == 0
 

@@ -3,6 +3,7 @@ and collator (`llava-torch`, run on the same records and a SentencePiece Llama t
 not), qwen2_instruct against TinyLLaVA_Factory's qwen2_instruct template (no package: the expected text and
 scored spans written out by hand from `tinyllava/data/template/base.py` and `qwen2_instruct_template.py`)."""
 import json
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -36,14 +37,16 @@ RECORDS = {  # id → (record, whether LLaVA's rounds add up under a legacy toke
         ('human', 'what color is it?'), ('gpt', 'red'), ('human', 'and the shape?'), ('gpt', 'a circle'))},
     'a gpt turn first': {'image': 'x.png', 'conversations': _turns(
         ('gpt', 'hello'), ('human', '<image>\nwhat color is it?'), ('gpt', 'red'))},
+    'a last question without its answer': {'image': 'x.png', 'conversations': _turns(
+        ('human', '<image>\nwhat color is it?'), ('gpt', 'red'), ('human', 'and the shape?'))},
 }
 
 
-def _load(tmp_path, records):
-    """The records through diffzoo's loader (as a stage reads them), by id."""
+def _load(tmp_path, records, prompt_format='vicuna_v1'):
+    """The records through diffzoo's loader (as a stage of that format reads them), by id."""
     Image.new('RGB', (40, 24), 'red').save(tmp_path / 'x.png')
     (tmp_path / 'data.json').write_text(json.dumps([{'id': k, **r} for k, r in records.items()]))
-    kept, problems = load_conversations(tmp_path / 'data.json', tmp_path)
+    kept, problems = load_conversations(tmp_path / 'data.json', tmp_path, prompt_format)
     return {c.id: c for c in kept}, problems
 
 
@@ -59,7 +62,8 @@ def test_vicuna_v1_gives_llavas_ids_labels_and_mismatches_record_by_record(tmp_p
     """Each record through diffzoo's loader and encode equals LLaVA's preprocess_multimodal + preprocess_v1 on
     it: the ids (the image where LLaVA puts it: at the start of the turn that holds it, '<image>' alone when
     the turn is only the image), the label mask, and the samples LLaVA masks whole with its "tokenization
-    mismatch" (a reply holding '</s>' or ' ASSISTANT: '; for this non-legacy tokenizer, every later round)."""
+    mismatch" (a reply holding '</s>' or ' ASSISTANT: ', a conversation ending on a question; for this non-legacy
+    tokenizer, every later round). Before, the last question was dropped and its conversation trained on."""
     conversations, problems = _load(tmp_path, RECORDS)
     assert problems.truncated['started on a gpt turn (that turn dropped)'] == 1
     mismatches = set()
@@ -73,9 +77,13 @@ def test_vicuna_v1_gives_llavas_ids_labels_and_mismatches_record_by_record(tmp_p
             scored = encode(conversations[key].turns, vicuna, 'vicuna_v1', mismatch='score').scored
             answer = vicuna.decode([i for i, s in zip(got.ids, scored) if s])
             assert 'circle' in answer or 'red' in answer  # mismatch='score': the answers scored by characters
-    assert {'a reply holding </s>', 'a reply holding ASSISTANT:'} <= mismatches
+    assert {'a reply holding </s>', 'a reply holding ASSISTANT:', 'a last question without its answer'} <= mismatches
     if vicuna.legacy:
-        assert mismatches == {'a reply holding </s>', 'a reply holding ASSISTANT:'}
+        assert mismatches == {'a reply holding </s>', 'a reply holding ASSISTANT:', 'a last question without its answer'}
+    assert conversations['a last question without its answer'].turns[-1] == ('human', 'and the shape?')
+    plain, problems = _load(tmp_path, RECORDS, 'plain')  # LLaVA's preprocess_plain reads the first two turns
+    assert plain['a last question without its answer'].turns == conversations['two rounds'].turns[:2]
+    assert problems.truncated['ended on a human turn (that turn dropped)'] == 1
 
 
 def test_the_image_only_turn_and_a_later_image_are_where_llava_puts_them(tmp_path):
@@ -113,6 +121,75 @@ def test_the_collator_cuts_where_llavas_does_the_image_one_token(tmp_path, vicun
     for key in set(keys) - set(kept):  # left out here: LLaVA's row scores nothing either
         assert set(ref_labels[keys.index(key)]) == {-100}, key
     assert sorted(batch.get('cut_short', [])) == [k for k in longer if k not in batch.get('mismatched', ())]
+
+
+UNKNOWN = {  # records holding '<unk>', the id the vicuna fixture pads with (LLaVA's train() for v1: pad = unk)
+    'an unknown word': {'image': 'x.png', 'conversations': _turns(
+        ('human', '<image>\nwhat <unk> is it?'), ('gpt', 'red <unk> and a circle'))},
+    'an unknown word, text only': {'conversations': _turns(('human', 'what <unk> is it?'), ('gpt', 'red <unk>'))},
+}
+CAPTIONS = {  # plain: LLaVA's pre-training captions (preprocess_plain: no round count, nothing masked whole)
+    'a caption': {'image': 'x.png', 'conversations': _turns(('human', '<image>'), ('gpt', 'a red circle'))},
+    'a caption with an unknown word': {'image': 'x.png', 'conversations': _turns(
+        ('human', '<image>'), ('gpt', 'a red <unk> circle and <unk> the shape'))},
+}
+
+
+@pytest.mark.parametrize('max_length', [12, 30, 40, 44, 48, 52, 60, 2048])
+@pytest.mark.parametrize('prompt_format', ['vicuna_v1', 'plain'])
+def test_a_row_is_what_llavas_model_takes_after_its_collator_and_its_splice(tmp_path, vicuna, max_length,
+                                                                           prompt_format):
+    """Each row, the image spliced in as the model's 7 positions, equals the sequence LLaVA's forward pass takes
+    (its collator, then `prepare_inputs_labels_for_multimodal`): the tokens equal to the pad id are dropped (LLaVA
+    attends only `ids != pad` and removes the rest), and the whole is cut to model_max_length with the image's 7
+    positions counted (where the cut reaches into the image, LLaVA keeps part of it and nothing after; the row keeps
+    the text before it, the same tokens scored). A row left out scores nothing in LLaVA's either. Before, a '<unk>'
+    was attended and scored, and only the text was cut, the image counted as one token."""
+    records = {**{k: RECORDS[k] for k in ('two rounds', 'the image in a later turn', 'a turn that is only the image',
+                                          'text only')}, **UNKNOWN} if prompt_format == 'vicuna_v1' else CAPTIONS
+    conversations, _ = _load(tmp_path, records, prompt_format)
+    keys, version = list(records), 'v1' if prompt_format == 'vicuna_v1' else 'plain'
+    whole = [llava.preprocess(records[k], vicuna, version)[:2] for k in keys]
+    longer = {k for k, (ids, _), row in zip(keys, whole, llava.spliced(whole, vicuna, 7))
+              if len(ids) > max_length or len(row) > max_length}  # before the collator's cut, or once spliced in
+    vicuna.model_max_length = max_length
+    try:
+        refs = llava.spliced([llava.preprocess(records[k], vicuna, version)[:2] for k in keys], vicuna, 7)
+        collator = ConversationCollator(vicuna, transforms.Compose([transforms.Resize((8, 8)), transforms.ToTensor()]),
+                                        prompt_format, max_length, image_aspect='crop', image_positions=7)
+        batch = collator([conversations[k] for k in keys])
+    finally:
+        vicuna.model_max_length = 2048
+    dropped = set(batch.get('left_out_long', ())) | set(batch.get('mismatched', ()))
+    kept = [k for k in keys if k not in dropped]
+    for r, key in enumerate(kept):
+        n, at = int(batch['attention_mask'][r].sum()), int(batch['image_at'][r])
+        row = list(zip(batch['input_ids'][r, :n].tolist(), batch['labels'][r, :n].tolist()))
+        if at >= 0:
+            row[at:at] = [(-1, -100)] * 7
+        ref = refs[keys.index(key)]
+        if at < 0 and 'image' in records[key]:  # the cut reached into the image: LLaVA's row ends on part of it
+            assert len(ref) == max_length and ref[len(row):] == [(-1, -100)] * (max_length - len(row)), key
+            ref = ref[:len(row)]
+        assert row == ref, key
+        assert len(ref) <= max_length
+    for key in dropped:  # left out here: nothing of LLaVA's row is scored
+        assert {label for _, label in refs[keys.index(key)]} == {-100}, key
+    assert sorted(batch.get('cut_short', [])) == sorted(longer - set(batch.get('mismatched', ())))
+
+
+def test_after_an_image_only_turn_llavas_slow_tokenizer_gives_one_space_token_more(tmp_path, vicuna):
+    """The difference docs/vlm-stages.md names: after a turn that is only the image, the text goes on with
+    ' ASSISTANT: …'; SentencePiece, which LLaVA-1.5 ran (its slow LlamaTokenizer), starts it with a lone '▁' that
+    transformers' Llama tokenizer (tokenizers, all transformers 5 has) does not give. Everything else is the same
+    tokens, so LLaVA's rows hold one unscored token more there, before 'ASSISTANT:'."""
+    import sentencepiece as spm
+    conversations, _ = _load(tmp_path, {'only the image': RECORDS['a turn that is only the image']})
+    got = encode(conversations['only the image'].turns, vicuna, 'vicuna_v1')
+    after = vicuna.convert_ids_to_tokens(got.ids[got.image_at:])
+    slow = spm.SentencePieceProcessor(model_file=str(Path(vicuna.name_or_path) / 'tokenizer.model'))
+    assert slow.encode(' ASSISTANT: a red circle', out_type=str) == ['▁'] + after[:-1]  # after[-1]: '</s>'
+    assert after[0] == '▁ASSISTANT'
 
 
 def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna):
@@ -195,7 +272,7 @@ def test_a_stage_refuses_a_format_whose_rounds_its_tokenizer_cannot_count(tmp_pa
     llama = _llama_tokenizer(tmp_path / 'llama', legacy=True)
     llama.pad_token = llama.unk_token
     check_rounds(list(conversations.values()), llama, data)
-    with pytest.raises(RecipeError, match='cannot count the rounds of any of the first 8'):
+    with pytest.raises(RecipeError, match='cannot count the rounds of any of the first 9'):
         check_rounds(list(conversations.values()), llama, dict(data, format='qwen2_instruct'))
     check_rounds(list(conversations.values()), llama, dict(data, format='qwen2_instruct', mismatch='score'))
 

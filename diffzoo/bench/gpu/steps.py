@@ -117,7 +117,7 @@ def stages(runner: Runner, s: Settings) -> None:
         recipe = dict(model=dict(MODEL, language_model=str(root / 'lm')),
                       attention=dict(type='differential', lambda_init=0.5),
                       data=dict(type='conversations', json=str(root / json_name), format=fmt,
-                                image_folder=str(root / 'images'), max_length=64),
+                                image_folder=str(root / 'images'), max_length=128),  # 64 image positions
                       train=train, init_from=init_from, lr=lr, global_batch_size=16, batch_size=8,
                       max_steps=16 if cuda else 4, warmup_ratio=0.03, lr_scheduler='cosine', log_every=1,
                       save_every=8 if cuda else 4, report_to='none', device=s.device,

@@ -9,9 +9,14 @@ scripts), and `--scoring TASK=NAME` (or `--scoring NAME`, for every task asked) 
 give badly (`tasks` docstring: a malformed line, a missing field, a label not yes/no, an image name outside the
 folder, a repeated question id — the first kept) is left out before any model is built, counted by reason and named.
 
+A question longer than the model takes (`max_length` positions, its image's and text's: the recipe's
+`data.max_length` for a model trained on conversations, LLaVA's `tokenizer_model_max_length`, else the language
+model's `max_position_embeddings`) is cut to it as LLaVA's model cuts a prompt at evaluation, answered and scored,
+and counted and named (`cut_to_max_length`), so one such question neither takes the run's memory nor ends it.
+
 OUT receives `<task>_predictions.jsonl` (every question's prompt, reply and what it is scored against), appended
 batch by batch as the replies are made; `results.json` (every row, the scorer of each task, the questions answered,
-reused and left out per reason), after each task; and the table printed at the end. Run again with the same OUT, a
+reused, cut and left out per reason), after each task; and the table printed at the end. Run again with the same OUT, a
 cut run goes on where it stopped: each reply already in the predictions file is reused for the question of the same
 id and prompt (a half-written last line is cut off and its question asked again; rows that answer no question
 asked now stay in the file, unscored), when the model, its stage or adapter files and the reply length are those
@@ -197,12 +202,13 @@ def answer(vlm, samples: List[Sample], batch_size: int, max_new_tokens: int, lab
     replies, left_out = {}, []
     with tqdm(total=len(samples), desc=label, unit='q', file=sys.stdout, dynamic_ncols=True) as bar:
         for i in range(0, len(samples), batch_size):
-            batch = samples[i:i + batch_size]
-            kept, images, _ = _load_images(batch)
+            batch, why = samples[i:i + batch_size], {}
+            kept, images, _ = _load_images(batch, why)
             chunk = [batch[k] for k in kept]
             for s in [s for k, s in enumerate(batch) if k not in kept]:  # their images do not open
                 left_out.append(s)
-                print(f'{label}: image {s.image} does not open; its question is left out', flush=True)
+                print(f'{label}: image {s.image} does not open ({why[s.source]}); its question is left out',
+                      flush=True)
             if chunk:
                 texts = vlm.answer(images, [s.prompt for s in chunk], max_new_tokens)
                 replies.update((s.id, text) for s, text in zip(chunk, texts))
@@ -218,7 +224,7 @@ def _row(s: Sample, reply: str) -> Dict:
 
 
 def _left_out_lines(task: str, left_out: LeftOut) -> List[str]:
-    return [f'{task}: {n} question(s) left out: {reason} (e.g. {"; ".join(left_out.named[reason][:3])})'
+    return [f'{task}: {n} left out: {reason} (e.g. {"; ".join(left_out.named[reason][:3])})'
             for reason, n in left_out.counts().items()]
 
 
@@ -253,6 +259,7 @@ def _run_task(vlm, a, task: str, questions: List[Sample], left_out: LeftOut, sco
         print(f'{task}: {len(replies)} replies reused from {path}; {len(questions) - len(replies)} questions to ask'
               + (f' ({len(before) - len(replies)} replies there answer no question asked now: kept, not scored)'
                  if len(before) > len(replies) else ''), flush=True)
+    cut = _over_length(vlm, questions, task)
     with open(path, 'a') as predictions:
         new, unreadable = answer(vlm, [s for s in questions if s.id not in replies], a.batch_size,
                                  answered_by['max_new_tokens'], task, predictions)
@@ -262,7 +269,21 @@ def _run_task(vlm, a, task: str, questions: List[Sample], left_out: LeftOut, sco
     answered = [s for s in questions if s.id in replies]
     scores = spec.score(rows_for_scoring(answered, [replies[s.id] for s in answered]), scorer)
     return {'scores': scores, 'scoring': scorer, 'questions': len(questions), 'answered': len(answered),
-            'reused': reused, 'left_out': left_out.counts(), 'left_out_examples': left_out.examples()}
+            'reused': reused, 'left_out': left_out.counts(), 'left_out_examples': left_out.examples(),
+            'cut_to_max_length': {'count': len(cut), 'max_length': vlm.max_length, 'examples': cut[:3]}}
+
+
+def _over_length(vlm, questions: List[Sample], label: str) -> List[str]:
+    """The questions longer than the model's `max_length` positions (their image's and text's), each "<id> (<n>
+    positions)", printed: the model cuts them to it, as LLaVA's model cuts a prompt (`BuiltVLM`), and they are
+    answered and scored as cut."""
+    limit = vlm.max_length
+    over = [] if limit is None else [(s.id, n) for s in questions if (n := vlm.prompt_positions(s.prompt)) > limit]
+    if over:
+        print(f'{label}: {len(over)} question(s) longer than the model\'s {limit:,} positions, cut to them as LLaVA\'s '
+              f'model cuts a prompt, then answered (e.g. {"; ".join(f"{q} ({n:,} positions)" for q, n in over[:3])})',
+              flush=True)
+    return [f'{q} ({n:,} positions)' for q, n in over]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -302,6 +323,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         _write_json(out / 'results.json', {'settings': dict(vars(a)), 'results': results})
         counts = [f'{r["reused"]} of them reused'] if r['reused'] else []
         counts += [f'{n} left out: {reason}' for reason, n in r['left_out'].items()]
+        if r['cut_to_max_length']['count']:
+            counts.append(f'{r["cut_to_max_length"]["count"]} cut to {r["cut_to_max_length"]["max_length"]:,} '
+                          f'positions')
         table += [f'{task} ({r["answered"]} answered' + ''.join(f', {c}' for c in counts)
                   + f'; scored as {r["scoring"]})', *_summary(task, r['scores'])]
     files = ', '.join(str(out / f'{task}_predictions.jsonl') for task in samples)

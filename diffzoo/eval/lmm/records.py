@@ -9,6 +9,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 from PIL import Image
 
 from diffzoo.data.shards import DataError, hostile_name
+from diffzoo.vlm.images import open_rgb
 
 
 @dataclass
@@ -24,8 +25,7 @@ class Sample:
         return str(self.image)
 
     def load_image(self) -> Image.Image:
-        with Image.open(self.image) as im:
-            return im.convert('RGB')
+        return open_rgb(self.image)
 
 
 IMAGE_OUTSIDE = 'image name leaves the benchmark folder'
@@ -66,17 +66,6 @@ def image_in(folder: Path, name, left_out: LeftOut, where: str) -> Optional[Path
     return folder / name
 
 
-def built_in(folder: Path, image: Path, left_out: LeftOut, where: str) -> bool:
-    """Whether an image path another module built under `folder` from a file's name stays in it (else left out)."""
-    try:
-        why = hostile_name(image.relative_to(folder).as_posix())
-    except ValueError:  # the name was absolute: the join gave it unchanged
-        why = 'an absolute path'
-    if why:
-        left_out.add(IMAGE_OUTSIDE, f'{where} ({str(image)!r}: {why})')
-    return not why
-
-
 def with_fields(records: Iterable[Tuple[str, object]], needs: Sequence[str], left_out: LeftOut,
                 not_object: str = 'not a JSON object') -> Iterator[Tuple[str, Dict]]:
     """(where, record) for each record that is a JSON object holding every field in `needs`; the others left out."""
@@ -88,6 +77,15 @@ def with_fields(records: Iterable[Tuple[str, object]], needs: Sequence[str], lef
             left_out.add(f'no {", ".join(missing)}', where)
         else:
             yield where, record
+
+
+def strings(record: Dict, fields: Sequence[str], left_out: LeftOut, where: str) -> bool:
+    """Whether each of `fields` of a record holds a string (a question, a prompt, an answer); else the record is
+    left out under the first that does not."""
+    wrong = next((k for k in fields if not isinstance(record[k], str)), None)
+    if wrong is not None:
+        left_out.add(f'{wrong} not a string', f'{where} ({wrong} {record[wrong]!r:.60})')
+    return wrong is None
 
 
 def json_lines(path: Path, needs: Sequence[str], left_out: LeftOut) -> Iterator[Tuple[str, Dict]]:

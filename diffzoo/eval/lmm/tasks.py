@@ -27,24 +27,27 @@ the question, the options "A. …", then "Answer with the option's letter from t
 Scoring: `diffzoo.eval.lmm.metrics`.
 
 A question its files give badly is left out, counted by reason and named (`LeftOut`), and the others are asked: a
-line or record that is not a JSON object, a missing field or one of another type, a POPE or MME label that is not
-yes/no, a ScienceQA answer that is not among its options, a question id one of two paired files lacks (ScienceQA's,
-TextVQA's), an image name that would leave the benchmark's folder (an absolute path or a `..` component: the
+line or record that is not a JSON object, a missing field or one of another type (a question or answer that is not
+a string, answers that are not a list of strings), a POPE or MME label that is not yes/no, a ScienceQA answer that
+is not among its options, a question id one of two paired files lacks (ScienceQA's, TextVQA's, OK-VQA's), an MME
+image without its answer file (named and counted as one: its questions are not known), an image name that would
+leave the benchmark's folder (an absolute path or a `..` component: the
 shards' rule, `hostile_name`; symlinks are followed as any file), and a question id met before (the first
 question with that id is kept, every later one is a repeat and left out). A reader called without a `LeftOut`
 refuses the first such question instead (DataError).
 """
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from PIL import Image
 
 from diffzoo.data import llava_qa
 from diffzoo.data.shards import DataError
 
 from . import metrics
-from .records import (IMAGE_OUTSIDE, REPEATED, LeftOut, Sample, built_in, image_in, json_lines, read_json, required,
-                      strict_unless, with_fields)
+from .records import (IMAGE_OUTSIDE, REPEATED, LeftOut, Sample, image_in, json_lines, read_json, required,
+                      strict_unless, strings, with_fields)
 from .scienceqa import LETTER_PROMPT, SCIENCEQA_LLAVA_QUESTIONS, read_scienceqa
 
 __all__ = ['TASKS', 'Task', 'Sample', 'LeftOut', 'IMAGE_OUTSIDE', 'REPEATED', 'LETTER_PROMPT', 'DataError',
@@ -120,6 +123,10 @@ def read_pope(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
 MME_RELEASE = ('.', 'MME_Benchmark_release_version', 'MME_Benchmark_release_version/MME_Benchmark', 'MME_Benchmark')
 
 
+IMAGE_SUFFIXES = frozenset(Image.registered_extensions())  # '.jpg', '.png', …: what PIL opens
+NO_ANSWER_FILE = 'image without its answer file (<name>.txt: its questions are not asked)'
+
+
 def read_mme(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
     left_out, samples = strict_unless(left_out), []
     subtasks = metrics.MME_PERCEPTION + metrics.MME_COGNITION
@@ -133,6 +140,11 @@ def read_mme(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
         folder = release / task
         qa_dir, image_dir = ((folder / 'questions_answers_YN', folder / 'images')
                              if (folder / 'questions_answers_YN').is_dir() else (folder, folder))
+        answered = {txt.stem for txt in qa_dir.glob('*.txt')}
+        for image in sorted(p for p in (image_dir.iterdir() if image_dir.is_dir() else ())
+                            if p.suffix.lower() in IMAGE_SUFFIXES):
+            if image.stem not in answered:
+                left_out.add(NO_ANSWER_FILE, str(image))
         for txt in sorted(qa_dir.glob('*.txt')):
             image = next((p for p in sorted(image_dir.glob(txt.stem + '.*')) if p.suffix != '.txt'), None)
             lines = [(n, line) for n, line in enumerate(txt.read_text().splitlines(), 1) if line.strip()]
@@ -148,16 +160,30 @@ def read_mme(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
                                           {'subtask': task, 'image': txt.stem, 'label': label}, f'{txt}:{n}'))
     return samples
 
+def _answer_list(answers) -> bool:
+    return isinstance(answers, list) and bool(answers) and all(isinstance(a, str) for a in answers)
+
+
+NOT_ANSWERS = 'answers not a list of strings'
+
+
 def _textvqa_records(root: Path, left_out: LeftOut) -> Iterator[Tuple[str, Dict]]:
-    """(where, record) of each TextVQA val question that has every field; the others left out."""
+    """(where, record) of each TextVQA val question that has every field and a list of answers; the others left
+    out."""
     path = required(root / 'TextVQA_0.5.1_val.json')
-    return with_fields(((f'{path} entry {n}', r) for n, r in enumerate(read_json(path)['data'])),
-                       ('question_id', 'question', 'image_id', 'answers'), left_out)
+    for where, r in with_fields(((f'{path} entry {n}', r) for n, r in enumerate(read_json(path)['data'])),
+                                ('question_id', 'question', 'image_id', 'answers'), left_out):
+        if _answer_list(r['answers']):
+            yield where, r
+        else:
+            left_out.add(NOT_ANSWERS, where)
 
 
 def read_textvqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
     left_out, samples = strict_unless(left_out), []
     for where, r in _textvqa_records(root, left_out):
+        if not strings(r, ('question',), left_out, where):
+            continue
         if (image := image_in(root / 'train_images', f'{r["image_id"]}.jpg', left_out, where)) is not None:
             # lmms-eval capitalizes the question (str.capitalize: the rest lower-cased), as its textvqa_doc_to_text
             samples.append(Sample(str(r['question_id']), image, f'{r["question"].capitalize()}\n{SHORT}',
@@ -174,6 +200,8 @@ def read_textvqa_ocr(root: Path, left_out: Optional[LeftOut] = None) -> List[Sam
     path, left_out, samples = required(root / TEXTVQA_OCR_QUESTIONS), strict_unless(left_out), []
     for where, r in json_lines(path, ('question_id', 'image', 'text'), left_out):
         qid = str(r['question_id'])
+        if not strings(r, ('text',), left_out, where):
+            continue
         if qid not in answers:
             left_out.add('question id not in TextVQA_0.5.1_val.json (both files must be TextVQA 0.5.1 val)',
                          f'{where} (question {qid})')
@@ -182,29 +210,64 @@ def read_textvqa_ocr(root: Path, left_out: Optional[LeftOut] = None) -> List[Sam
     return samples
 
 
-def _layout(reader: Callable[[Counter], Iterator[llava_qa.QA]], path: Path, left_out: LeftOut) -> List[llava_qa.QA]:
-    """What a `llava_qa` reader reads; a record it cannot read (a field missing or of another type) left out under
-    its reason, named by the file (those readers count such records without locating them)."""
-    counted = Counter()
-    records = list(reader(counted))
-    for reason, n in counted.items():
-        for _ in range(n):
-            left_out.add(reason, str(path))
-    return records
-
-
 def read_gqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    path, left_out = required(root / 'testdev_balanced_questions.json'), strict_unless(left_out)
-    return [Sample(qa.id, qa.image, f'{qa.question}\n{SHORT}', {'answer': qa.answer}, f'{path} question {qa.id}')
-            for qa in _layout(lambda counted: llava_qa.gqa(root, 'testdev', counted), path, left_out)
-            if built_in(root / 'images', qa.image, left_out, f'{path} question {qa.id}')]
+    """GQA's testdev-balanced questions ({question id: {imageId, question, answer, …}}), each named by its id."""
+    path, left_out, samples = required(root / 'testdev_balanced_questions.json'), strict_unless(left_out), []
+    questions = read_json(path)
+    if not isinstance(questions, dict):
+        raise DataError(f'{path}: a JSON {type(questions).__name__}, not GQA\'s object of questions by id; put GQA\'s '
+                        f'published testdev_balanced_questions.json there')
+    records = ((f'{path} question {qid}', r) for qid, r in questions.items())
+    for where, r in with_fields(records, ('imageId', 'question', 'answer'), left_out):
+        if strings(r, ('imageId', 'question', 'answer'), left_out, where) and (
+                image := image_in(root / 'images', f'{r["imageId"]}.jpg', left_out, where)) is not None:
+            samples.append(Sample(where.rpartition(' question ')[2], image, f'{r["question"]}\n{SHORT}',
+                                  {'answer': r['answer']}, where))
+    return samples
+
+
+def _okvqa_questions(path: Path, left_out: LeftOut) -> Dict:
+    """OK-VQA's questions by id; a record without an id of its own (an int or a string) left out, named."""
+    data = read_json(required(path))
+    records = data.get('questions') if isinstance(data, dict) else None
+    if not isinstance(records, list):
+        raise DataError(f'{path}: no "questions" list; put OK-VQA\'s published {path.name} there')
+    questions = {}
+    for where, q in with_fields(((f'{path} entry {n}', q) for n, q in enumerate(records)), ('question_id',), left_out):
+        if isinstance(q['question_id'], (int, str)) and not isinstance(q['question_id'], bool):
+            questions[q['question_id']] = (where, q)
+        else:
+            left_out.add('question_id not a number or a string', f'{where} (question_id {q["question_id"]!r:.60})')
+    return questions
 
 
 def read_okvqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
-    path, left_out = required(root / 'mscoco_val2014_annotations.json'), strict_unless(left_out)
-    return [Sample(qa.id, qa.image, f'{qa.question}\n{OKVQA_PROMPT}', {'answers': list(qa.answers)},
-                   f'{path} question {qa.id}')  # its image names are numbers: always inside val2014/
-            for qa in _layout(lambda counted: llava_qa.okvqa(root, 'val', counted), path, left_out)]
+    """OK-VQA val: each annotation {question_id, image_id, answers: [{answer}, …]} with its question's text."""
+    path, left_out, samples = required(root / 'mscoco_val2014_annotations.json'), strict_unless(left_out), []
+    questions = _okvqa_questions(root / 'OpenEnded_mscoco_val2014_questions.json', left_out)
+    annotations = read_json(path)
+    records = annotations.get('annotations') if isinstance(annotations, dict) else None
+    if not isinstance(records, list):
+        raise DataError(f'{path}: no "annotations" list; put OK-VQA\'s published mscoco_val2014_annotations.json there')
+    for where, a in with_fields(((f'{path} entry {n}', a) for n, a in enumerate(records)),
+                                ('question_id', 'image_id', 'answers'), left_out):
+        where = f'{where} (question {a["question_id"]!r:.60})'
+        asked = questions.get(a['question_id']) if isinstance(a['question_id'], (int, str)) else None
+        humans = [x.get('answer') if isinstance(x, dict) else None for x in a['answers']] \
+            if isinstance(a['answers'], list) else None
+        if asked is None:
+            left_out.add('question id not in OpenEnded_mscoco_val2014_questions.json', where)
+        elif not isinstance(a['image_id'], int) or isinstance(a['image_id'], bool):
+            left_out.add('image_id not a number', where)
+        elif not _answer_list(humans):
+            left_out.add('answers not a list of {answer: string}', where)
+        elif 'question' not in asked[1]:
+            left_out.add('no question', asked[0])
+        elif strings(asked[1], ('question',), left_out, asked[0]):  # its image names are numbers: inside val2014/
+            image = root / 'val2014' / f'COCO_val2014_{a["image_id"]:012d}.jpg'
+            samples.append(Sample(str(a['question_id']), image, f'{asked[1]["question"]}\n{OKVQA_PROMPT}',
+                                  {'answers': humans}, where))
+    return samples
 
 
 TASKS: Dict[str, Task] = {t.name: t for t in (
