@@ -1,5 +1,5 @@
 """One stage's training, run by tests/vlm/test_fsdp.py in its own process (`train`) or sharded with FSDP2 over
-several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm_stage` builds them, sharded
+several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm.stage` builds them, sharded
 with `fully_shard` directly (accelerate shards on GPUs only), and saved and loaded with the stage's own pieces
 (`_full` gathers a shard, `copy_tensors` fills one).
 
@@ -23,7 +23,7 @@ with startup_imports(__name__ == '__main__'):  # its own process: as diffzoo's c
     import yaml
     from safetensors.torch import load_file, save_file
 
-    from diffzoo.train.vlm_stage import _full, prepare
+    from diffzoo.train.vlm.stage import _full, prepare
     from diffzoo.vlm.conversations import ConversationCollator, load_conversations
     from diffzoo.vlm.differential import find_decoder
     from diffzoo.vlm.factory import load_vlm

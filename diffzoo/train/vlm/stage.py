@@ -17,7 +17,7 @@ next stage may train the language model in full or freeze it. Everything not hel
 the recipe's model (the pretrained tower and language model, a projector drawn from `seed`), so a frozen
 part is bit-identical before and after.
 
-The loop is the fine-tuning one (`diffzoo.train.vlm_trainer`: Trainer, λ at `lambda_lr`, logs, resume);
+The loop is the fine-tuning one (`diffzoo.train.vlm.trainer`: Trainer, λ at `lambda_lr`, logs, resume);
 `global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
 """
 import json
@@ -43,9 +43,9 @@ from diffzoo.vlm.plan import TrainingPlan, training_plan
 from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, load_stage, model_spec,
                                 stage_output)
 
-from .vlm_inputs import check_settings
-from .vlm_resume import resume_point, writing
-from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, run_log, start_run,
+from .inputs import check_settings
+from .resume import resume_point, writing
+from .trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, run_log, start_run,
                           training_arguments, write_results)
 
 DATA_PROBLEMS = 'data_problems.json'

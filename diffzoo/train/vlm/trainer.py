@@ -1,7 +1,7 @@
-"""The fine-tuning `python -m diffzoo.train.vlm` runs (`diffzoo.train.vlm` parses the command): `VLMTrainer`,
+"""The fine-tuning `python -m diffzoo.train.vlm` runs (`diffzoo.train.vlm.cli` parses the command): `VLMTrainer`,
 transformers' `Trainer` with diffzoo's additions, its log callback, and `run`, which takes a checked recipe from
 data to results.json. The choice of checkpoint to resume from, and what a stopped run left, are
-`diffzoo.train.vlm_resume`."""
+`diffzoo.train.vlm.resume`."""
 import contextlib
 import json
 import math
@@ -19,15 +19,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers, left_out
 from diffzoo.recipes import RecipeError
+from diffzoo.train.metrics import drop_records_after
 from diffzoo.vlm.data import SkippedImages, load_vqav2
 from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
 from diffzoo.vlm.factory import load_vlm
 from diffzoo.vlm.lora import load_adapter_weights, save_adapter, trainable_parameters
 from diffzoo.vlm.plan import training_plan
 
-from .metrics import drop_records_after
-from .vlm_inputs import check_settings
-from .vlm_resume import DATA_COUNTS, RUN_RECIPE, repair_log, resume_point, writing
+from .inputs import check_settings
+from .resume import DATA_COUNTS, RUN_RECIPE, repair_log, resume_point, writing
 
 SKIPPED_IMAGES = 'skipped_images.json'
 PROGRESS_EVERY = 10  # seconds between a run's progress lines on the console; log.jsonl keeps every logged step
@@ -85,7 +85,7 @@ class VLMTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint with the data's counts so far (`data_counts`, before trainer_state.json, which
-        Trainer writes last); a write that fails ends the run naming the disk (`vlm_resume.writing`)."""
+        Trainer writes last); a write that fails ends the run naming the disk (`resume.writing`)."""
         counts = self.data_counts()  # every process saves: the collective is met by all
         folder = Path(self._get_output_dir(trial=trial)) / f'{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}'
         with writing(folder, 'a checkpoint', folder.parent):
@@ -125,7 +125,7 @@ class RunLog(TrainerCallback):
     and at the last step: steps done out of the run's, loss, elapsed, eta. A log and a checkpoint at the last step.
     A run resumed from step S drops the records after S that the stopped run wrote (it logs those steps again),
     so the file holds each optimizer step once; a last line the stop cut short is dropped
-    (`vlm_resume.repair_log`)."""
+    (`resume.repair_log`)."""
 
     def __init__(self, path: Path, samples_per_step: int, every: float = PROGRESS_EVERY):
         self.path, self.samples_per_step, self.every = path, samples_per_step, every
