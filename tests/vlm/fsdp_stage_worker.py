@@ -1,7 +1,7 @@
 """One stage's training, run by tests/vlm/test_fsdp.py in its own process (`train`) or sharded with FSDP2 over
-several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm.stage` builds them, sharded
-with `fully_shard` directly (accelerate shards on GPUs only), and saved and loaded with the stage's own pieces
-(`_full` gathers a shard, `copy_tensors` fills one).
+several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm.stage` builds
+them, sharded with `fully_shard` directly (accelerate shards on GPUs only), and saved and loaded with the stage's own
+pieces (`whole_tensor` gathers a shard, `copy_tensors` fills one).
 
     python tests/vlm/fsdp_stage_worker.py RECIPE.yaml OUT.safetensors STEPS [--from-stage STAGE.safetensors]
         [--then OUT2.safetensors STEPS2]
@@ -23,10 +23,10 @@ with startup_imports(__name__ == '__main__'):  # its own process: as diffzoo's c
     import yaml
     from safetensors.torch import load_file, save_file
 
-    from diffzoo.train.vlm.stage import _full, prepare
+    from diffzoo.train.vlm.stage import whole_tensor
     from diffzoo.vlm.conversations import ConversationCollator, load_conversations
     from diffzoo.vlm.differential import find_decoder
-    from diffzoo.vlm.factory import load_vlm
+    from diffzoo.vlm.factory import load_vlm, prepare
     from diffzoo.vlm.recipe import check
     from diffzoo.vlm.stages import copy_tensors
 
@@ -64,7 +64,7 @@ def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> Non
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    state = {name: _full(q) for name, q in model.named_parameters() if q.requires_grad}  # every rank gathers
+    state = {name: whole_tensor(q) for name, q in model.named_parameters() if q.requires_grad}  # every rank gathers
     if world == 1 or dist.get_rank() == 0:
         save_file(state, out)
     if world > 1:

@@ -116,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if recipe['train'] is not None:  # a LLaVA-style stage
                 from .stage import run_stage as run
             else:
-                from .trainer import run  # transformers' Trainer: imported only once the recipe is checked
+                from .finetune import run_fine_tune as run  # transformers' Trainer: once the recipe is checked
         run(recipe, Path(args.recipe).stem)
     except (RecipeError, ValueError, OSError) as exc:  # OSError: a missing file, a failed write (resume.writing)
         print(f'error: {exc}', file=sys.stderr)
