@@ -260,4 +260,4 @@ def trainable_vlm(recipe: Mapping, start: Optional[Path] = None) -> Tuple[VLM, T
     return vlm, plan, {name for name, p in vlm.model.named_parameters() if id(p) in held}
 
 
-__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'load_vlm', 'prepare', 'trainable_vlm', 'vlm_from_recipe']
+__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'built_vlm', 'load_vlm', 'prepare', 'trainable_vlm', 'vlm_from_recipe']
