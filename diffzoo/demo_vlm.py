@@ -184,7 +184,7 @@ def main(argv: List[str] = None) -> int:
     from diffzoo import demo_steps
     from diffzoo.eval.lmm import cli as lmm
     from diffzoo.train.vlm import main as train_vlm
-    from diffzoo.train.vlm_trainer import PROGRESS_EVERY
+    from diffzoo.train.vlm.trainer import PROGRESS_EVERY
     out, vlm = Path(args.out), Path(args.out) / 'vlm'
     start = time.time()
     steps = ['towers', 'data', *(f'{what} {t}' for t in names for what in ('stages on', 'POPE on'))]

@@ -171,7 +171,7 @@ def loss_figure(runs: Dict[str, Dict[str, Path]], vocabulary: int, png: Path) ->
     matplotlib.use('Agg')
     from matplotlib.figure import Figure
 
-    from diffzoo.train.vlm_trainer import run_log
+    from diffzoo.train.vlm.run import run_log
     fig = Figure(figsize=(10, 3.8))
     axes = fig.subplots(1, len(STAGES), sharey=True)
     series: Dict[str, Dict[str, Tuple]] = {}

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from diffzoo import demo_vlm, demo_vlm_report
-from diffzoo.train.vlm_trainer import RunLog
+from diffzoo.train.vlm.trainer import RunLog
 from tests.factory import call, wilson
 
 MODELS = ('clip-tiny-baseline', 'diffclip-tiny')
@@ -190,7 +190,7 @@ def logged(run_log, steps, max_steps, clock):
 
 def test_a_stage_prints_a_progress_line_every_few_seconds_and_logs_every_step(tmp_path, monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr('diffzoo.train.vlm_trainer.time.time', lambda: clock[0])
+    monkeypatch.setattr('diffzoo.train.vlm.trainer.time.time', lambda: clock[0])
     run = tmp_path / 'clip-tiny-baseline-pretrain'
     run.mkdir()
     lines = logged(RunLog(run / 'log.jsonl', 16, every=10), range(5, 1001, 5), 1000, clock)  # 200 s, 200 logs

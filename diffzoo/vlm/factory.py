@@ -18,10 +18,12 @@ transform with its pretrained tag's mean/std) and answers the questions every ca
 training batches, prompts for generation, greedy answers — so
 no caller branches on the kind of model. With `adapter` (a directory `save_adapter` wrote) the model
 is made differential as saved and the adapter loaded; otherwise `differential` (differentialize's
-keywords) is applied when given: the one place a model is made ready to run.
+keywords) is applied when given: the one place a model is made ready to run. `trainable_vlm` is the same
+place for a training run: the model a recipe trains, an earlier stage's output loaded into it, what its plan
+trains made trainable (`diffzoo.vlm.plan`).
 """
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -36,9 +38,9 @@ from .differential import differentialize
 from .lora import add_lora, load_adapter
 from .model import VisionLanguageModel, build_vlm
 from .parts import model_parts
-from .plan import TrainingPlan, apply_plan
+from .plan import TrainingPlan, apply_plan, training_plan
 from .recipe import DATA, MODEL, check_model, load_vlm_recipe
-from .stages import STAGE_CONFIG, STAGE_DIR, load_stage, stage_problem
+from .stages import STAGE_CONFIG, STAGE_DIR, load_stage, model_spec, stage_problem
 
 
 class VLM:
@@ -248,19 +250,22 @@ BUILD_VLM_PARTS = ('type', 'vision', 'language_model', 'integration')  # the res
 BUILDERS = {'paligemma': _build_paligemma, 'build_vlm': _build_vlm}
 
 
-def load_vlm(spec: Mapping, adapter: Union[str, Path, None] = None, differential: Optional[Mapping] = None,
-             device: Union[str, torch.device] = 'cpu', trainable: bool = False) -> VLM:
-    """The VLM a spec names (module docstring), made differential (`differential`) or given its saved
-    `adapter`, on `device`; `trainable` keeps a loaded adapter's parameters trainable (resuming)."""
+def built_vlm(spec: Mapping, differential: Optional[Mapping] = None) -> VLM:
+    """The VLM a spec names (module docstring), built on the CPU, made differential when `differential` is given."""
     kind = spec.get('type')
     if kind not in BUILDERS:
         raise ValueError(f'model.type={kind!r}: expected one of {sorted(BUILDERS)}')
     vlm = BUILDERS[kind](MODEL.check(spec, 'model'))
+    return vlm.differentialize(**differential) if differential else vlm
+
+
+def load_vlm(spec: Mapping, adapter: Union[str, Path, None] = None, differential: Optional[Mapping] = None,
+             device: Union[str, torch.device] = 'cpu', trainable: bool = False) -> VLM:
+    """The VLM a spec names (`built_vlm`), made differential (`differential`) or given its saved `adapter`, on
+    `device`; `trainable` keeps a loaded adapter's parameters trainable (resuming)."""
     if adapter is not None:
-        vlm.load_adapter(adapter, trainable=trainable)
-    elif differential:
-        vlm.differentialize(**differential)
-    return vlm.to(device)
+        return built_vlm(spec).load_adapter(adapter, trainable=trainable).to(device)
+    return built_vlm(spec, differential).to(device)
 
 
 def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None] = None,
@@ -289,4 +294,27 @@ def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None]
     return vlm
 
 
-__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'load_vlm', 'vlm_from_recipe']
+def prepare(vlm: VLM, recipe: Mapping) -> TrainingPlan:
+    """What a checked VLM recipe trains (`diffzoo.vlm.plan.training_plan`) made trainable in `vlm`, the rest frozen;
+    returns the plan."""
+    plan = training_plan(recipe)
+    vlm.apply_plan(plan)
+    return plan
+
+
+def trainable_vlm(recipe: Mapping, start: Optional[Path] = None) -> Tuple[VLM, TrainingPlan, Set[str]]:
+    """The model a checked VLM recipe trains (`python -m diffzoo.train.vlm`): built and made differential as the
+    recipe says, its random parts (a `build_vlm` projector, eRAM-V's post-projection MLP) drawn from its `seed`, a
+    finished stage's output loaded (`start`, its `stage/` folder: `diffzoo.vlm.stages`), then `prepare`d. Returns it,
+    the plan, and the names of what a stage holds besides what trains: the parameters `start` filled, and λ and the
+    sub-norm, which `differentialize` draws at random (kept even when frozen, so the next stage and evaluation see
+    the same), by their names once LoRA wrapped the language model."""
+    torch.manual_seed(recipe['seed'])
+    vlm = built_vlm(recipe['model'], recipe['differential'])
+    held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
+    plan = prepare(vlm, recipe)
+    held |= {id(p) for p in model_parts(vlm.model).differential()}
+    return vlm, plan, {name for name, p in vlm.model.named_parameters() if id(p) in held}
+
+
+__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'built_vlm', 'load_vlm', 'prepare', 'trainable_vlm', 'vlm_from_recipe']

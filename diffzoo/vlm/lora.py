@@ -4,7 +4,7 @@
 α 64) on the decoder's q/k/v/o projections (optionally the MLP's gate/up/down), λ_q1/λ_k1/λ_q2/λ_k2 and
 the sub-norm trainable, everything else frozen. A `build_vlm` model may also train its projector
 (`train_projector=True`), which starts from random for a new vision–LM pairing. `merge_lora` merges the
-adapters into the weights they adapted (a stage's output, `diffzoo.train.vlm_stage`).
+adapters into the weights they adapted (a stage's output, `diffzoo.train.vlm.stage`).
 
 `save_adapter(model, dir)` writes peft's adapter files with the differential parameters in
 `adapter_model.safetensors` under their peft names (`base_model.model.….self_attn.lambda_q1`, …),

@@ -10,7 +10,7 @@ A `TrainingPlan` says of each part of the model (`diffzoo.vlm.parts`) whether it
     differential            λ_q1, λ_k1, λ_q2, λ_k2 and the sub-norm of the decoder's differential layers
     gradient_checkpointing  the language model's layers recomputed in backward
 
-A stage's recipe (`train:`, `diffzoo.train.vlm_stage`) states each, its language model frozen, full or lora;
+A stage's recipe (`train:`, `diffzoo.train.vlm.stage`) states each, its language model frozen, full or lora;
 `differential` left null trains when the language model does. A recipe of `train: null` is Differential
 PaliGemma's LoRA fine-tune (`lora_fine_tune`): the adapters, λ and the sub-norm, the projector as
 `train_projector` says, nothing else. Only the decoder's layers get adapters (PaliGemma's SigLIP tower also has

@@ -7,7 +7,7 @@
                   default type) or {type: conversations, json, image_folder, format, max_length,
                   image_aspect, mismatch}
                   (LLaVA-format conversations, `diffzoo.vlm.conversations`)
-    train:        a stage (`diffzoo.train.vlm_stage`): {projector, vision, language_model: frozen | full |
+    train:        a stage (`diffzoo.train.vlm.stage`): {projector, vision, language_model: frozen | full |
                   lora, differential, gradient_checkpointing}; null: LoRA fine-tuning as `lora` and
                   `train_projector` say (Differential PaliGemma's run)
     init_from:    a stage starts from an earlier stage's output: its recipe name (run directory under

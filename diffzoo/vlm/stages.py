@@ -1,4 +1,4 @@
-"""A LLaVA-style stage's output (`diffzoo.train.vlm_stage` writes it): `<run dir>/stage/stage_model.safetensors`
+"""A LLaVA-style stage's output (`diffzoo.train.vlm.stage` writes it): `<run dir>/stage/stage_model.safetensors`
 (the parameters the stage trained and started from, under the model's own names) and `stage.json` (the model
 part of its recipe, which whatever loads it must match, and the steps it trained). `stage_output` finds one and
 refuses it when `stage_problem` finds it unfit (no step trained, weights cut short); `load_stage` puts it into a

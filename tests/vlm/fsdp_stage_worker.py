@@ -1,7 +1,7 @@
 """One stage's training, run by tests/vlm/test_fsdp.py in its own process (`train`) or sharded with FSDP2 over
-several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm_stage` builds them, sharded
-with `fully_shard` directly (accelerate shards on GPUs only), and saved and loaded with the stage's own pieces
-(`_full` gathers a shard, `copy_tensors` fills one).
+several (torchrun, gloo on CPU): the stage's model, what it trains and its batches as `diffzoo.train.vlm.stage` builds
+them, sharded with `fully_shard` directly (accelerate shards on GPUs only), and saved and loaded with the stage's own
+pieces (`whole_tensor` gathers a shard, `copy_tensors` fills one).
 
     python tests/vlm/fsdp_stage_worker.py RECIPE.yaml OUT.safetensors STEPS [--from-stage STAGE.safetensors]
         [--then OUT2.safetensors STEPS2]
@@ -20,10 +20,10 @@ import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from diffzoo.train.vlm_stage import _full, prepare  # noqa: E402
+from diffzoo.train.vlm.stage import whole_tensor  # noqa: E402
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
 from diffzoo.vlm.differential import find_decoder  # noqa: E402
-from diffzoo.vlm.factory import load_vlm  # noqa: E402
+from diffzoo.vlm.factory import load_vlm, prepare  # noqa: E402
 from diffzoo.vlm.recipe import check  # noqa: E402
 from diffzoo.vlm.stages import copy_tensors  # noqa: E402
 
@@ -61,7 +61,7 @@ def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> Non
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    state = {name: _full(q) for name, q in model.named_parameters() if q.requires_grad}  # every rank gathers
+    state = {name: whole_tensor(q) for name, q in model.named_parameters() if q.requires_grad}  # every rank gathers
     if world == 1 or dist.get_rank() == 0:
         save_file(state, out)
     if world > 1:

@@ -1,5 +1,5 @@
 """A stage sharded with FSDP2 over 2 real processes (torchrun, gloo on CPU): trained, saved (each shard gathered
-by the stage's `_full`), and resumed on 1 process and on 2 (the stage's `copy_tensors` filling each shard of a
+by the stage's `whole_tensor`), and resumed on 1 process and on 2 (the stage's `copy_tensors` filling each shard of a
 model built anew, in the same two processes): the weights equal a one-process run's at each point
 (tests/vlm/fsdp_stage_worker.py runs each)."""
 import os

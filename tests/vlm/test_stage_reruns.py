@@ -1,4 +1,4 @@
-"""A stage run again after it finished, after a stop, or after a save that failed (`diffzoo.train.vlm_resume`,
+"""A stage run again after it finished, after a stop, or after a save that failed (`diffzoo.train.vlm.resume`,
 `VLMTrainer.data_counts`): its records of bad data kept, a log line cut short dropped, a full disk named, and the
 rerun going on from the last complete checkpoint. Real runs of `python -m diffzoo.train.vlm` on the suite's tiny
 stage 1 (a DiffCLIP tower's projector on captions), one of them in a process whose file size is limited."""

@@ -263,7 +263,7 @@ def test_a_stage_refuses_a_format_whose_rounds_its_tokenizer_cannot_count(tmp_pa
     """LLaVA's vicuna_v1 rule over Qwen's tokenizer (no BOS) shifts every mask; TinyLLaVA's qwen2_instruct rule
     over a Llama tokenizer (BOS in every round's count) miscounts every round: nothing would train."""
     from diffzoo.recipes import RecipeError
-    from diffzoo.train.vlm_stage import check_rounds
+    from diffzoo.train.vlm.stage import check_rounds
     conversations, _ = _load(tmp_path, RECORDS)
     data = {'format': 'vicuna_v1', 'mismatch': 'mask', 'max_length': 2048}
     with pytest.raises(RecipeError, match='adds none'):

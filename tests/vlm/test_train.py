@@ -15,8 +15,8 @@ import yaml
 from transformers.trainer_utils import get_last_checkpoint
 
 from diffzoo.train.vlm import main as train_vlm
-from diffzoo.train.vlm_resume import checkpoint_problem
-from diffzoo.train.vlm_trainer import VLMTrainer
+from diffzoo.train.vlm.resume import checkpoint_problem
+from diffzoo.train.vlm.trainer import VLMTrainer
 from diffzoo.vlm import build_vlm, differentialize, load_adapter, load_vlm
 from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
 from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters

@@ -4,7 +4,7 @@ LLaVA-1.5, TinyLLaVA (DiffCLIP §5.1) and eRAM-V train a `build_vlm` model in st
 with its own parts unfrozen: pre-training (the projector alone, on captions), eRAM-V's continued
 pre-training (vision tower and projector), instruction tuning (projector and language model). A stage
 recipe says what trains (`train:` — projector, vision, language_model: frozen | full | lora, differential,
-gradient_checkpointing; `diffzoo.vlm.plan` makes it the plan that `prepare` applies) and where it starts
+gradient_checkpointing; `diffzoo.vlm.plan` makes it the plan `diffzoo.vlm.factory.prepare` applies) and where it starts
 (`init_from:` an earlier stage's output); the data is a LLaVA-format conversation set
 (`diffzoo.vlm.conversations`).
 
@@ -17,14 +17,14 @@ next stage may train the language model in full or freeze it. Everything not hel
 the recipe's model (the pretrained tower and language model, a projector drawn from `seed`), so a frozen
 part is bit-identical before and after.
 
-The loop is the fine-tuning one (`diffzoo.train.vlm_trainer`: Trainer, λ at `lambda_lr`, logs, resume);
-`global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
+A stage is one `diffzoo.train.vlm.run` job (`Stage`): the run and its loop are the fine-tuning one (Trainer, λ at
+`lambda_lr`, logs, resume), the model the one `diffzoo.vlm.factory.trainable_vlm` builds from the recipe and its
+`init_from`; `global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
 """
 import json
-import math
 import os
 from pathlib import Path
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -35,48 +35,34 @@ from transformers import TrainerCallback
 
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
+from diffzoo.vlm.factory import VLM
+from diffzoo.vlm.lora import merge_lora
+from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, model_spec, stage_output
 from diffzoo.vlm.templates import RULES, encode
-from diffzoo.vlm.factory import load_vlm
-from diffzoo.vlm.lora import merge_lora, trainable_parameters
-from diffzoo.vlm.parts import model_parts
-from diffzoo.vlm.plan import TrainingPlan, training_plan
-from diffzoo.vlm.stages import (STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, load_stage, model_spec,
-                                stage_output)
 
-from .vlm_inputs import check_settings
-from .vlm_resume import resume_point, writing
-from .vlm_trainer import (SKIPPED_IMAGES, RunLog, VLMTrainer, _tensorboard_dir, all_gathered, epoch_steps, run_log,
-                          start_run, training_arguments, write_results)
+from .resume import writing
+from .run import SKIPPED_IMAGES, Job, RunSetup, run, run_log, write_results
+from .trainer import VLMTrainer, all_gathered
 
 DATA_PROBLEMS = 'data_problems.json'
 
 
-def prepare(vlm, recipe: Dict) -> TrainingPlan:
-    """What the stage trains (`diffzoo.vlm.plan.training_plan`) made trainable, the rest frozen; returns the plan."""
-    plan = training_plan(recipe)
-    vlm.apply_plan(plan)
-    return plan
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
+def whole_tensor(p: torch.Tensor) -> torch.Tensor:
     """A parameter's whole tensor on the CPU: an FSDP2 shard (DTensor) gathered (a collective: every rank calls it)."""
     p = p.detach()
     return (p.full_tensor() if isinstance(p, DTensor) else p).cpu().contiguous()
 
 
-def held_names(model: nn.Module, held: Set[int]) -> Set[str]:
-    """The names of the parameters a stage holds besides what it trains (ids from `load_stage`)."""
-    return {name for name, p in model.named_parameters() if id(p) in held}
-
-
 class StageTrainer(VLMTrainer):
     """`VLMTrainer` whose checkpoints hold what the stage holds (`held` names plus what trains); under FSDP its
-    state is Trainer's gathered one."""
+    state is Trainer's gathered one. Its `EpochReport` (of `max_length` and `mismatch`, the data's) is one of its
+    callbacks from the start."""
 
-    def __init__(self, *args, held: Set[str] = frozenset(), **kwargs):
+    def __init__(self, *args, held: Set[str] = frozenset(), max_length: int, mismatch: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.held = set(held)
         self.lost: Dict[str, Set[str]] = {key: set() for key in LOST}  # conversation ids, each counted once
+        self.add_callback(EpochReport(self, max_length, mismatch))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         for key in LOST:
@@ -91,7 +77,7 @@ class StageTrainer(VLMTrainer):
         kept = self.kept()
         if state_dict is not None:  # FSDP: accelerate's full state dict, gathered on every rank
             return {n: state_dict[n].detach().cpu().contiguous() for n in kept}
-        return {n: _full(p) for n, p in kept.items()}
+        return {n: whole_tensor(p) for n, p in kept.items()}
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         if self.args.should_save:
@@ -139,8 +125,8 @@ class EpochReport(TrainerCallback):
     closing line gives the same counts for the whole run; nor where nothing was lost since the epoch before (a
     line that would only repeat the last one's losses)."""
 
-    def __init__(self, max_length: int, mismatch: str):
-        self.max_length, self.mismatch, self.trainer = max_length, mismatch, None
+    def __init__(self, trainer: StageTrainer, max_length: int, mismatch: str):
+        self.trainer, self.max_length, self.mismatch = trainer, max_length, mismatch
         self.last_lost = None  # what the last printed line counted
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -174,23 +160,23 @@ def check_rounds(train_set, tokenizer, data: Dict, first: int = 32) -> None:
                           f'language model, or data.mismatch: score')
 
 
-def finish(trainer: StageTrainer, vlm, recipe: Dict, plan: TrainingPlan, directory: Path, name: str,
-           rank: int) -> Path:
-    """The stage's output (module docstring): LoRA merged into the weights it adapted, then every held or
-    trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
+def write_output(setup: RunSetup, trainer: StageTrainer) -> Path:
+    """The stage's output (module docstring), `<run dir>/stage/`: LoRA merged into the weights it adapted, then every
+    held or trained parameter under the model's own names, with the spec the next stage checks. Every rank calls it
     (FSDP gathers the shards); rank 0 writes, `stage.json` last (an output without it is not finished), each
     file under a temporary name first. A stage of no step writes nothing."""
+    directory, name = setup.run_dir / STAGE_DIR, setup.name
     if trainer.state.global_step < 1:
         raise RecipeError(f'{name} trained no step, so {directory} is not written (a stage of 0 steps would start the '
                           f'next from nothing trained); give it max_steps or epochs above 0, and data for a step')
     model = trainer.model
     keep = {id(p) for p in trainer.kept().values()}
-    if plan.lora is not None:  # the adapted weights become held
-        model, adapted = merge_lora(vlm.model)
+    if setup.plan.lora is not None:  # the adapted weights become held
+        model, adapted = merge_lora(setup.vlm.model)
         keep |= adapted
-    state = {n: _full(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
-    if rank == 0:
-        config = {'stage': name, 'steps': trainer.state.global_step, 'spec': model_spec(recipe),
+    state = {n: whole_tensor(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
+    if setup.rank == 0:
+        config = {'stage': name, 'steps': trainer.state.global_step, 'spec': model_spec(setup.recipe),
                   'tensors': sorted(state)}
         with writing(directory, "the stage's output", directory.parent / 'checkpoints'):
             directory.mkdir(parents=True, exist_ok=True)
@@ -202,83 +188,73 @@ def finish(trainer: StageTrainer, vlm, recipe: Dict, plan: TrainingPlan, directo
     return directory
 
 
-def run_stage(recipe: Dict, name: str) -> Dict:
-    with _tensorboard_dir(Path(recipe['output']) / name):
-        return _run_stage(recipe, name)
+class Stage(Job):
+    """One LLaVA-style stage (module docstring): conversations, the model from `init_from`, `StageTrainer`, and at
+    the end the stage's output and its records of the data (`data_problems.json`, `skipped_images.json`)."""
+    weights = STAGE_WEIGHTS
+    no_step = ('{samples} conversations make no optimizer step of {samples_per_step} samples ({batch} × '
+               '{accumulation} × {world} processes); lower the batch or add data')
 
+    def read(self, recipe: Dict) -> int:
+        data = recipe['data']
+        self.start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
+        # a missing path stops here
+        self.train_set, self.problems = load_conversations(data['json'], data['image_folder'], data['format'])
+        return len(self.train_set)
 
-def _run_stage(recipe: Dict, name: str) -> Dict:
-    data = recipe['data']
-    run_dir = Path(recipe['output']) / name
-    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
-    check_settings(recipe)
-    start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
-    # a missing path stops here
-    train_set, problems = load_conversations(data['json'], data['image_folder'], data['format'])
-    args = training_arguments(recipe, run_dir, cuda)
-    rank, world = args.process_index, args.world_size
-    samples_per_step = recipe['batch_size'] * args.gradient_accumulation_steps * world
-    steps_per_epoch = epoch_steps(len(train_set), recipe['batch_size'], args.gradient_accumulation_steps, world)
-    if steps_per_epoch == 0:
-        raise RecipeError(f'{len(train_set)} conversations make no optimizer step of {samples_per_step} samples '
-                          f'({recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world} processes); lower '
-                          f'the batch or add data')
-    max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
-    checkpoint = resume_point(recipe, run_dir, args, weights=STAGE_WEIGHTS)
-
-    torch.manual_seed(recipe['seed'])  # the projector (and eRAM-V's post-MLP) a first stage starts from
-    vlm = load_vlm(recipe['model'], differential=recipe['differential'])
-    held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
-    if vlm.model.sequence_mask != 'causal':
-        raise RecipeError(f'model.sequence_mask: {vlm.model.sequence_mask}: a conversation stage trains causally, '
-                          f'as LLaVA does (prefix_lm would let the answers see themselves); set model.sequence_mask: '
-                          f'causal')
-    plan = prepare(vlm, recipe)
-    # held: what the earlier stage gave, and λ and the sub-norm, which differentialize draws at random (kept
-    # even when frozen, so the next stage and evaluation see the same); names after LoRA wrapped the LM
-    held |= {id(p) for p in model_parts(vlm.model).differential()}
-    held = held_names(vlm.model, held)
-    tok = vlm.tokenizer
-    if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
-        tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
-    check_rounds(train_set, tok, data)
-    counts = trainable_parameters(vlm.model)
-    if rank == 0:
-        start_run(run_dir, recipe, name, checkpoint,
-                  f'{name}: {len(train_set)} conversations ({problems.summary()}), {max_steps} steps of '
-                  f'{recipe["batch_size"]} × {args.gradient_accumulation_steps} × {world}; trainable {counts}'
-                  + (f'; starts from {start}' if start else ''))
-    collator = ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
+    def collator(self, vlm: VLM, recipe: Dict) -> ConversationCollator:
+        data = recipe['data']
+        if vlm.model.sequence_mask != 'causal':
+            raise RecipeError(f'model.sequence_mask: {vlm.model.sequence_mask}: a conversation stage trains causally, '
+                              f'as LLaVA does (prefix_lm would let the answers see themselves); set '
+                              f'model.sequence_mask: causal')
+        tok = vlm.tokenizer
+        if tok.pad_token is None:  # Llama/Vicuna tokenizers have none; LLaVA pads with unk
+            tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
+        check_rounds(self.train_set, tok, data)
+        return ConversationCollator(tok, vlm.transform, data['format'], data['max_length'],
                                     image_aspect=data['image_aspect'], mismatch=data['mismatch'],
                                     image_positions=vlm.model.image_positions())
-    report = EpochReport(data['max_length'], data['mismatch'])
-    trainer = StageTrainer(model=vlm.model, args=args, train_dataset=train_set, data_collator=collator,
-                           callbacks=[RunLog(run_dir / 'log.jsonl', samples_per_step), report],
-                           lambda_lr=recipe['lambda_lr'], held=held)
-    report.trainer = trainer
-    trainer.restore_data_counts(checkpoint)
-    if rank == 0 and recipe['fsdp'] is not None:
-        print(f'FSDP{recipe["fsdp"]["version"]}: ' + (f'the model sharded over {world} processes' if
-              trainer.is_fsdp_enabled else f'not enabled by accelerate ({world} process(es): nothing to shard)'),
-              flush=True)
-    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    skipped, lost = gathered(trainer)
-    results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': counts}
-    output = finish(trainer, vlm, recipe, plan, run_dir / STAGE_DIR, name, rank)
-    if world > 1:  # the next stage of a chain reads what rank 0 wrote
-        dist.barrier()
-    if rank == 0:
-        report = {**problems.record(), 'cut_to_max_length': len(lost['cut_short']),
-                  'left_out_after_cut': len(lost['left_out_long']), 'cut_examples': sorted(lost['cut_short'])[:3],
-                  'tokenization_mismatch': len(lost['mismatched']), 'mismatch': data['mismatch'],
-                  'mismatch_examples': sorted(lost['mismatched'])[:3]}
-        with writing(run_dir / DATA_PROBLEMS, "the stage's records", run_dir / 'checkpoints'):
-            (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
-            (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
-        log = run_log(run_dir)
-        results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
-                       data_problems=report, stage=str(output))
-        write_results(run_dir, results, log)
-        print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → {results["final_loss"]:.4f}; '
-              f'{lost_summary(lost, data["max_length"], data["mismatch"])}; {skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)
-    return results
+
+    def first_line(self, setup: RunSetup) -> str:
+        return (f'{setup.name}: {len(self.train_set)} conversations ({self.problems.summary()}), {setup.schedule}; '
+                f'trainable {setup.trainable}' + (f'; starts from {self.start}' if self.start else ''))
+
+    def trainer(self, setup: RunSetup, callbacks: List[TrainerCallback]) -> StageTrainer:
+        data = setup.recipe['data']
+        trainer = StageTrainer(model=setup.vlm.model, args=setup.args, train_dataset=self.train_set,
+                               data_collator=setup.collator, callbacks=callbacks, lambda_lr=setup.recipe['lambda_lr'],
+                               held=setup.held, max_length=data['max_length'], mismatch=data['mismatch'])
+        fsdp = setup.recipe['fsdp']
+        if setup.rank == 0 and fsdp is not None:
+            print(f'FSDP{fsdp["version"]}: ' + (f'the model sharded over {setup.world} processes' if
+                  trainer.is_fsdp_enabled else f'not enabled by accelerate ({setup.world} process(es): nothing to '
+                                               f'shard)'), flush=True)
+        return trainer
+
+    def finish(self, setup: RunSetup, trainer: StageTrainer, results: Dict) -> None:
+        data, name, run_dir = setup.recipe['data'], setup.name, setup.run_dir
+        skipped, lost = gathered(trainer)
+        output = write_output(setup, trainer)
+        if setup.world > 1:  # the next stage of a chain reads what rank 0 wrote
+            dist.barrier()
+        if setup.rank == 0:
+            report = {**self.problems.record(), 'cut_to_max_length': len(lost['cut_short']),
+                      'left_out_after_cut': len(lost['left_out_long']), 'cut_examples': sorted(lost['cut_short'])[:3],
+                      'tokenization_mismatch': len(lost['mismatched']), 'mismatch': data['mismatch'],
+                      'mismatch_examples': sorted(lost['mismatched'])[:3]}
+            with writing(run_dir / DATA_PROBLEMS, "the stage's records", run_dir / 'checkpoints'):
+                (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
+                (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
+            log = run_log(run_dir)
+            results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
+                           data_problems=report, stage=str(output))
+            write_results(run_dir, results, log)
+            print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → '
+                  f'{results["final_loss"]:.4f}; {lost_summary(lost, data["max_length"], data["mismatch"])}; '
+                  f'{skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)
+
+
+def run_stage(recipe: Dict, name: str) -> Dict:
+    """Train one stage as the (checked) recipe says; returns what results.json holds."""
+    return run(recipe, name, Stage())

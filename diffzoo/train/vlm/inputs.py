@@ -91,7 +91,7 @@ def check_chain(names: Sequence[str], overrides: Sequence[str]) -> None:
         except (RecipeError, ValueError, OSError) as exc:
             raise RecipeError(f'stage {len(recipes) + 1} of {len(names)} ({name}), checked before any stage '
                               f'runs: {exc}') from exc
-        chain.append(Path(recipes[-1]['output']) / Path(name).stem)  # its run directory (diffzoo.train.vlm.main)
+        chain.append(Path(recipes[-1]['output']) / Path(name).stem)  # its run directory (diffzoo.train.vlm.cli.main)
     specs = [model_spec(r) for r in recipes]
     for i, (name, recipe) in enumerate(zip(names, recipes)):
         try:

@@ -1,5 +1,5 @@
 """`python -m diffzoo.train.vlm --recipe NAME|PATH [--key value …]`: LoRA fine-tuning of a VLM on VQAv2, or
-one LLaVA-style stage (a recipe with `train:`, `diffzoo.train.vlm_stage`); `chain STAGE …` runs stages in order.
+one LLaVA-style stage (a recipe with `train:`, `diffzoo.train.vlm.stage`); `chain STAGE …` runs stages in order.
 
 The recipe (`diffzoo.vlm.recipe`; shipped ones in recipes/vlm/, `python -m diffzoo.train.vlm recipes`
 lists them) names the model (`diffzoo.vlm.load_vlm`), its differential settings, LoRA, the data and
@@ -9,7 +9,7 @@ ones (`--data.fraction 0.1`, `--lr 2e-5`, `--attention '{type: vanilla}'` for th
 The loop is transformers' `Trainer` with peft: DDP under torchrun (gradient accumulation without
 all-reducing the micro-batches in between), AdamW, LR schedule with warm-up, gradient clipping,
 bf16 autocast, progress bars, tensorboard / wandb, checkpoints with optimizer, scheduler and RNG
-state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `diffzoo.train.vlm_trainer`):
+state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `diffzoo.train.vlm.trainer`):
 
 - λ and the sub-norm train at `lambda_lr` (their own parameter group; default `lr`);
 - a checkpoint holds what trains, as `save_adapter` writes it (adapter, λ/sub-norm, projector);
@@ -18,11 +18,11 @@ state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `d
   saving leaves a partial `checkpoint-<step>`, which is named, set aside as `incomplete-checkpoint-<step>`
   and passed over), and is refused when its settings changed (other than how long it runs and what it logs); a
   checkpoint keeps what the data lost so far, so the rerun's records cover the whole run, and a finished run
-  rerun trains nothing; a last log line cut short by the stop is dropped (`diffzoo.train.vlm_resume`);
+  rerun trains nothing; a last log line cut short by the stop is dropped (`diffzoo.train.vlm.resume`);
 - a checkpoint or output that cannot be written (a full disk) ends the run naming the path, the disk's free space
   and the checkpoint a rerun resumes from;
 - a batch, steps or epochs of 0 or less are refused by key; `chain` checks every stage's recipe, data files and
-  `init_from` before the first trains (`diffzoo.train.vlm_inputs`);
+  `init_from` before the first trains (`diffzoo.train.vlm.inputs`);
 - an image that does not decode drops its samples (`diffzoo.vlm.data.SkippedImages`): each file is named
   once in the log and listed in `skipped_images.json`; a resumed run skips the trained batches in the
   sampler, so their images are not decoded again;
@@ -73,7 +73,7 @@ chain stops at the first stage that fails, and a stage already finished ends at 
 def _chain(argv: List[str]) -> int:
     """`chain RECIPE … [--key value …]`: each stage in order (the overrides apply to every one), stopping at the
     first that fails; a stage already finished resumes at its last step and ends at once. Every stage's recipe,
-    data files and `init_from` are checked before the first runs (`diffzoo.train.vlm_inputs.check_chain`)."""
+    data files and `init_from` are checked before the first runs (`diffzoo.train.vlm.inputs.check_chain`)."""
     if argv[:1] in (['-h'], ['--help']):
         print(CHAIN_HELP)
         return 0
@@ -83,7 +83,7 @@ def _chain(argv: List[str]) -> int:
         print('error: chain needs the stage recipes in order, e.g. chain llava-1.5-7b-pretrain llava-1.5-7b-finetune',
               file=sys.stderr)
         return 2
-    from .vlm_inputs import check_chain  # reads the stages' outputs with torch: imported once the command is parsed
+    from .inputs import check_chain  # reads the stages' outputs with torch: imported once the command is parsed
     try:
         check_chain(names, overrides)
     except (RecipeError, ValueError, OSError) as exc:
@@ -112,11 +112,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             p.error('--recipe is required (`recipes` lists the shipped ones)')
         recipe = checked_recipe(args.recipe, rest)
         if recipe['train'] is not None:  # a LLaVA-style stage
-            from .vlm_stage import run_stage as run
+            from .stage import run_stage as run
         else:
-            from .vlm_trainer import run  # transformers' Trainer: imported only once the recipe is checked
+            from .finetune import run_fine_tune as run  # transformers' Trainer: once the recipe is checked
         run(recipe, Path(args.recipe).stem)
-    except (RecipeError, ValueError, OSError) as exc:  # OSError: a missing file, a failed write (vlm_resume.writing)
+    except (RecipeError, ValueError, OSError) as exc:  # OSError: a missing file, a failed write (resume.writing)
         print(f'error: {exc}', file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,5 @@
+import sys
+
+from diffzoo.train.vlm.cli import main
+
+sys.exit(main())
