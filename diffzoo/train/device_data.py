@@ -13,7 +13,7 @@ ranks and workers, epochs and data accounting) with three of its stages swapped 
   worker's torch generator, which `diffzoo.train.shuffle` seeds per run, rank, worker and epoch: the same boxes
   run after run and on resume); the batch is one uint8 buffer of the encoded files with their lengths, the
   boxes, which images go to PIL rather than the JPEG decoder (`EncodedImage.needs_pil`), the samples' ids (shard
-  url, position, key) and the tokens; `data_events.Batched` counts it as before.
+  url, position, key) and the tokens; `data_stages.Batched` counts it as before.
 
 `wds_dataset_on_device` wraps open_clip_train's `get_wds_dataset` for training data only (validation keeps the
 default path) and hands its loader to `diffzoo.train.device_loader.DeviceLoader`, which decodes and transforms
@@ -31,7 +31,7 @@ from torchvision.transforms import InterpolationMode, Normalize, RandomResizedCr
 
 from diffzoo.data.shards import IMAGE_EXTS
 from diffzoo.recipes import RecipeError
-from . import data_events
+from . import data_stages
 from .device_loader import DeviceLoader
 
 # open_clip's train transform between its crop and its normalisation: RGB conversion and ToTensor
@@ -125,8 +125,8 @@ def draw_boxes(sizes: torch.Tensor, scale, ratio, tries: int = 10) -> torch.Tens
     return torch.stack([top, left, h, w], 1).long()  # (B, 4)
 
 
-class DeviceTuples(data_events.NumberedTuples):
-    """`data_events.NumberedTuples` that also keeps each sample's key (for the examples of what is skipped)."""
+class DeviceTuples(data_stages.NumberedTuples):
+    """`data_stages.NumberedTuples` that also keeps each sample's key (for the examples of what is skipped)."""
 
     def run(self, src):
         last = {}
@@ -137,7 +137,7 @@ class DeviceTuples(data_events.NumberedTuples):
                 yield sample
 
         for result in super().run(remembered(src)):
-            if isinstance(result, data_events._Numbered):
+            if isinstance(result, data_stages._Numbered):
                 result.key = last['key']
             yield result
 
@@ -179,7 +179,7 @@ class DeviceWebdataset:
         return self._module.decode(encoded_image, handler=handler, **kwargs)
 
     def batched(self, batchsize: int, partial: bool = True):
-        return data_events.Batched(batchsize, collation_fn=EncodedCollation(self.transform), partial=partial)
+        return data_stages.Batched(batchsize, collation_fn=EncodedCollation(self.transform), partial=partial)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
