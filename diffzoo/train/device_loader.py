@@ -86,8 +86,10 @@ class DeviceLoader:
     """open_clip_train's training loader (its `num_batches` and `num_samples` too) yielding (images, tokens)
     batches made on `device` from the workers' encoded batches (module docstring)."""
 
-    def __init__(self, loader, transform, batch_size: int, device: torch.device, batched: Optional[bool] = None):
+    def __init__(self, loader, transform, batch_size: int, device: torch.device, batched: Optional[bool] = None,
+                 depth: int = 1):
         self.loader, self.transform, self.batch_size, self.device = loader, transform, batch_size, device
+        self.depth = depth  # batches made ahead of the one the training loop holds
         self.batched = device.type == 'cuda' if batched is None else batched
         if not transform.antialias:  # resample's weights are the antialiased resize's
             self.batched = False
@@ -138,7 +140,7 @@ class DeviceLoader:
         return images, torch.stack([token for _, token, _ in samples])
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        return ahead(self.batches, self.device)
+        return ahead(self.batches, self.device, self.depth)
 
     def batches(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """The epoch's batches, made in the calling thread."""
