@@ -103,17 +103,18 @@ class WholePasses(webdataset.PipelineStage):
             samples, read, urls = iter(self.pipeline), 0, {}
             sample = next(samples, None)
             while True:
-                following = next(samples, None) if sample is not None else None
+                following = None if sample is None else next(samples, None)
                 if sample is not None:
                     read += 1
                     urls[(getattr(sample, 'sample_id', None) or (None,))[0]] = None
-                if following is None:  # the pass ends with `sample`
+                if following is None:  # the pass ends with `sample` (None: an empty pass)
                     if log is not None:
                         log.passes += any(url is not None for url in urls)
                         log.flush()
                     if read < self.batchsize:
                         raise DataError(_no_full_batch(read, self.batchsize, [u for u in urls if u is not None]))
-                if sample is None:
+                    if sample is not None:
+                        yield sample
                     break
                 yield sample
                 sample = following
@@ -128,7 +129,8 @@ def _no_full_batch(read: int, batch_size: int, urls: List[str]) -> str:
     where = f' ({names} in {folder})' if urls else ''
     check = f'python -m diffzoo.data check {folder}' if folder else 'python -m diffzoo.data check DIR'
     return (f'{worker} of rank {rank} read {read} sample(s) in a pass over its shards{where} and made no full batch '
-            f'of {batch_size}; every pass would make none, and the epoch would wait forever. The shards hold fewer '
+            f'of {batch_size}; every pass would make none (open_clip_train alone repeats it forever), and a batch '
+            f'would hold a sample twice, its own negative. The shards hold fewer '
             f'samples than the run counted on (a shard cut short, or sizes.json or --train-num-samples counting '
             f'more): run {check}, then python -m diffzoo.data sizes DIR --recount; or pass a smaller per-GPU '
             f'batch (--max_batch_per_gpu) or fewer --workers')
