@@ -246,7 +246,8 @@ def _times(record: Dict) -> str:
     readable = record['samples_readable'] if record['all_shards_read'] and record['samples_readable'] else None
     times = record['samples_trained'] / (readable or record['samples_distinct'])
     times = f'{times:.1f}'.rstrip('0').rstrip('.')
-    return f'each sample is trained ~{times}× per epoch ({record["samples_repeated"]} repeats in epoch {record["epoch"]})'
+    repeats = record['samples_repeated']
+    return f'each sample is trained ~{times}× per epoch ({repeats} repeats in epoch {record["epoch"]})'
 
 
 def _readers(record: Dict, args) -> Tuple[int, str]:
