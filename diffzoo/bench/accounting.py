@@ -92,7 +92,7 @@ def stage_cost(samples: int = 20000, batch: int = 32, reps: int = 5) -> Dict:
     import webdataset as wds
     from open_clip_train.data import filter_no_caption_or_no_image
 
-    from diffzoo.train import data_events, data_report
+    from diffzoo.train import data_events, data_report, data_stages
     items = [{'__url__': f'shard-{i // 5000:05d}.tar', '__key__': f'{i:09d}', data_events.INDEX: i % 5000,
               'png': b'', 'txt': 'a caption'} for i in range(samples)]
 
@@ -104,7 +104,7 @@ def stage_cost(samples: int = 20000, batch: int = 32, reps: int = 5) -> Dict:
         log = data_events._log()
         log.start_pass()
         stages = wds.select(data_events.filter_no_caption_or_no_image)(iter(items))
-        return data_events.Batched(batch, partial=False).run(data_events.NumberedTuples('png', 'txt').run(stages))
+        return data_stages.Batched(batch, partial=False).run(data_stages.NumberedTuples('png', 'txt').run(stages))
 
     times = {'plain': [], 'accounted': []}
     with tempfile.TemporaryDirectory(prefix='diffzoo-bench-stages-') as events:

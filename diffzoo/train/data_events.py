@@ -2,7 +2,8 @@
 
 open_clip_train's pipeline already skips a bad sample (no caption, no image, a member that does
 not decode) or shard (missing, truncated, empty) and goes on; it only logs a warning. The functions
-here replace its pipeline functions (see `diffzoo.train.seams`) and count as well, per process and
+here replace its pipeline functions (see `diffzoo.train.seams`; its `to_tuple` and `batched` stages:
+`diffzoo.train.data_stages`) and count as well, per process and
 epoch, into the journal `$DIFFZOO_DATA_EVENTS/<pid>-<epoch>.jsonl`: before a batch leaves the process,
 one line is appended with what changed since the last line (the batch's samples by shard and position,
 shards opened, samples skipped), so the journal is complete once the epoch's last batch has been
@@ -16,8 +17,9 @@ union over data-loader workers and ranks (not their sum):
 
 - samples trained: samples in the batches handed to open_clip's training loop.
 - repeats: samples trained that were already trained earlier in the same epoch, by any worker or
-  rank (the loader starts again from the first shard to fill an epoch that sizes.json or
-  --train-num-samples makes longer than the data, and `--dataset-resampled` draws shards with
+  rank (a worker goes on from its first shard again once its shards are read: its last batch of a pass is
+  completed by the next pass's first samples, as an epoch of whole batches needs, and an epoch that sizes.json
+  or --train-num-samples makes longer than the data takes more; `--dataset-resampled` draws shards with
   replacement); distinct = trained - repeats.
 - skipped samples: distinct bad samples (shard url + position), each under one reason; a bad
   sample met again on a re-read is one sample, its extra meetings are counted as repeats.
@@ -52,16 +54,13 @@ import tarfile
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional
 
-import torch
-import webdataset
 from open_clip_train.data import group_by_keys_nothrow
 from open_clip_train.data import log_and_continue as _open_clip_log_and_continue
-from webdataset.filters import _to_tuple, default_collation_fn
 from webdataset.tariterators import tar_file_expander as _webdataset_tar_file_expander
 from webdataset.tariterators import url_opener
 
 from diffzoo.data.keys import shard_keys
-from diffzoo.data.shards import IMAGE_EXTS, DataError  # IMAGE_EXTS: what open_clip_train renames to `image`
+from diffzoo.data.shards import IMAGE_EXTS  # IMAGE_EXTS: what open_clip_train renames to `image`
 
 ENV = 'DIFFZOO_DATA_EVENTS'
 REPORT_FILE = 'data.jsonl'  # in the run directory, a record per epoch (diffzoo.train.data_report)
@@ -279,103 +278,3 @@ def tarfile_to_samples_nothrow(src, handler=_open_clip_log_and_continue):
         return handler(exn)
 
     return _numbered_samples(url_opener(src, handler=open_failed), handler, log)
-
-
-class _Numbered(tuple):
-    """A sample as `to_tuple` makes it, still knowing which sample it is: (url, position)."""
-    sample_id = None
-
-
-class NumberedTuples(webdataset.PipelineStage):
-    """webdataset's `to_tuple`, counting the samples that reach it as readable and passing on their
-    (url, position) to `Batched`."""
-
-    def __init__(self, *args, **kw):
-        self.args, self.kw = args, kw
-
-    def run(self, src):
-        log = _log()
-        for sample in src:
-            position = sample.get(INDEX)
-            for result in _to_tuple([sample], *self.args, **self.kw):
-                if log is not None and position is not None:
-                    log.readable.setdefault(sample.get('__url__'), []).append(position)
-                    result = _Numbered(result)
-                    result.sample_id = (sample.get('__url__'), position)
-                yield result
-
-
-class Batched(webdataset.PipelineStage):
-    """webdataset's `batched` (same batches), counting the samples of each batch as trained and writing
-    the process's counts before the batch leaves, and counting the pass when its source is exhausted.
-
-    Without partial batches (training), a pass over a worker's shards that makes no full batch ends the
-    run with a `DataError`: webdataset's `with_epoch` would repeat that pass, which makes none again,
-    forever (open_clip_train alone hangs there). A resampled source never ends a pass."""
-
-    def __init__(self, batchsize: int = 20, collation_fn=default_collation_fn, partial: bool = True):
-        self.batchsize, self.collation_fn, self.partial = batchsize, collation_fn, partial
-
-    def run(self, src):
-        log = _log()
-        batch, counted, made, read, urls = [], False, 0, 0, {}
-        for sample in src:
-            batch.append(sample)
-            read += 1
-            url = (getattr(sample, 'sample_id', None) or (None,))[0]
-            urls[url] = None
-            if len(batch) == self.batchsize:
-                counted |= self._count(batch, log)
-                made += 1
-                yield self.collation_fn(batch) if self.collation_fn is not None else batch
-                batch = []
-        if batch and self.partial:
-            counted |= self._count(batch, log)
-            yield self.collation_fn(batch) if self.collation_fn is not None else batch
-        elif batch:
-            counted |= any(getattr(s, 'sample_id', None) for s in batch)
-        if log is not None:
-            log.passes += counted
-            log.flush()
-        if not self.partial and not made:
-            raise DataError(_no_full_batch(read, self.batchsize, [u for u in urls if u is not None]))
-
-    @staticmethod
-    def _count(batch: List, log: Optional[_ProcessLog]) -> bool:
-        ids = [s.sample_id for s in batch if getattr(s, 'sample_id', None) is not None]
-        if log is None or not ids:
-            return False
-        log.readable.clear()  # the batch's samples: readable as trained, not written twice
-        for url, position in ids:
-            log.trained.setdefault(url, []).append(position)
-        log.flush()
-        return True
-
-
-def _no_full_batch(read: int, batch_size: int, urls: List[str]) -> str:
-    info = torch.utils.data.get_worker_info()
-    worker = f'data worker {info.id}' if info is not None else 'the data loader'
-    rank = os.environ.get('RANK', '0')
-    names = ', '.join(os.path.basename(u) for u in urls[:4]) + (f' and {len(urls) - 4} more' if len(urls) > 4 else '')
-    folder = os.path.dirname(urls[0]) if urls else None
-    where = f' ({names} in {folder})' if urls else ''
-    check = f'python -m diffzoo.data check {folder}' if folder else 'python -m diffzoo.data check DIR'
-    return (f'{worker} of rank {rank} read {read} sample(s) in a pass over its shards{where} and made no full batch '
-            f'of {batch_size}; every pass would make none, and the epoch would wait forever. The shards hold fewer '
-            f'samples than the run counted on (a shard cut short, or sizes.json or --train-num-samples counting '
-            f'more): run {check}, then python -m diffzoo.data sizes DIR --recount; or pass a smaller per-GPU '
-            f'batch (--max_batch_per_gpu) or fewer --workers')
-
-
-class CountingWebdataset:
-    """The webdataset module as open_clip_train.data sees it: the same, but `to_tuple` and `batched`
-    count the samples trained."""
-
-    to_tuple = NumberedTuples
-    batched = Batched
-
-    def __init__(self, module):
-        self._module = module
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)

@@ -126,11 +126,27 @@ def sizes_comparison(ended: Dict[str, list], sizes: Optional[Dict[str, int]]) ->
     return out
 
 
-def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int]] = None) -> Dict:
+def unreached(urls: List[str], sizes: Dict[str, int], ended: Dict[str, list], met: Dict[str, int],
+              bad_shards: Dict[str, set]) -> int:
+    """Samples with an image, as `sizes` ({shard name: samples}) counts them, of the shards `urls` that no process
+    reached this epoch: in each shard not read to its end nor skipped as a whole, its count less the positions
+    met (`met`: url -> bit set of samples that reached a batch or were skipped for a reason of their own)."""
+    broken = set().union(*bad_shards.values()) if bad_shards else set()
+    return sum(max(0, sizes.get(os.path.basename(url), 0) - met.get(url, 0).bit_count())
+               for url in urls if url not in ended and url not in broken)
+
+
+def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int]] = None,
+                 urls: Optional[List[str]] = None) -> Dict:
     """What data.jsonl holds for an epoch (1-based): the ranks' counts merged, distinct samples and shards
     as the union over ranks, plus each rank's shards and totals; the shards read to their end compared with
-    `sizes` (the sizes.json that sized the epoch, if one did); under data_backend device, `device_data`: images
-    decoded by PIL and samples trained again to fill the holes that skipped images left (`device_loader`)."""
+    `sizes` (the sizes.json that sized the epoch, if one did), and the samples with an image they were seen to hold
+    (`samples_held`: those of the shards read to their end, and those met in the others); the readable samples
+    not trained in the epoch
+    (`samples_untrained`: met, and not trained before the epoch ended) and, given the epoch's shards `urls` and
+    `sizes`, those in shards no process read to their end (`samples_unreached`, as sizes.json counts them; None
+    when unknown); under data_backend device, `device_data`: images decoded by PIL and samples trained again to
+    fill the holes that skipped images left (`device_loader`)."""
     trained_bits, readable_bits, bad_bits, bad_shards, events, ended = {}, {}, {}, {}, Counter(), {}
     for r in per_rank:
         for url, shard in r.get('ended', {}).items():
@@ -139,11 +155,15 @@ def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int
         union(readable_bits, r['readable_bits'])
         for reason, bits in r['bad_bits'].items():
             union(bad_bits.setdefault(reason, {}), bits)
-        for reason, urls in r['bad_shards'].items():
-            bad_shards.setdefault(reason, set()).update(urls)
+        for reason, names in r['bad_shards'].items():
+            bad_shards.setdefault(reason, set()).update(names)
         events.update(r['events'])
     trained = sum(r['trained'] for r in per_rank)
     distinct = size(trained_bits)
+    met = dict(readable_bits)
+    for reason, bits in bad_bits.items():
+        if reason != 'no_image':  # sizes.json counts samples with an image
+            union(met, bits)
     skipped = {**{reason: size(bits) for reason, bits in bad_bits.items()},
                **{reason: len(urls) for reason, urls in bad_shards.items()}}
     examples = list({e: None for r in per_rank for e in r['examples']})
@@ -153,6 +173,10 @@ def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int
     return {
         'epoch': epoch, 'samples_trained': trained, 'samples_distinct': distinct, 'samples_repeated': trained - distinct,
         'samples_read': sum(r['read'] for r in per_rank), 'samples_readable': size(readable_bits),
+        'samples_held': sum(shard[1] for shard in ended.values()) + sum(
+            bits.bit_count() for url, bits in met.items() if url not in ended),
+        'samples_untrained': size(readable_bits) - distinct,
+        'samples_unreached': None if urls is None or sizes is None else unreached(urls, sizes, ended, met, bad_shards),
         'all_shards_read': all(r['all_read'] and r['processes'] > 0 for r in per_rank),
         'skipped': dict(sorted(skipped.items())), 'skip_events': dict(sorted(events.items())),
         'examples': [list(e) for e in examples][:MAX_EXAMPLES],
@@ -186,6 +210,8 @@ def summary(record: Dict) -> str:
         met = record['skip_events'].get(reason, n)
         again = f', met {met} times ({_repeats(met - n)})' if met > n else ''
         lines.append(f'  skipped {n} {noun}{again}' + (f' ({where})' if where else ''))
+    if record.get('samples_untrained') or record.get('samples_unreached'):
+        lines.append(f'  {_untrained(record)}')
     if record.get('key_repeats'):
         lines.append(f'  {_key_repeats(record)}')
     device = record.get('device_data') or {}
@@ -216,45 +242,82 @@ def _key_repeats(record: Dict) -> str:
             + '; '.join(shown) + (' …' if n > len(shown) else ''))
 
 
+def _times(record: Dict) -> str:
+    readable = record['samples_readable'] if record['all_shards_read'] and record['samples_readable'] else None
+    times = record['samples_trained'] / (readable or record['samples_distinct'])
+    times = f'{times:.1f}'.rstrip('0').rstrip('.')
+    repeats = record['samples_repeated']
+    return f'each sample is trained ~{times}× per epoch ({repeats} repeats in epoch {record["epoch"]})'
+
+
+def _readers(record: Dict, args) -> Tuple[int, str]:
+    workers = max(1, getattr(args, 'workers', 1) or 1)
+    readers = workers * len(record['ranks'])
+    return readers, f'{readers} data-loader worker(s): {workers} per process × {len(record["ranks"])} process(es)'
+
+
 def repeat_warning(record: Dict, args) -> Optional[str]:
-    """A warning when a sample was trained more than once in the epoch (None when none was, or under
-    --dataset-resampled, which draws shards with replacement), with its cause: sizes.json or
-    --train-num-samples declaring more samples than the shards hold (known exactly once every worker has read
-    all of its shards), or a worker asked for more full batches than its own shards fill (shards that do not
-    split evenly over the data-loader workers of every rank; an epoch rounded up to whole batches), which
-    starts its shards again while others may still be on their first pass. No warning when the shards hold what
-    was declared and the repeats are at most a batch per worker: the epoch rounded up to whole batches (416
-    samples for 400 in batches of 32) repeats that many whatever the shards (only --train-num-samples of whole
-    batches avoids it); the epoch's summary counts them all the same."""
+    """A warning when samples were trained more than once in the epoch for a reason the run can fix; None when
+    none was, under --dataset-resampled (shards drawn with replacement), and for the epoch's own repeats: open_clip
+    sizes an epoch in whole batches per data-loader worker, so a worker goes on into its next pass for the rest of
+    its last batch (416 samples for 400 in batches of 32), and a skipped sample leaves its place to one trained
+    again. The causes: sizes.json or --train-num-samples declaring more samples than the shards hold (known once
+    every worker has read all of its shards), or shards split unevenly over the workers (a worker whose shards
+    hold less than its share trains them again while others have not read all of theirs)."""
     repeats = record['samples_repeated']
     if getattr(args, 'dataset_resampled', False) or not repeats:
         return None
-    readable = record['samples_readable']
+    readable, held = record['samples_readable'], record.get('samples_held', record['samples_readable'])
     exact = record['all_shards_read'] and readable
-    times = record['samples_trained'] / (readable if exact else record['samples_distinct'])
-    times = f'{times:.1f}'.rstrip('0').rstrip('.')
     if args.train_num_samples is not None:
         declared, folder = args.train_num_samples, None
-        source = f'--train-num-samples {declared} asks for'
     else:
         declared, _ = get_dataset_size(args.train_data)
         folder = os.path.dirname(expand_urls(args.train_data)[0][0])
-        source = f'{os.path.join(folder, "sizes.json")} says {declared} samples,'
-    trained = f'each sample is trained ~{times}× per epoch ({repeats} repeats in epoch {record["epoch"]})'
-    if exact and declared and declared > readable:
-        fix = f'fix sizes.json with `python -m diffzoo.data sizes {folder} --recount` or pass ' if folder else 'pass '
-        if folder:
-            return f'{source} the shards hold {readable} readable ones: {trained}; {fix}--train-num-samples {readable}'
-        return (f'{source} more samples than the shards hold ({readable} readable ones): {trained}; '
-                f'{fix}--train-num-samples {readable}')
-    workers = max(1, getattr(args, 'workers', 1) or 1) * len(record['ranks'])
-    if exact and declared == readable and repeats <= (getattr(args, 'batch_size', 0) or 0) * workers:
-        return None  # the epoch rounded up to whole batches (docstring)
+    if exact and declared and declared > held:
+        if folder is None:
+            return (f'--train-num-samples {declared} asks for more samples than the shards hold ({held} with an image, '
+                    f'{readable} readable): {_times(record)}; pass --train-num-samples {readable}')
+        return (f'{os.path.join(folder, SIZES_FILE)} says {declared} samples, the shards hold {held} ({readable} '
+                f'readable): {_times(record)}; fix sizes.json with `python -m diffzoo.data sizes {folder} --recount` '
+                f'or pass --train-num-samples {readable}')
+    if exact or untrained_warning(record, args):
+        return None  # the epoch's own (docstring); or readable samples left untrained too: `untrained_warning`
+    readers, which = _readers(record, args)
     declared = f'{declared} samples declared by ' + ('--train-num-samples' if folder is None else 'sizes.json')
-    return (f'{trained}: a data-loader worker ({workers} in all, {len(record["ranks"])} process(es)) was asked for '
-            f'more full batches than its shards hold and started them again (open_clip rounds the epoch up to whole '
-            f'batches per worker and drops the partial batch at the end of each pass). With {declared}, use shards '
-            f'of equal size, a multiple of {workers} of them, or a smaller --train-num-samples')
+    return (f'{_times(record)}: a data-loader worker ({which}) was asked for more batches than its shards hold and '
+            f'started them again, while another had not read all of its own (open_clip gives each worker an equal '
+            f'share of the epoch). With {declared}, use shards of equal size, a multiple of {readers} of them, or a '
+            f'smaller --train-num-samples')
+
+
+def untrained_warning(record: Dict, args) -> Optional[str]:
+    """A warning when readable samples were not trained in the epoch, with how many and why; None when every one
+    was, under --dataset-resampled, when --train-num-samples asked for fewer than the shards hold, or when
+    sizes.json counts fewer than they hold (`undercount_warning` says so, with the fix)."""
+    read, unreached = record.get('samples_untrained', 0), record.get('samples_unreached') or 0
+    compared = record.get('sizes_json')
+    if getattr(args, 'dataset_resampled', False) or not read + unreached:
+        return None
+    if args.train_num_samples is not None and args.train_num_samples < record.get('samples_held', 0):
+        return None
+    if compared and compared['undercounted_shards']:
+        return None
+    readers, which = _readers(record, args)
+    repeats = f' and {_repeats(record["samples_repeated"])}' if record['samples_repeated'] else ''
+    return (f'{_untrained(record)}{repeats} in epoch {record["epoch"]}: open_clip gives each of the {which} an '
+            f'equal share of the epoch, and the shards of some hold more than their share (others less: they start '
+            f'theirs again), as shards of unequal sizes or a number of them that is not a multiple of {readers} do; '
+            f'each epoch\'s shard order decides which samples are left out. Use shards of equal size, a multiple of '
+            f'{readers} of them, or --dataset-resampled')
+
+
+def _untrained(record: Dict) -> str:
+    read, unreached = record.get('samples_untrained', 0), record.get('samples_unreached')
+    where = (f'{unreached:,} in shards no data-loader worker read to their end, as sizes.json counts them'
+             if unreached is not None else 'and any in shards no data-loader worker read to their end')
+    return (f'{read + (unreached or 0):,} readable samples not trained ({read:,} read as a worker\'s share of the '
+            f'epoch ended, {where})')
 
 
 def _sizes_folder(args) -> Optional[str]:
@@ -306,10 +369,13 @@ def report_epoch(directory, epoch: int, args, run_dir: Optional[str]) -> Dict:
         sizes = read_sizes(folder) if folder is not None else None
     except DataError:  # a sizes.json broken since the run began: the comparison is left out
         sizes = None
-    record = epoch_record(epoch + 1, per_rank, sizes)
+    resampled, data = getattr(args, 'dataset_resampled', False), getattr(args, 'train_data', None)
+    urls = expand_urls(data)[0] if data and not resampled else None
+    record = epoch_record(epoch + 1, per_rank, sizes, urls)
     if args.rank == 0:
         logging.info(summary(record))
         for kind, warning in (('repeats', repeat_warning(record, args)),
+                              ('untrained', untrained_warning(record, args)),
                               ('undercount', undercount_warning(record, folder)),
                               ('keys', key_repeat_warning(record, args))):
             if warning and (directory, kind) not in _WARNED:

@@ -4,16 +4,18 @@ open_clip_train's workers decode every JPEG and run the train transform on a CPU
 with this backend they run open_clip's own pipeline (`get_wds_dataset`: the same shards, shuffles, sharding over
 ranks and workers, epochs and data accounting) with three of its stages swapped for cheap ones:
 
-- `decode`: an image member is not decoded; its header is read (PIL parses it without decoding the pixels) for
-  its size, and a file whose header PIL cannot read is skipped and counted as the default path counts it
-  (`data_events.log_and_continue`: an undecodable image). Captions and json decode as before.
+- `decode`: an image member is not decoded for training; its header is read for its size, and PIL decides
+  whether it decodes as the default path's decode would: a JPEG decoded at 1/8 of its size (`check_decodes`), any
+  other format whole. A file PIL refuses is skipped and counted exactly where and as the default path skips and
+  counts it (`data_events.log_and_continue`: an undecodable image), so the training process's decoder (nvJPEG on
+  CUDA, which decodes some files libjpeg refuses) never sees it. Captions and json decode as before.
 - the image transform: none in the worker; the image stays encoded.
 - `batched`: the batch's crop boxes are drawn at once from the headers' sizes (`draw_boxes`: RandomResizedCrop's
   rule with the scale and ratio of the transform open_clip built for the model, `TrainTransform.of`, from the
   worker's torch generator, which `diffzoo.train.shuffle` seeds per run, rank, worker and epoch: the same boxes
   run after run and on resume); the batch is one uint8 buffer of the encoded files with their lengths, the
   boxes, which images go to PIL rather than the JPEG decoder (`EncodedImage.needs_pil`), the samples' ids (shard
-  url, position, key) and the tokens; `data_events.Batched` counts it as before.
+  url, position, key) and the tokens; `data_stages.Batched` counts it as before.
 
 `wds_dataset_on_device` wraps open_clip_train's `get_wds_dataset` for training data only (validation keeps the
 default path) and hands its loader to `diffzoo.train.device_loader.DeviceLoader`, which decodes and transforms
@@ -31,7 +33,7 @@ from torchvision.transforms import InterpolationMode, Normalize, RandomResizedCr
 
 from diffzoo.data.shards import IMAGE_EXTS
 from diffzoo.recipes import RecipeError
-from . import data_events
+from . import data_stages
 from .device_loader import DeviceLoader
 
 # open_clip's train transform between its crop and its normalisation: RGB conversion and ToTensor
@@ -72,27 +74,45 @@ class TrainTransform:
 
 
 class EncodedImage:
-    """An image member as the worker keeps it: its bytes and its header (a PIL image not yet decoded)."""
-    __slots__ = ('data', 'header')
+    """An image member as the worker keeps it: its bytes, and from its header its size (width, height), format
+    and mode."""
+    __slots__ = ('data', 'size', 'format', 'mode')
 
-    def __init__(self, data: bytes, header: Image.Image):
-        self.data, self.header = data, header
+    def __init__(self, data: bytes, size: Tuple[int, int], format: Optional[str], mode: str):
+        self.data, self.size, self.format, self.mode = data, size, format, mode
 
     @property
     def needs_pil(self) -> bool:
         """Decoded by PIL, as open_clip decodes it, rather than the JPEG decoder: not a JPEG (PNG, WebP), a JPEG in
-        another colour space than RGB or greyscale (CMYK), or one whose end marker is missing (cut short: PIL
-        decides whether it is readable, as on the default path)."""
-        return (self.header.format != 'JPEG' or self.header.mode not in ('RGB', 'L')
+        another colour space than RGB or greyscale (CMYK), or one whose end marker is missing."""
+        return (self.format != 'JPEG' or self.mode not in ('RGB', 'L')
                 or not self.data.rstrip(b'\x00\r\n ').endswith(_JPEG_END))
+
+
+def check_decodes(image: Image.Image) -> None:
+    """Raise what PIL raises for `image` (opened, not loaded) if open_clip's decode (load, then convert to RGB)
+    would fail on it. A JPEG is decoded at 1/8 of its size (libjpeg's DCT scaling): every coefficient of its
+    scans is read, where damage shows, and the inverse DCT and colour conversion mostly skipped; on the project's
+    damaged JPEGs (tests/train/jpegs.py) it refuses exactly what the full decode refuses. Any other format is
+    decoded whole and converted, as open_clip's decode does."""
+    if image.format == 'JPEG':
+        image.draft(None, ((image.width + 7) // 8, (image.height + 7) // 8))
+        image.load()
+    else:
+        image.load()
+        image.convert('RGB')
 
 
 def encoded_image(key: str, data: bytes) -> Optional[EncodedImage]:
     """A webdataset decoder handler (`wds.decode(encoded_image)`): image members become `EncodedImage`s, other
-    members go on to webdataset's own decoders. Raises PIL's error for a file whose header it cannot read."""
+    members go on to webdataset's own decoders. Raises PIL's error for a file open_clip's decode refuses
+    (`check_decodes`)."""
     if key.rsplit('.', 1)[-1].lower() not in IMAGE_EXTS:
         return None
-    return EncodedImage(data, Image.open(io.BytesIO(data)))  # the header only: no pixel is decoded
+    with Image.open(io.BytesIO(data)) as image:
+        encoded = EncodedImage(data, image.size, image.format, image.mode)
+        check_decodes(image)
+    return encoded
 
 
 def kept_encoded(image: EncodedImage) -> EncodedImage:
@@ -125,8 +145,8 @@ def draw_boxes(sizes: torch.Tensor, scale, ratio, tries: int = 10) -> torch.Tens
     return torch.stack([top, left, h, w], 1).long()  # (B, 4)
 
 
-class DeviceTuples(data_events.NumberedTuples):
-    """`data_events.NumberedTuples` that also keeps each sample's key (for the examples of what is skipped)."""
+class DeviceTuples(data_stages.NumberedTuples):
+    """`data_stages.NumberedTuples` that also keeps each sample's key (for the examples of what is skipped)."""
 
     def run(self, src):
         last = {}
@@ -137,7 +157,7 @@ class DeviceTuples(data_events.NumberedTuples):
                 yield sample
 
         for result in super().run(remembered(src)):
-            if isinstance(result, data_events._Numbered):
+            if isinstance(result, data_stages._Numbered):
                 result.key = last['key']
             yield result
 
@@ -153,7 +173,7 @@ class EncodedCollation:
     def __call__(self, samples: List[tuple]) -> tuple:
         images = [image for image, _ in samples]
         data = bytearray(b''.join(image.data for image in images))
-        sizes = torch.tensor([image.header.size[::-1] for image in images], dtype=torch.int64).reshape(-1, 2)
+        sizes = torch.tensor([image.size[::-1] for image in images], dtype=torch.int64).reshape(-1, 2)
         batch = {
             'data': torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
             'lengths': torch.tensor([len(image.data) for image in images], dtype=torch.int64),
@@ -179,7 +199,7 @@ class DeviceWebdataset:
         return self._module.decode(encoded_image, handler=handler, **kwargs)
 
     def batched(self, batchsize: int, partial: bool = True):
-        return data_events.Batched(batchsize, collation_fn=EncodedCollation(self.transform), partial=partial)
+        return data_stages.Batched(batchsize, collation_fn=EncodedCollation(self.transform), partial=partial)
 
     def __getattr__(self, name):
         return getattr(self._module, name)

@@ -4,9 +4,10 @@ the run's device (`diffzoo.train.device_data` is the workers' side).
 - Decoding: the batch's JPEGs in one `torchvision.io.decode_jpeg(list, device=…)` call (nvJPEG on CUDA,
   libjpeg-turbo on the CPU, where it gives PIL's pixels exactly); if that call fails, one image at a time. An
   image the JPEG decoder refuses, and every image the worker sent to PIL (PNG, WebP, CMYK, a JPEG without its end
-  marker), is decoded as open_clip decodes it (PIL, `convert('RGB')`) and counted (`pil_decodes`); one that PIL
-  cannot read either is skipped and counted as open_clip's pipeline counts it (an undecodable image, and not
-  trained: the worker had counted it as trained when the batch left it).
+  marker), is decoded as open_clip decodes it (PIL, `convert('RGB')`) and counted (`pil_decodes`). The workers
+  hand over only images PIL decodes (`device_data.check_decodes`); one that no decoder here reads all the same
+  is skipped and counted as open_clip's pipeline counts it (an undecodable image, and not trained: the worker
+  had counted it as trained when the batch left it).
 - The transform: each worker's crop box resized to the model's size (bicubic or bilinear as open_clip's crop, with
   antialias), uint8 as PIL's output; then the batch scaled to [0, 1] and normalised with the model's mean and std,
   float32 (open_clip's loop casts it to the input dtype). On CUDA the whole batch is cropped and resized at once
@@ -18,8 +19,8 @@ the run's device (`diffzoo.train.device_data` is the workers' side).
   overlap the training step instead of stalling it; an error there is raised in the training loop, and a loop
   that stops early stops the thread. open_clip_train's `Data (t)` is then the wait for a batch not yet made.
 - Equal batches: every rank must make `num_batches` batches of `batch_size` (DDP steps and open_clip's gathered
-  loss need the same shapes). A skipped image leaves a hole that the next sample fills, and so on to the end of
-  the epoch, where the batches lack as many samples as were skipped here: samples trained earlier in the epoch
+  loss need the same shapes). An image skipped here leaves a hole that the next sample fills, and so on to the end
+  of the epoch, where the batches lack as many samples as were skipped here: samples trained earlier in the epoch
   (the last batch's, in order) fill them, counted as trained again (`fill_repeats`, among data.jsonl's repeats).
 """
 import collections
@@ -85,8 +86,10 @@ class DeviceLoader:
     """open_clip_train's training loader (its `num_batches` and `num_samples` too) yielding (images, tokens)
     batches made on `device` from the workers' encoded batches (module docstring)."""
 
-    def __init__(self, loader, transform, batch_size: int, device: torch.device, batched: Optional[bool] = None):
+    def __init__(self, loader, transform, batch_size: int, device: torch.device, batched: Optional[bool] = None,
+                 depth: int = 1):
         self.loader, self.transform, self.batch_size, self.device = loader, transform, batch_size, device
+        self.depth = depth  # batches made ahead of the one the training loop holds
         self.batched = device.type == 'cuda' if batched is None else batched
         if not transform.antialias:  # resample's weights are the antialiased resize's
             self.batched = False
@@ -137,7 +140,7 @@ class DeviceLoader:
         return images, torch.stack([token for _, token, _ in samples])
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        return ahead(self.batches, self.device)
+        return ahead(self.batches, self.device, self.depth)
 
     def batches(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """The epoch's batches, made in the calling thread."""

@@ -11,7 +11,7 @@ batch's crop boxes all differ.
 The products run in float64 on CUDA (TF32, which open_clip_train turns on for float32 products, would move pixels
 by ~0.25 of a level) and float32 on the CPU, in chunks of images so that the padded batch stays small.
 """
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -45,12 +45,12 @@ def weights(start: torch.Tensor, length: torch.Tensor, out: int, extent: int, bi
     return w / w.sum(-1, keepdim=True)
 
 
-def resized_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Sequence[int], bicubic: bool
-                  ) -> torch.Tensor:
+def resized_crops(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: Sequence[int], bicubic: bool,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """(B, 3, S_h, S_w) uint8: each (3, H, W) uint8 image's box (top, left, height, width) resized with antialias,
-    rounded as torchvision rounds a resized uint8 image."""
+    rounded as torchvision rounds a resized uint8 image; the products in `dtype` (default: module docstring)."""
     device = images[0].device
-    dtype = torch.float64 if device.type == 'cuda' else torch.float32
+    dtype = dtype or (torch.float64 if device.type == 'cuda' else torch.float32)
     boxes = boxes.to(device=device, dtype=dtype)
     out: List[torch.Tensor] = []
     for first in range(0, len(images), CHUNK):

@@ -24,6 +24,8 @@ from .run_record import check_run_dir, pop_accept, resumed_epoch
 from .saving import NoSpaceError, checkpoint_bytes, free_bytes, no_space_message
 
 ERRORS = (RecipeError, DataError, CheckpointError, FileNotFoundError)  # bad inputs: `main` prints them, exits 2
+# the data backend of a recipe that names none, by the type of the run's device (docs/training.md)
+DEFAULT_DATA_BACKEND = {'cuda': 'open_clip', 'cpu': 'open_clip'}
 
 
 def _world() -> tuple:
@@ -122,7 +124,8 @@ def run(argv: List[str], doc: str = '') -> int:
     if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
         raise RecipeError(f'lambda_lr: gives λ its own AdamW groups, and --opt {args.opt} builds another optimizer '
                           f'(timm\'s); leave one of them out')
-    data_backend = plan.recipe.get('data_backend', 'open_clip') if plan is not None else 'open_clip'
+    default_backend = DEFAULT_DATA_BACKEND.get(torch.device(args.device).type, 'open_clip')
+    data_backend = plan.recipe.get('data_backend', default_backend) if plan is not None else 'open_clip'
     run_dir = check_run_dir(args, rank, world_size, samples, accept, lambda_lr, data_backend)
     if rank == 0:
         check_space(args, run_dir)

@@ -18,7 +18,8 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   same `--seed` trains on the same batches (webdataset seeds its sample shuffle from the clock);
   `open_clip_train.data.get_wds_dataset` hands that shuffle the run's seed and rank and the dataset's
   epoch, so a resumed run replays the uninterrupted run's sample order and augmentations; its
-  `to_tuple` and `batched` count the samples trained (`diffzoo.train.data_events.CountingWebdataset`).
+  `to_tuple` and `batched` count the samples trained, and each data-loader worker's passes over its shards are
+  batched as one stream, so no sample is dropped at a pass's end (`diffzoo.train.data_stages.CountingWebdataset`).
 - with a recipe's `data_backend: device`, `open_clip_train.data.get_wds_dataset` again, for training data: the
   workers hand over encoded images, crop boxes and tokens, and the training process decodes and transforms
   each batch on its device (`diffzoo.train.device_data`, `diffzoo.train.device_loader`).
@@ -53,7 +54,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from diffzoo.clip.seams import expect_function
-from . import data_events, data_report, device_data, lambda_lr
+from . import data_events, data_report, data_stages, device_data, lambda_lr
 from .metrics import LambdaLog, drop_records_after
 from .recipe import DATA_BACKENDS
 from .resume import latest_checkpoint, load_resume_checkpoint
@@ -191,7 +192,7 @@ def installed(lambda_lr_scale: Optional[float] = None, data_backend: str = 'open
         data_mod.log_and_continue = data_events.log_and_continue
         data_mod.tarfile_to_samples_nothrow = data_events.tarfile_to_samples_nothrow
         seeded = WebdatasetSeededShuffle(webdataset_module)
-        data_mod.wds = data_events.CountingWebdataset(seeded)
+        data_mod.wds = data_stages.CountingWebdataset(seeded)
         data_mod.get_wds_dataset = seeded.bind(originals[(data_mod, 'get_wds_dataset')])
         if data_backend == 'device':
             data_mod.get_wds_dataset = device_data.wds_dataset_on_device(data_mod.get_wds_dataset, data_mod)

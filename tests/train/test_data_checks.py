@@ -49,11 +49,12 @@ def test_each_repeat_and_each_uncounted_sample_is_counted_once_however_often_it_
 
 
 def test_a_shard_the_epoch_leaves_unfinished_is_not_compared(tmp_path, monkeypatch):
-    """One batch of 3 from a shard of 4: the shard is not read to its end, so nothing is said of it."""
+    """One batch of 2 from a shard of 4 (and a third sample read ahead): the shard is not read to its end, so nothing
+    is said of it."""
     urls = _repeating_shards(tmp_path / 'shards', 4)
     monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
     (tmp_path / 'events').mkdir()
-    record = data_report.epoch_record(1, [_epoch(tmp_path / 'events', urls[2:3], 0, batches=1, batch_size=3)],
+    record = data_report.epoch_record(1, [_epoch(tmp_path / 'events', urls[2:3], 0, batches=1, batch_size=2)],
                                       {'00002.tar': 2})
     assert record['shards_read_to_end'] == 0 and record['key_repeats'] == 0
     assert record['sizes_json']['shards_compared'] == 0

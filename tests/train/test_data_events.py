@@ -6,15 +6,16 @@ import pytest
 import torch
 import webdataset as wds
 
-from diffzoo.train import data_events, data_report
+from diffzoo.data.__main__ import main as data_main
+from diffzoo.train import data_events, data_report, data_stages
 from diffzoo.train.launch import main as train_main
 from tests.factory import call, write_shards
 
 
 def _pipeline(urls, batches: int, batch_size: int):
     """open_clip_train's training stages (no shuffles) as diffzoo.train.seams installs them; an epoch of `batches`."""
-    counting = data_events.CountingWebdataset(wds)
-    return wds.DataPipeline(
+    counting = data_stages.CountingWebdataset(wds)
+    return counting.DataPipeline(
         wds.SimpleShardList(urls), data_events.tarfile_to_samples_nothrow,
         wds.select(data_events.filter_no_caption_or_no_image), wds.decode('pilrgb', handler=data_events.log_and_continue),
         wds.rename(image='jpg', text='txt'), wds.map_dict(image=lambda image: image.size),
@@ -30,55 +31,51 @@ def _epoch(events, urls, epoch: int, batches: int, batch_size: int = 4) -> dict:
 
 
 def test_a_wrapped_epoch_counts_distinct_samples_and_calls_the_rest_repeats(tmp_path, monkeypatch):
-    """3 shards of 4 with 2 caption-less samples and a corrupt JPEG: 9 readable. Batches of 4 drop the 9th at the end
-    of each pass; 5 batches = 2 passes (2 × 8 trained) + 4 samples of a third pass (2 bad ones met on the way)."""
+    """3 shards of 4 with 2 caption-less samples and a corrupt JPEG: 9 readable. Batches of 4 carry on across the
+    ends of the worker's passes: 5 batches = 2 whole passes (2 × 9 trained) + 2 samples of a third (a third pass's
+    sample read ahead, a bad one met on the way)."""
     write_shards(tmp_path / 'shards', 3, 4, no_caption={(0, 1), (2, 3)}, corrupt={(1, 0)})
     urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(3)]
     monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
     (tmp_path / 'events').mkdir()
     for epoch in range(2):  # the second epoch starts afresh: same counts, not twice them
         record = data_report.epoch_record(epoch + 1, [_epoch(tmp_path / 'events', urls, epoch, batches=5)])
-        assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (20, 8, 12)
-        assert record['samples_readable'] == 9 and record['all_shards_read']
-        assert record['samples_read'] == 12 + 12 + 6
+        assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (20, 9, 11)
+        assert record['samples_readable'] == 9 and record['all_shards_read'] and record['samples_untrained'] == 0
+        assert record['samples_read'] == 12 + 12 + 4
         assert record['skipped'] == {'no_caption': 2, 'undecodable_image': 1}
-        assert record['skip_events'] == {'no_caption': 5, 'undecodable_image': 3}
+        assert record['skip_events'] == {'no_caption': 5, 'undecodable_image': 2}
         assert [(r, k) for r, _, k in record['examples']] == [
             ('no_caption', '000000001'), ('undecodable_image', '000010000'), ('no_caption', '000020003')]
     text = data_report.summary(record)
-    assert text.startswith('epoch 2 data: 20 samples trained (8 distinct, 12 repeats: trained again in the same '
+    assert text.startswith('epoch 2 data: 20 samples trained (9 distinct, 11 repeats: trained again in the same '
                            'epoch), from 3 shards read by 1 process(es)')
     assert '  skipped 2 without caption, met 5 times (3 repeats) (00000.tar/000000001, 00002.tar/000020003)' in text
-    assert '  skipped 1 undecodable image, met 3 times (2 repeats) (00001.tar/000010000)' in text
+    assert '  skipped 1 undecodable image, met 2 times (1 repeat) (00001.tar/000010000)' in text
+    assert 'not trained' not in text
     args = argparse.Namespace(train_num_samples=20, dataset_resampled=False)
     assert data_report.repeat_warning(record, args) == (
-        '--train-num-samples 20 asks for more samples than the shards hold (9 readable ones): each sample is trained '
-        '~2.2× per epoch (12 repeats in epoch 2); pass --train-num-samples 9')
-    assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=9, dataset_resampled=False)) == (
-        'each sample is trained ~2.2× per epoch (12 repeats in epoch 2): a data-loader worker (1 in all, 1 process(es)) '
-        'was asked for more full batches than its shards hold and started them again (open_clip rounds the epoch up '
-        'to whole batches per worker and drops the partial batch at the end of each pass). With 9 samples declared '
-        'by --train-num-samples, use shards of equal size, a multiple of 1 of them, or a smaller --train-num-samples')
+        '--train-num-samples 20 asks for more samples than the shards hold (12 with an image, 9 readable): each '
+        'sample is trained ~2.2× per epoch (11 repeats in epoch 2); pass --train-num-samples 9')
+    assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=12, dataset_resampled=False)) is None
     assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=20, dataset_resampled=True)) is None
 
 
-def test_an_epoch_rounded_up_to_whole_batches_is_counted_without_a_warning(tmp_path, monkeypatch):
-    """3 clean shards of 4, declared 12, batches of 5, one worker: open_clip's epoch is 3 batches (15 samples), a pass
-    makes 2 (the partial batch of 2 dropped), so the third comes from the next pass: 5 repeats, a batch, whatever
+def test_an_epoch_rounded_up_to_whole_batches_trains_every_sample_without_a_warning(tmp_path, monkeypatch):
+    """3 clean shards of 4, declared 12, batches of 5, one worker: open_clip's epoch is 3 batches (15 samples); the
+    third batch is the pass's last 2 samples and the next pass's first 3: every sample trained, 3 repeats, whatever
     the shards (as the demo corpus's 400 samples in batches of 32). The summary counts them; no warning, which
-    nothing but --train-num-samples 10 would answer. A repeat more than a batch per worker still warns."""
+    nothing but --train-num-samples 10 would answer."""
     write_shards(tmp_path / 'shards', 3, 4)
     urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(3)]
     monkeypatch.setenv(data_events.ENV, str(tmp_path / 'events'))
     (tmp_path / 'events').mkdir()
     record = data_report.epoch_record(1, [_epoch(tmp_path / 'events', urls, 0, batches=3, batch_size=5)])
-    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (15, 10, 5)
-    assert record['samples_readable'] == 12 and record['all_shards_read']
-    assert '15 samples trained (10 distinct, 5 repeats' in data_report.summary(record)
+    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (15, 12, 3)
+    assert record['samples_readable'] == 12 and record['all_shards_read'] and record['samples_untrained'] == 0
+    assert '15 samples trained (12 distinct, 3 repeats' in data_report.summary(record)
     args = argparse.Namespace(train_num_samples=12, dataset_resampled=False, workers=1, batch_size=5)
-    assert data_report.repeat_warning(record, args) is None
-    args = argparse.Namespace(train_num_samples=12, dataset_resampled=False, workers=1, batch_size=4)
-    assert data_report.repeat_warning(record, args).startswith('each sample is trained ~1.2× per epoch (5 repeats')
+    assert data_report.repeat_warning(record, args) is None and data_report.untrained_warning(record, args) is None
 
 
 def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_path, monkeypatch):
@@ -97,40 +94,48 @@ def test_ranks_that_read_the_same_shard_count_its_samples_and_shards_once(tmp_pa
     assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (14, 11, 3)
     assert record['skipped'] == {'empty_shard': 1, 'no_caption': 1}
     assert record['skip_events'] == {'empty_shard': 2, 'no_caption': 2}
-    assert not record['all_shards_read']  # each epoch ended with its batch, before its pass did: no exact total
+    assert record['all_shards_read']  # each pass's end was read ahead of its batch
     assert data_report.repeat_warning(record, argparse.Namespace(train_num_samples=100, dataset_resampled=True)) is None
     assert 'skipped 1 empty shard, met 2 times (1 repeat) (00003.tar)' in data_report.summary(record)
 
 
-def test_an_epoch_ending_partway_through_a_workers_pass_still_warns_of_repeats(tmp_path, monkeypatch):
-    """Two data-loader workers (processes of their own), 3 clean shards of 4, 2 batches of 4 per worker: worker 0
-    reads shards 0 and 2 and the epoch ends before its pass does; worker 1 trains shard 1 twice. No worker's count
-    is exact, yet 4 samples were trained twice, and the warning says so and why."""
+def test_shards_split_unevenly_over_workers_leave_samples_untrained_and_the_warning_says_how_many(tmp_path,
+                                                                                                 monkeypatch):
+    """Two data-loader workers (processes of their own), 3 clean shards of 4, 2 batches of 3 per worker: worker 0
+    reads shards 0 and 2 and the epoch ends before its pass does (shard 2's third sample read ahead, its fourth
+    never reached); worker 1 trains shard 1 and 2 of its samples again. The record counts both exactly (the one not
+    reached from sizes.json), and one warning says so and why."""
     write_shards(tmp_path / 'shards', 3, 4)
     urls = [str(tmp_path / 'shards' / f'{i:05d}.tar') for i in range(3)]
     events = tmp_path / 'events'
     events.mkdir()
     monkeypatch.setenv(data_events.ENV, str(events))
     data_report.start_epoch(events, 0)
-    counting = data_events.CountingWebdataset(wds)
-    pipeline = wds.DataPipeline(
+    counting = data_stages.CountingWebdataset(wds)
+    pipeline = counting.DataPipeline(
         wds.SimpleShardList(urls), wds.split_by_worker, data_events.tarfile_to_samples_nothrow,
         wds.select(data_events.filter_no_caption_or_no_image), wds.decode('pilrgb', handler=data_events.log_and_continue),
         wds.rename(image='jpg', text='txt'), wds.map_dict(image=lambda image: image.size),
-        counting.to_tuple('image', 'text'), counting.batched(4, partial=False)).with_epoch(2)
+        counting.to_tuple('image', 'text'), counting.batched(3, partial=False)).with_epoch(2)
     loader = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=2, multiprocessing_context='fork')
-    assert sum(len(images) for images, _ in loader) == 16
+    assert sum(len(images) for images, _ in loader) == 12
     rank = data_report.collect(events, 0)
-    assert rank['processes'] == 2 and rank['trained'] == 16
-    record = data_report.epoch_record(1, [rank])
-    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (16, 12, 4)
+    assert rank['processes'] == 2 and rank['trained'] == 12
+    record = data_report.epoch_record(1, [rank], {f'{i:05d}.tar': 4 for i in range(3)}, urls)
+    assert (record['samples_trained'], record['samples_distinct'], record['samples_repeated']) == (12, 10, 2)
+    assert (record['samples_untrained'], record['samples_unreached']) == (1, 1)
     assert not record['all_shards_read']
-    args = argparse.Namespace(train_num_samples=16, dataset_resampled=False, workers=2)
-    assert data_report.repeat_warning(record, args) == (
-        'each sample is trained ~1.3× per epoch (4 repeats in epoch 1): a data-loader worker (2 in all, 1 process(es)) '
-        'was asked for more full batches than its shards hold and started them again (open_clip rounds the epoch up '
-        'to whole batches per worker and drops the partial batch at the end of each pass). With 16 samples declared '
-        'by --train-num-samples, use shards of equal size, a multiple of 2 of them, or a smaller --train-num-samples')
+    assert ('  2 readable samples not trained (1 read as a worker\'s share of the epoch ended, 1 in shards no '
+            'data-loader worker read to their end, as sizes.json counts them)') in data_report.summary(record)
+    args = argparse.Namespace(train_num_samples=None, train_data='::'.join(urls), dataset_resampled=False, workers=2)
+    assert data_report.repeat_warning(record, args) is None
+    assert data_report.untrained_warning(record, args) == (
+        '2 readable samples not trained (1 read as a worker\'s share of the epoch ended, 1 in shards no data-loader '
+        'worker read to their end, as sizes.json counts them) and 2 repeats in epoch 1: open_clip gives each of the '
+        '2 data-loader worker(s): 2 per process × 1 process(es) an equal share of the epoch, and the shards of some '
+        'hold more than their share (others less: they start theirs again), as shards of unequal sizes or a number '
+        'of them that is not a multiple of 2 do; each epoch\'s shard order decides which samples are left out. Use '
+        'shards of equal size, a multiple of 2 of them, or --dataset-resampled')
 
 
 def test_the_journal_is_a_few_bytes_per_sample(tmp_path, monkeypatch):
@@ -141,9 +146,10 @@ def test_the_journal_is_a_few_bytes_per_sample(tmp_path, monkeypatch):
     (tmp_path / 'events').mkdir()
     _epoch(tmp_path / 'events', urls, 0, batches=4)
     lines = next((tmp_path / 'events').glob('*-0.jsonl')).read_text().splitlines()
-    assert len(lines) == 4  # a line per batch (the epoch ends with the 4th, before the pass's end is seen)
+    assert len(lines) == 5  # a line per batch, and the pass's end (read ahead of the 4th)
     batch_lines = [json.loads(line) for line in lines]
-    assert [sum(map(len, b['trained'].values())) for b in batch_lines] == [4, 4, 4, 4]
+    assert [sum(map(len, b.get('trained', {}).values())) for b in batch_lines] == [4, 4, 4, 0, 4]
+    assert batch_lines[3]['passes'] == 1
     assert max(len(line) - sum(line.count(url) * len(url) for url in urls) for line in lines) < 80  # besides urls
 
 
@@ -164,7 +170,8 @@ def _records(run_dir) -> list:
 
 @pytest.mark.slow
 def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_says_so_once(tmp_path):
-    """2 clean shards of 4 whose sizes.json says 16 each: batches of 4, so an epoch is 4 whole passes."""
+    """2 clean shards of 4 whose sizes.json says 16 each: batches of 4, so an epoch is 4 whole passes. The fix the
+    warning gives writes what the shards hold."""
     write_shards(tmp_path / 'shards', 2, 4)
     (tmp_path / 'shards' / 'sizes.json').write_text(json.dumps({'00000.tar': 16, '00001.tar': 16}))
     result = call(train_main, ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '2',
@@ -178,7 +185,9 @@ def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_say
         assert record['skipped'] == {}
     log = (run_dir / 'out.log').read_text()
     assert 'epoch 2 data: 32 samples trained (8 distinct, 24 repeats: trained again in the same epoch)' in log
-    warning = ('shards/sizes.json says 32 samples, the shards hold 8 readable ones: each sample is trained ~4× per '
+    warning = ('shards/sizes.json says 32 samples, the shards hold 8 (8 readable): each sample is trained ~4× per '
                'epoch (24 repeats in epoch 1); fix sizes.json with `python -m diffzoo.data sizes shards --recount` '
                'or pass --train-num-samples 8')
     assert log.count('the shards hold') == 1 and warning in log
+    assert call(data_main, ['sizes', 'shards', '--recount'], cwd=tmp_path).returncode == 0
+    assert json.loads((tmp_path / 'shards' / 'sizes.json').read_text()) == {'00000.tar': 4, '00001.tar': 4}

@@ -34,8 +34,8 @@ def damaged_run(tmp_path_factory):
 
 
 def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
-    """sizes.json says 48 (4 × 12); 40 are readable (11 + 11 + 12 + the 6 before 00004.tar's cut), 5 batches of 8:
-    the first pass trains all 40, the loader wraps and trains 8 of them again."""
+    """sizes.json says 48 (4 × 12); the shards hold 42 (12 + 12 + 12 + the 6 before 00004.tar's cut), 40 of them
+    readable; 6 batches of 8: the first pass trains all 40, the loader wraps and trains 8 of them again."""
     root, _, result = damaged_run
     run_dir = root / 'runs' / 'diffclip-tiny'
     report = json.loads((run_dir / 'data.jsonl').read_text().splitlines()[0])
@@ -58,7 +58,7 @@ def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
     assert '00001.tar/000010005' in reported['without caption']
     assert 'skipped 1 empty shard, met 2 times (1 repeat) (00002.tar)' in reported['empty shard']
     assert 'skipped 1 unreadable shard, met 2 times (1 repeat) (00004.tar)' in reported['unreadable shard']
-    warning = ('shards/sizes.json says 48 samples, the shards hold 40 readable ones: each sample is trained ~1.2× per '
+    warning = ('shards/sizes.json says 48 samples, the shards hold 42 (40 readable): each sample is trained ~1.2× per '
                'epoch (8 repeats in epoch 1); fix sizes.json with `python -m diffzoo.data sizes shards --recount` or '
                'pass --train-num-samples 40')
     assert log.count(warning) == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffzoo.clip.seams import OpenClipChanged
-from diffzoo.train import data_events, seams
+from diffzoo.train import data_events, data_stages, seams
 from diffzoo.train.shuffle import SeededShuffle
 
 
@@ -27,7 +27,8 @@ def test_seams_hold_for_one_run_and_are_undone_after_it():
         assert open_clip_train.main.pt_load is seams.load_resume_checkpoint
         assert open_clip_train.main.torch.save is seams.TorchForCheckpoints.save  # checkpoints whole or none
         assert open_clip_train.main.torch.optim is torch.optim  # the rest is torch's
-        assert open_clip_train.data.wds.DataPipeline is before[-1].DataPipeline  # the rest is webdataset's
+        assert open_clip_train.data.wds.SimpleShardList is before[-1].SimpleShardList  # the rest is webdataset's
+        assert open_clip_train.data.wds.DataPipeline.__func__ is data_stages.CountingWebdataset.DataPipeline
         assert os.path.isdir(os.environ[data_events.ENV])
         events = os.environ[data_events.ENV]
     assert _current() == before

@@ -14,6 +14,9 @@ Steps, in this order by default (each a few commands; the seconds are each step'
                    (OUT/eramv.json); see diffzoo.bench.gpu.commands
   stages    720 s  the LLaVA-style stages 1 -> 2 -> 3 of python -m diffzoo.train.vlm on a tiny DiffCLIP tower
                    and Qwen2-style LM in bf16, and stage 3 again under FSDP2 through torchrun
+  data      300 s  python -m diffzoo.bench.data_profile: diffclip-b16's data path taken apart, 8 workers at batch
+                   256: worker CPU a sample, each stage of the device backend's making of a batch, a training
+                   step's wait for data on each backend (OUT/data_profile.json)
 
 Every command runs in its own process group under its time box (cut to what is left of --budget, the whole
 run's deadline); one that fails or times out (its process group ended) is recorded and the next one runs, and

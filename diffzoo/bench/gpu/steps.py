@@ -139,13 +139,30 @@ def stages(runner: Runner, s: Settings) -> None:
             'lines': [line for line in text.splitlines() if line.startswith(('stage', 'FSDP', 'resuming'))]}
 
 
+def data_profile(runner: Runner, s: Settings) -> None:
+    """python -m diffzoo.bench.data_profile: B/16's data path taken apart, each backend (OUT/data_profile.json):
+    the worker's CPU a sample, each stage of the device backend's making of a batch, and a training step's wait
+    for data with 8 workers at batch 256 on 256 px scenes (16 shards of 768, written in parallel first)."""
+    py, corpus = sys.executable, runner.work / 'data-profile'
+    cmd = [py, '-m', 'diffzoo.bench.data_profile', '--device', s.device, '--out', str(s.out / 'data_profile.json')]
+    if s.device == 'cuda':
+        runner.run('data-corpus', [py, '-m', 'diffzoo.bench.gpu.tasks', 'corpus', str(corpus), '--train', '12288',
+                                   '--per-shard', '768', '--image-size', '256', '--processes',
+                                   str(s.corpus_processes)], 90, grace=5)
+        cmd += ['--data', str(corpus / 'train'), '--workers', '8', '--batch', '256', '--batches', '40']
+    else:
+        cmd += ['--smoke']
+    runner.run('data-profile', cmd)
+
+
 def stage_notes(report: Dict) -> Dict[str, str]:
     return {name: f'{len(r["losses"])} steps, loss ' + (f'{r["losses"][0]:.2f} -> {r["losses"][-1]:.2f}'
                                                         if r['losses'] else '-') for name, r in report.items()}
 
 
 STEPS: Dict[str, Callable[[Runner, Settings], None]] = {
-    'tune': tune, 'tests': tests, 'bench': bench, 'compile': compile_models, 'commands': run_commands, 'stages': stages}
+    'tune': tune, 'tests': tests, 'bench': bench, 'compile': compile_models, 'commands': run_commands, 'stages': stages,
+    'data': data_profile}
 BOXES = {  # seconds per step: cuda, cpu
     'tune': (300, 300), 'tests': (420, 300), 'bench': (300, 400), 'compile': (300, 600),
-    'commands': (commands.SIZES['cuda'].box, commands.SIZES['cpu'].box), 'stages': (720, 600)}
+    'commands': (commands.SIZES['cuda'].box, commands.SIZES['cpu'].box), 'stages': (720, 600), 'data': (300, 600)}
