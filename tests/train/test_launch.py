@@ -123,6 +123,8 @@ def test_rerunning_a_finished_run_says_so_and_how_to_extend_it(damaged_run):
 
 @pytest.mark.parametrize('args, message', [
     (['--train_data', 'missing/{00000..00009}.tar'], 'matches no shard (missing does not exist)'),
+    (['--train_data', '/nonexistent'], "train_data '/nonexistent' matches no shard (/nonexistent does not exist)"),
+    (['--train_data', 'no_sizes/{00005..00006}.tar'], 'matches no shard (no_sizes holds 2 *.tar files)'),
     (['--train_data', 'no_sizes'], 'no sizes.json in no_sizes and no train_num_samples'),
     (['--train_data', 'no_sizes', '--train_num_samples', '10', '--learning_rate', '1'], 'unknown recipe keys'),
     (['--train_data', 'no_sizes', '--train_num_samples', '10', '--model', 'diffclip-tyni'],

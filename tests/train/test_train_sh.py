@@ -165,7 +165,7 @@ def test_a_failed_run_ends_on_its_own_error_and_exit_status(failed_run):
     is diffzoo's error, and the exit status the process's own (2: a bad input)."""
     assert failed_run.returncode == 2, failed_run.stderr[-3000:]
     assert failed_run.stderr.strip().splitlines()[-1] == (
-        "error: train_data 'missing' matches no shard (. holds 0 *.tar files); pass --train_data DIR")
+        "error: train_data 'missing' matches no shard (missing does not exist); pass --train_data DIR")
     assert 'Traceback' not in failed_run.stderr and 'ChildFailedError' not in failed_run.stderr
 
 
