@@ -145,6 +145,15 @@ def test_every_shell_command_is_run_or_skipped_with_a_reason():
     assert all(SKIPPED.values())
 
 
+def test_every_link_between_the_pages_leads_to_a_file():
+    """A relative link, read from the page's own folder as a Markdown viewer reads it (docs/x.md links SCALING.md,
+    not docs/SCALING.md), names a file or folder of the repository."""
+    dead = [f'{page}: ({target})' for page, text in TEXTS.items()
+            for target in re.findall(r'\]\(([^)#\s]+)', text)
+            if '://' not in target and not (ROOT / page).parent.joinpath(target).exists()]
+    assert not dead, dead
+
+
 def test_every_python_block_is_run_or_skipped_with_a_reason():
     headings = [heading for heading, _ in blocks('python')]
     assert headings and set(headings) == set(PYTHON), (headings, list(PYTHON))
