@@ -48,12 +48,12 @@ def table(labels: Sequence[str], columns: Sequence[str], rows: Sequence[TableRow
     """Models side by side (a column each, in order), each accuracy with its interval where its row counts trials,
     the chance level and n; with two columns, their difference (second − first) where the intervals do not overlap,
     "within chance" where they do. Below it, what the intervals are (`trials` says what one trial is) and which
-    accuracies are at chance."""
+    accuracies are at chance, or below it."""
     counted = any(n is not None for _, _, n, _ in rows)
     chances = any(chance is not None for _, _, _, chance in rows)
     compared = counted and len(columns) == 2
     lines: List[List[str]] = [[*labels, *columns] + ['chance'] * chances + ['n'] * counted]
-    at_chance = []
+    at_chance, below = [], []
     for label, values, n, chance in rows:
         values = {c: v for c, v in values.items() if v is not None and v == v}  # not NaN
         line = [*label, *(_cell(values.get(c), n, digits) for c in columns)]
@@ -63,6 +63,7 @@ def table(labels: Sequence[str], columns: Sequence[str], rows: Sequence[TableRow
             spans = {c: interval(values[c], n)[1:] for c in columns if c in values}
             at_chance += [f'{c} {label[-1]}' for c, (low, high) in spans.items()
                           if chance is not None and low <= chance <= high]
+            below += [f'{c} {label[-1]}' for c, (low, high) in spans.items() if chance is not None and high < chance]
             if compared and len(spans) == 2:
                 first, second = (spans[c] for c in columns)
                 line.append('within chance' if overlap(first, second) else
@@ -84,5 +85,7 @@ def table(labels: Sequence[str], columns: Sequence[str], rows: Sequence[TableRow
                   f'where they overlap: these trials cannot tell the two apart there.')
     if at_chance:
         notes += ' At chance (the interval holds the chance level): ' + ', '.join(at_chance) + '.'
+    if below:
+        notes += (' Below chance (the whole interval under it, a systematic confusion): ' + ', '.join(below) + '.')
     return '\n'.join(body + [''] + textwrap.wrap(notes, width=max(len(head), 100), initial_indent='  ',
                                                  subsequent_indent='  ', break_on_hyphens=False))
