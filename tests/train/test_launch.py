@@ -70,7 +70,8 @@ def test_the_run_ends_on_its_loss_against_chance(damaged_run):
     """The last line: the mean loss of the last logged steps (lambda.jsonl) against ln 8, the contrastive loss of
     scoring every pair of the global batch of 8 alike, and the verdict those two numbers give."""
     root, _, result = damaged_run
-    records = (json.loads(line) for line in (root / 'runs' / 'diffclip-tiny' / 'lambda.jsonl').read_text().splitlines())
+    log = root / 'runs' / 'diffclip-tiny' / 'lambda.jsonl'
+    records = (json.loads(line) for line in log.read_text().splitlines())
     losses = [r['loss'] for r in records if r['loss'] is not None][-10:]
     loss = sum(losses) / len(losses)
     last = result.stdout.strip().splitlines()[-1]
