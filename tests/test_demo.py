@@ -308,10 +308,14 @@ def test_the_quick_start_runs_as_written(first_run):
             assert argv[1] == '-m', command
             done = call(mains[argv[2]], argv[3:], cwd)
         else:
-            done = subprocess.run(['bash', str(ROOT / argv[0]), *argv[1:]], capture_output=True, text=True,
-                                  timeout=600, cwd=cwd, env=env)
+            done = done_training = subprocess.run(['bash', str(ROOT / argv[0]), *argv[1:]], capture_output=True,
+                                                  text=True, timeout=600, cwd=cwd, env=env)
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
-    assert (cwd / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
+    train = next(c.split() for c in QUICK_START if c.startswith('scripts/train.sh'))
+    epochs = train[train.index('--epochs') + 1]
+    assert (cwd / 'runs' / 'first' / 'checkpoints' / f'epoch_{epochs}.pt').is_file()
+    assert done_training.stdout.strip().splitlines()[-1].startswith('trained: loss ')  # against chance, ln 32
+    assert 'chance ln 32 = 3.466 (global batch 32): ' in done_training.stdout
     assert (cwd / 'runs' / 'first' / 'eval' / 'results.json').is_file()
     assert (cwd / 'runs' / 'first' / 'lambda.png').stat().st_size > 0
     scenes, epochs = (SMALL[SMALL.index(flag) + 1] for flag in ('--train', '--epochs'))
