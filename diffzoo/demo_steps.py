@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -19,16 +18,16 @@ from PIL import Image
 
 from diffzoo.analysis import maps, plots, report
 from diffzoo.checkpoint import run_settings
-from diffzoo.confidence import CONFIDENCE, wilson
+from diffzoo import confidence
 from diffzoo.data.shards import iter_samples, list_shards
-from diffzoo.data.synthetic import CorpusConfig, class_names, write_corpus
+from diffzoo.data.synthetic import CorpusConfig, write_corpus
 from diffzoo.eval.models import load as load_model
 from diffzoo.eval.models import run_checkpoints
+from diffzoo.eval.synthetic import METRICS, TRIALS, chance, trials
 from diffzoo.eval.synthetic import evaluate as evaluate_synthetic
+from diffzoo.train import loss_report
 from diffzoo.train.lambda_log import plot_lambda, read_lambda_log
 
-METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('image_to_text', 'text_to_image')
-                                                       for k in (1, 5, 10)))
 PROGRESS = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/(\d+) .*?Loss: ([\d.]+)')
 PROGRESS_EVERY = 10  # seconds between progress lines when the output is not a terminal (a pipe, a CI log)
 ATTENTION_IMAGES = 3
@@ -122,72 +121,36 @@ def evaluate(models: Dict, out: Path) -> Dict[str, Dict[str, float]]:
             for name, m in models.items()}
 
 
-def sample_counts(scenes: List[Dict]) -> Dict[str, int]:
-    """How many trials each metric counts hits over: every val scene (zero-shot, image→text), every
-    distinct caption (text→image; `diffzoo.eval.synthetic` deduplicates the captions it queries with)."""
-    captions = len({s['caption'] for s in scenes})
-    return {m: captions if m.startswith('text_to_image') else len(scenes) for m in METRICS}
-
-
-def interval(percent: float, n: int) -> Tuple[int, float, float]:
-    """The hits behind `percent` of `n` trials and their Wilson score interval (CONFIDENCE), in percent."""
-    hits = round(percent * n / 100)
-    if abs(100 * hits / n - percent) > 1e-3:
-        raise ValueError(f'{percent}% is no whole number of hits out of {n}; the val split changed since the '
-                         f'evaluation? Re-run the demo with --fresh')
-    return (hits, *wilson(hits, n))
-
-
 def compare(results: Dict[str, Dict[str, float]], baseline: str, model: str,
             n: Dict[str, int]) -> Dict[str, Dict]:
     """Per metric: its trials, each model's hits and interval, and `model − baseline`, which is within
     chance where the two intervals overlap."""
     rows = {}
     for metric in METRICS:
-        cells = {name: interval(results[name][metric], n[metric]) for name in (baseline, model)}
-        (_, a_low, a_high), (_, b_low, b_high) = cells[baseline], cells[model]
+        try:
+            cells = {name: confidence.interval(results[name][metric], n[metric]) for name in (baseline, model)}
+        except ValueError as exc:
+            raise ValueError(f'{exc}; the val split changed since the evaluation? Re-run the demo with --fresh') \
+                from None
         rows[metric] = {'n': n[metric], 'hits': {name: c[0] for name, c in cells.items()},
                         'interval': {name: [c[1], c[2]] for name, c in cells.items()},
                         'difference': results[model][metric] - results[baseline][metric],
-                        'within_chance': a_low <= b_high and b_low <= a_high}
+                        'within_chance': confidence.overlap(cells[baseline][1:], cells[model][1:])}
     return rows
-
-
-def chance() -> Dict[str, float]:
-    """Accuracy of guessing: 1/classes for zero-shot; retrieval chance needs no row of its own."""
-    return {f'zero_shot_{task}': 100.0 / len(names) for task, names in class_names().items()}
 
 
 def table(results: Dict[str, Dict[str, float]], baseline: str, model: str, reference: Dict[str, float],
           comparison: Dict[str, Dict]) -> str:
     """Both models per metric with their intervals (`compare`), the chance level, and the difference or
     "within chance"; below it, what the intervals are and which zero-shot results are at chance."""
-    width = max(20, len(baseline) + 2, len(model) + 2)
-    head = f'  {"metric (val split, %)":<22}{baseline:>{width}}{model:>{width}}{"chance":>8}{"n":>6}   difference'
-    lines = [head, '  ' + '─' * (len(head) - 2)]
-    at_chance = []
-    for metric in METRICS:
-        row = comparison[metric]
-        cells = ''.join(f'{f"{results[name][metric]:.1f} ({low:.1f}–{high:.1f})":>{width}}'
-                        for name, (low, high) in row['interval'].items())
-        ref = f'{reference[metric]:>8.1f}' if metric in reference else f'{"":>8}'
-        verdict = 'within chance' if row['within_chance'] else f'{row["difference"]:+.1f}'
-        lines.append(f'  {metric:<22}{cells}{ref}{row["n"]:>6}   {verdict}')
-        at_chance += [f'{name} {metric}' for name, (low, high) in row['interval'].items()
-                      if metric in reference and low <= reference[metric] <= high]
-    notes = (f'(a–b): Wilson {CONFIDENCE:.0%} interval of each accuracy over its n trials (val scenes; distinct '
-             f'captions for text→image). difference: {model} − {baseline} where the two intervals do not '
-             f'overlap; "within chance" where they overlap: this val split cannot tell the models apart there.')
-    if at_chance:
-        notes += ' At chance (the interval holds the chance level): ' + ', '.join(at_chance) + '.'
-    return '\n'.join(lines + [''] + textwrap.wrap(notes, width=len(head), initial_indent='  ',
-                                                   subsequent_indent='  ', break_on_hyphens=False))
+    rows = [((metric,), {name: results[name][metric] for name in (baseline, model)}, comparison[metric]['n'],
+             reference.get(metric)) for metric in METRICS]
+    return confidence.table(['metric (val split, %)'], [baseline, model], rows, TRIALS)
 
 
 def global_batch(run_dir: Path) -> int:
     """Pairs the contrastive loss of a run compares at each step."""
-    settings = run_settings(run_dir)
-    return settings['batch_size'] * settings.get('accum_freq', 1) * settings.get('world_size', 1)
+    return loss_report.global_batch(run_settings(run_dir))
 
 
 def loss_curves(runs: Dict[str, Path], out_png: Path) -> Path:
@@ -283,7 +246,7 @@ def run(args) -> int:
     results = evaluate(models, out)
     reference = chance()
     comparison = compare(results, args.baseline, args.model,
-                         sample_counts([json.loads(m['json']) for m in val_samples(out)]))
+                         trials([json.loads(m['json']) for m in val_samples(out)]))
 
     print('[4/4] figures', flush=True)
     pngs, entropies = figures(models, out, args.model)

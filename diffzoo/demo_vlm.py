@@ -253,7 +253,7 @@ def main(argv: List[str] = None) -> int:
                'seconds': round(time.time() - start)}
     (vlm / 'results.json').write_text(json.dumps(summary, indent=1) + '\n')
     print('\n' + tower_table(learned))
-    print('\n' + pope_table(results, comparison, *names))
+    print('\n' + pope_table(results, comparison, *names, towers=learned))
     print(f'\n  results: {vlm / "results.json"}')
     print(f'  figure:  {figure}')
     print(f'  done in {summary["seconds"]}s')

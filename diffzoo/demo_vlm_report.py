@@ -5,9 +5,10 @@ import math
 import re
 import textwrap
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from diffzoo.confidence import CONFIDENCE, wilson
+from diffzoo.confidence import CONFIDENCE, overlap, wilson
+from diffzoo.train import loss_report
 
 TOWER_RUN = re.compile(r'(?P<model>.+)-(?P<train>\d+)x(?P<epochs>\d+)')  # demo_steps.train's run names
 STAGES = {'pretrain': 'stage 1: captions', 'finetune': 'stage 2: presence questions'}  # recipe suffix → title
@@ -34,8 +35,7 @@ def tower_report(towers: Dict[str, Path], val_dir: Path) -> Dict[str, Dict]:
     for name, checkpoint in towers.items():
         run = checkpoint.parents[1]
         logged = [r for r in read_lambda_log(str(run)) if r.get('loss') is not None]
-        settings = run_settings(run)
-        batch = settings['batch_size'] * settings.get('accum_freq', 1) * settings.get('world_size', 1)
+        batch = loss_report.global_batch(run_settings(run))
         match = TOWER_RUN.fullmatch(run.name)
         loaded = load(checkpoint)
         images, scenes = load_split(val_dir, loaded.preprocess)
@@ -51,8 +51,8 @@ def tower_report(towers: Dict[str, Path], val_dir: Path) -> Dict[str, Dict]:
         report[name] = {'checkpoint': str(checkpoint), 'train_scenes': int(match['train']) if match else None,
                         'epochs': int(match['epochs']) if match else None,
                         'steps': max((r['step'] for r in logged), default=0), 'batch': batch,
-                        'last_loss': sum(r['loss'] for r in logged[-10:]) / max(1, len(logged[-10:])),
-                        'chance_loss': math.log(batch), 'zero_shot': zero_shot}
+                        'last_loss': (loss_report.last_loss(logged) or (0.0, 0))[0],
+                        'chance_loss': loss_report.chance_loss(batch), 'zero_shot': zero_shot}
     return report
 
 
@@ -77,7 +77,8 @@ def tower_table(report: Dict[str, Dict]) -> str:
                                 if r['train_scenes']}))
     notes = (f'Towers trained on the demo\'s synthetic corpus ({trained}; optimizer steps of the batch shown); '
              f'zero-shot accuracy on its {first["zero_shot"][tasks[0]]["n"]} val scenes, (a–b) its Wilson '
-             f'{CONFIDENCE:.0%} interval; last loss: the mean contrastive loss of the last 10 steps. ')
+             f'{CONFIDENCE:.0%} interval; last loss: the mean contrastive loss of the last '
+             f'{loss_report.LAST_STEPS} steps. ')
     if len(at_chance) == len(report):
         notes += ('Both towers are at chance on every zero-shot task (each interval holds it): they learned nothing '
                   'measurable, so no difference between the VLMs below says anything about DiffCLIP against CLIP. '
@@ -133,9 +134,51 @@ def compare_pope(correct: Dict[str, Dict[str, bool]], baseline: str, model: str,
     return rows
 
 
-def pope_table(scores: Dict[str, Dict], comparison: Dict[str, Dict], baseline: str, model: str) -> str:
+def yes_bias(scores: Dict[str, Dict[str, float]], n: Dict[str, int]) -> Dict[str, Tuple[float, float, float]]:
+    """{split: (yes-ratio, its Wilson interval)} in percent, for the splits where one VLM's interval of the share of
+    questions it answered yes does not hold 50, the share of yes questions (`scores`: its POPE scores per split, over
+    their `questions`, else over `n[split]`)."""
+    biased = {}
+    for split, row in scores.items():
+        questions = int(row.get('questions', n[split]))
+        low, high = wilson(round(row['yes_ratio'] * questions), questions)
+        if not low <= POPE_CHANCE <= high:
+            biased[split] = (100 * row['yes_ratio'], low, high)
+    return biased
+
+
+def pope_verdict(scores: Dict[str, Dict], comparison: Dict[str, Dict], baseline: str, model: str,
+                 towers: Optional[Dict[str, Dict]] = None) -> str:
+    """What the POPE table supports: the splits where the VLMs differ beyond chance, from one seed of each training;
+    each VLM whose yes-ratio departs from 50 beyond chance (answering yes more often raises recall, not what it
+    sees); and, given the towers' report (`tower_report`), whether the towers themselves are within chance of each
+    other on every zero-shot task, so that a difference between the VLMs is not shown to come from them."""
+    apart = [split for split, row in comparison.items() if not row['within_chance']]
+    text = (f'The VLMs differ beyond chance on {", ".join(apart)}, in one seed of each training: a second seed '
+            f'would say how much of it the seed makes.' if apart else
+            'On no split do the VLMs differ beyond chance (one seed of each training).')
+    for name in (baseline, model):
+        biased = yes_bias(scores[name], {split: row['n'] for split, row in comparison.items()})
+        if biased:
+            ratios = sorted(r for r, _, _ in biased.values())
+            shown = f'{ratios[0]:.0f}' if len(ratios) == 1 else f'{ratios[0]:.0f}–{ratios[-1]:.0f}'
+            text += (f' {name}\'s VLM answers yes to {shown} % of the questions on {", ".join(biased)}, where half '
+                     f'are yes (beyond chance): a VLM that says yes more often gains recall without seeing better, '
+                     f'so read its recall beside its precision.')
+    if towers and apart:
+        tasks = list(towers[baseline]['zero_shot'])
+        if all(overlap(towers[baseline]['zero_shot'][t]['interval'], towers[model]['zero_shot'][t]['interval'])
+               for t in tasks):
+            text += (f' The towers themselves are within chance of each other on zero-shot {" and ".join(tasks)}: '
+                     f'these questions show that the VLMs differ, not that one tower sees better.')
+    return text
+
+
+def pope_table(scores: Dict[str, Dict], comparison: Dict[str, Dict], baseline: str, model: str,
+               towers: Optional[Dict[str, Dict]] = None) -> str:
     """POPE side by side: accuracy (interval) with n, chance and the verdict of the paired test, then precision,
-    recall, F1 and yes-ratio; below, what the intervals and the test are and which accuracies are at chance."""
+    recall, F1 and yes-ratio; below, what the intervals and the test are, which accuracies are at chance, and what
+    the table supports (`pope_verdict`; `towers`: the towers' report)."""
     width = max(22, len(baseline) + 2, len(model) + 2)
     head = f'  {"POPE (%)":<24}{baseline:>{width}}{model:>{width}}{"chance":>8}{"n":>6}   difference'
     lines = [head, '  ' + '─' * (len(head) - 2)]
@@ -150,13 +193,11 @@ def pope_table(scores: Dict[str, Dict], comparison: Dict[str, Dict], baseline: s
                                                                 for t in (baseline, model)))
     at_chance = [f'{t} {split}' for split, row in comparison.items() for t in (baseline, model)
                  if row[t]['at_chance']]
-    apart = [split for split, row in comparison.items() if not row['within_chance']]
     notes = (f'(a–b): Wilson {CONFIDENCE:.0%} interval of each accuracy over its n questions (half of them yes, so '
              f'chance is 50). difference: {model} − {baseline} where an exact McNemar test on the questions one VLM '
              f'got right and the other wrong gives p < {1 - CONFIDENCE:.2f}; "within chance" where it does not: these '
              f'questions cannot tell the two VLMs apart there. ')
-    notes += (f'The VLMs differ beyond chance on {", ".join(apart)}.' if apart else
-              'On no split do the VLMs differ beyond chance.')
+    notes += pope_verdict(scores, comparison, baseline, model, towers)
     if at_chance:
         notes += ' At chance (the interval holds 50): ' + ', '.join(at_chance) + '.'
     return '\n'.join(lines + [''] + textwrap.wrap(notes, width=len(head), initial_indent='  ',

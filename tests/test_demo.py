@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from diffzoo import demo_steps
+from diffzoo.analysis import report as analysis_report
 from diffzoo.data.shards import iter_samples
 from diffzoo.demo import main
 from diffzoo.demo_steps import METRICS
@@ -141,6 +142,9 @@ def test_writes_the_figures(first_run):
         with Image.open(out.parent / png) as image:  # relative to the demo's cwd
             assert image.size[0] > 300 and image.size[1] > 200
             assert len(np.unique(np.asarray(image.convert('L')))) > 20  # not a blank canvas
+    words = ' '.join(proc.stdout.split())  # the entropy table says what it measures, and no "better"
+    assert ' '.join(analysis_report.SUMMARY.split()) in words and ' '.join(analysis_report.MEANING.split()) in words
+    assert 'noise' not in words
     entropy = report['attention_entropy']
     assert set(entropy) == set(MODELS)
     assert [len(layer) for layer in entropy[MODELS[0]]] == [4] * 4  # 4 blocks of 4 heads
@@ -263,6 +267,13 @@ def test_the_vlm_demo_trains_a_vlm_on_each_tower_and_prints_pope_side_by_side(fi
                 (out / 'vlm' / 'pope' / tower / 'pope_predictions.jsonl').read_text().splitlines()]
         correct[tower] = {r['id']: pope_answer(r['prediction']) == r['label'] for r in rows}
     check_pope_table(done.stdout, correct, questions)
+    words = ' '.join(done.stdout.split())  # the verdict: one seed, and each VLM's yes-ratio where it departs from 50
+    assert 'one seed of each training' in words
+    for tower in MODELS:
+        biased = [split for split, row in report['pope'][tower].items()
+                  if not wilson(round(row['yes_ratio'] * row['questions']), row['questions'])[0] <= 50
+                  <= wilson(round(row['yes_ratio'] * row['questions']), row['questions'])[1]]
+        assert (f"{tower}'s VLM answers yes to" in words) == bool(biased), (tower, biased, words[-1500:])
 
     # one figure, both towers in each stage
     assert done.stdout.count('figure:  ') == 1 and f'figure:  {out / "vlm" / "loss.png"}' in done.stdout
@@ -297,10 +308,14 @@ def test_the_quick_start_runs_as_written(first_run):
             assert argv[1] == '-m', command
             done = call(mains[argv[2]], argv[3:], cwd)
         else:
-            done = subprocess.run(['bash', str(ROOT / argv[0]), *argv[1:]], capture_output=True, text=True,
-                                  timeout=600, cwd=cwd, env=env)
+            done = done_training = subprocess.run(['bash', str(ROOT / argv[0]), *argv[1:]], capture_output=True,
+                                                  text=True, timeout=600, cwd=cwd, env=env)
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
-    assert (cwd / 'runs' / 'first' / 'checkpoints' / 'epoch_2.pt').is_file()
+    train = next(c.split() for c in QUICK_START if c.startswith('scripts/train.sh'))
+    epochs = train[train.index('--epochs') + 1]
+    assert (cwd / 'runs' / 'first' / 'checkpoints' / f'epoch_{epochs}.pt').is_file()
+    assert done_training.stdout.strip().splitlines()[-1].startswith('trained: loss ')  # against chance, ln 32
+    assert 'chance ln 32 = 3.466 (global batch 32): ' in done_training.stdout
     assert (cwd / 'runs' / 'first' / 'eval' / 'results.json').is_file()
     assert (cwd / 'runs' / 'first' / 'lambda.png').stat().st_size > 0
     scenes, epochs = (SMALL[SMALL.index(flag) + 1] for flag in ('--train', '--epochs'))

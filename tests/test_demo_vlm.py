@@ -86,14 +86,45 @@ def test_pope_table_gives_each_accuracy_an_interval_and_calls_a_difference_only_
     rows = check_pope_table(printed, correct, questions)
     assert [rows[s][5] for s in splits] == ['within chance', '+35.0', '-20.0']
     words = ' '.join(printed.split())
-    assert 'The VLMs differ beyond chance on popular, adversarial.' in words
+    assert ('The VLMs differ beyond chance on popular, adversarial, in one seed of each training: a second seed '
+            'would say how much of it the seed makes.') in words
+    assert 'answers yes to' not in words  # every yes-ratio 50 %
     assert ('At chance (the interval holds 50): clip-tiny-baseline random, clip-tiny-baseline popular, '
             'diffclip-tiny adversarial.') in words  # 52, 50 of 100 and 22 of 40: each interval holds 50
     assert 'exact McNemar test' in words and 'Wilson 95% interval' in words
 
     same = demo_vlm.compare_pope({t: correct[MODELS[0]] for t in MODELS}, *MODELS, questions)
-    assert 'On no split do the VLMs differ beyond chance.' in ' '.join(
+    assert 'On no split do the VLMs differ beyond chance (one seed of each training).' in ' '.join(
         demo_vlm.pope_table(scores, same, *MODELS).split())
+
+
+def test_pope_verdict_reads_the_yes_ratio_and_the_towers():
+    """The demo's run as docs/vlm.md reports it, in counts: 300 questions a split, half of them yes; DiffCLIP's VLM
+    right more often on every split (McNemar p < 0.01) while answering yes to 60–68 % of them, CLIP's VLM at 50–53 %,
+    and towers within chance of each other on both zero-shot tasks: the verdict names the yes-ratio beyond chance,
+    what it does to recall, the one seed, and that the towers are not shown to differ."""
+    n, correct, questions, scores = 300, {t: {} for t in MODELS}, {}, {t: {} for t in MODELS}
+    yes = {MODELS[0]: {'random': 150, 'popular': 159, 'adversarial': 155},  # 50–53 %: within chance of 50
+           MODELS[1]: {'random': 180, 'popular': 195, 'adversarial': 204}}  # 60–68 %
+    for split in ('random', 'popular', 'adversarial'):
+        questions[split] = [f'{split}-{i}' for i in range(n)]
+        for name, right in zip(MODELS, answers(n, 200, 240, 190)):
+            correct[name].update(zip(questions[split], right))
+            scores[name][split] = {'precision': 0.7, 'recall': 0.9, 'f1': 0.8, 'yes_ratio': yes[name][split] / n,
+                                   'questions': n}
+    comparison = demo_vlm.compare_pope(correct, *MODELS, questions)
+    towers = {MODELS[0]: tower(500, 30, 25), MODELS[1]: tower(500, 28, 27)}  # intervals overlap on both tasks
+    words = ' '.join(demo_vlm.pope_table(scores, comparison, *MODELS, towers=towers).split())
+    assert ('The VLMs differ beyond chance on random, popular, adversarial, in one seed of each training: a second '
+            'seed would say how much of it the seed makes.') in words
+    assert ('diffclip-tiny\'s VLM answers yes to 60–68 % of the questions on random, popular, adversarial, where '
+            'half are yes (beyond chance): a VLM that says yes more often gains recall without seeing better, so '
+            'read its recall beside its precision.') in words
+    assert 'clip-tiny-baseline\'s VLM answers yes' not in words  # 159 of 300: its interval holds 50
+    assert ('The towers themselves are within chance of each other on zero-shot shape and colour: these questions '
+            'show that the VLMs differ, not that one tower sees better.') in words
+    apart = {MODELS[0]: tower(500, 10, 6), MODELS[1]: tower(500, 30, 28)}  # towers apart: no such sentence
+    assert 'within chance of each other' not in demo_vlm.pope_table(scores, comparison, *MODELS, towers=apart)
 
 
 def tower(steps, shape, colour, n=32):

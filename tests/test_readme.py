@@ -35,6 +35,8 @@ SKIPPED = {
     'scripts/download_cc3m.sh failed.tsv /data/cc3m --extend': f'{DATA}: downloads CC3M',
     'export CC3M_SHARDS=/data/cc3m': 'sets the variable the next command reads',
     'scripts/train.sh diffclip-b16-cc3m': f'{GPU} and {DATA} (CC3M)',
+    'torchrun --nproc-per-node 8 scripts/train.sh -- diffclip-b16-cc3m --logs /runs':
+        f'8 GPUs and {DATA} (CC3M); tests/train/test_train_sh.py runs the form on 2 CPU processes',
     'scripts/train.sh clip-b16-baseline-cc3m --max_batch_per_gpu 256 -- --grad-checkpointing':
         f'{GPU} and {DATA} (CC3M)',
     'python -m diffzoo.train plot-lambda runs/diffclip-b16-cc3m': 'needs a training run (runs/diffclip-b16-cc3m)',
@@ -96,7 +98,7 @@ SKIPPED = {
                                                       '(tests/bench/test_gpu_check.py runs the dry run of cheap steps)',
     'source .venv/bin/activate': 'activates the environment make built (the quick start test runs the rest in it)',
     'python -m diffzoo.demo --train 1000 --epochs 3 --out quick': QUICK,
-    'scripts/train.sh diffclip-tiny --train_data quick/data/train --epochs 2 --name first': QUICK,
+    'scripts/train.sh diffclip-tiny --train_data quick/data/train --epochs 4 --name first': QUICK,
     'python -m diffzoo.eval --run-dir runs/first --dataset synthetic --dataset-root quick/data': QUICK,
     'python -m diffzoo.train plot-lambda runs/first': QUICK,
     'LAION_VIT_B16=/models/open_clip_pytorch_model.bin CC3M_SHARDS=/data/cc3m scripts/train.sh '
@@ -143,6 +145,15 @@ def test_every_shell_command_is_run_or_skipped_with_a_reason():
     assert not unplaced, f'README commands in neither RUN nor SKIPPED of {__file__}: {unplaced}'
     assert not (set(RUN) | set(SKIPPED)) - set(found), 'RUN/SKIPPED name commands the README no longer has'
     assert all(SKIPPED.values())
+
+
+def test_every_link_between_the_pages_leads_to_a_file():
+    """A relative link, read from the page's own folder as a Markdown viewer reads it (docs/x.md links SCALING.md,
+    not docs/SCALING.md), names a file or folder of the repository."""
+    dead = [f'{page}: ({target})' for page, text in TEXTS.items()
+            for target in re.findall(r'\]\(([^)#\s]+)', text)
+            if '://' not in target and not (ROOT / page).parent.joinpath(target).exists()]
+    assert not dead, dead
 
 
 def test_every_python_block_is_run_or_skipped_with_a_reason():

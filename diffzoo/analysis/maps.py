@@ -40,7 +40,7 @@ each block and head, averaged over query tokens i (all N rows) and images,
 in nats; 0 ≤ H ≤ log N, log N being uniform attention. For softmax attention p = a. A1 − λ·A2 is not
 a distribution, so for differential blocks H is the entropy of the normalised magnitude |A1 − λA2|:
 how spread out the map's mass is, whatever its sign. Lower means attention concentrated on fewer
-tokens (less diffuse, less "noise").
+tokens (less diffuse), whatever the model's accuracy.
 """
 from typing import Dict, Sequence, Tuple
 

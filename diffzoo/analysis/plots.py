@@ -115,7 +115,7 @@ def plot_entropy(entropies: Mapping[str, torch.Tensor], out_png,
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel('vision block')
     ax.set_ylabel('attention entropy (nats)')
-    ax.set_title('attention entropy per block (lower = less diffuse); band: min–max over heads', fontsize=10)
+    ax.set_title('attention entropy per block (lower: weight on fewer tokens); band: min–max over heads', fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,8 +1,15 @@
 """Text tables of the analysis: per-layer metrics of one or two models, entropy per block."""
 import math
+import textwrap
 from typing import Dict, Mapping, Optional
 
 import torch
+
+SUMMARY = ('mean attention entropy over layers and heads, in nats: how spread each attention row\'s weight is over '
+           'the tokens (lower: on fewer tokens):')
+MEANING = ('Softmax attention: the entropy of A; differential attention: of |A1 − λ·A2| normalised, another map, in '
+           'which the two softmaxes partly cancel. A lower entropy says the weight sits on fewer tokens, not that a '
+           'model is more accurate.')
 
 
 def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapping[str, int]] = None,
@@ -24,7 +31,7 @@ def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapp
     if n_tokens:
         lines.append(f'  {"log N":<8}' + ''.join(
             f'{math.log(n_tokens[n]):>{width}.3f}' if n in n_tokens else f'{"":>{width}}' for n in names))
-    lines.append('\n  mean attention entropy over layers and heads, in nats (lower = less diffuse/noise):')
+    lines.append(f'\n  {SUMMARY}')
     image_means = {n: e.float().mean((1, 2)).double().numpy() for n, e in (per_image or {}).items()}  # (B,)
     for name, e in entropies.items():
         uniform = f'   (uniform: log {n_tokens[name]} = {math.log(n_tokens[name]):.3f})' \
@@ -34,6 +41,7 @@ def entropy_table(entropies: Mapping[str, torch.Tensor], n_tokens: Optional[Mapp
         lines.append(f'    {name:<{width}}{e.float().mean().item():.3f}{spread}{uniform}')
     if len(names) == 2 and all(len(image_means.get(n, ())) > 1 for n in names):
         lines.append('  ' + _paired_difference(*names, *(image_means[n] for n in names)))
+    lines += textwrap.wrap(MEANING, width=110, initial_indent='  ', subsequent_indent='  ')
     return '\n'.join(lines)
 
 
@@ -61,7 +69,7 @@ def _paired_difference(a: str, b: str, values_a, values_b) -> str:
     p = test.pvalue
     low, high = test.confidence_interval(0.95)
     shown = 'p < 0.001' if p < 1e-3 else f'p = {p:.2f}'
-    verdict = 'within chance' if p >= 0.05 else 'a difference beyond chance'
+    verdict = 'within chance' if p >= 0.05 else 'a difference in spread beyond chance'
     return (f'{b} − {a}: {diff.mean():+.3f} nats (95 % interval {low:+.3f} to {high:+.3f}), {verdict} '
             f'(paired t-test over the {n} images, {shown})')
 

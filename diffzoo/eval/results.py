@@ -1,10 +1,11 @@
 """Evaluation results: one row per (model, dataset, task, metric), a JSON file, a table, a plot against epoch."""
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from diffzoo import confidence
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class Row:
     value: float
     column: str  # the model's column in the table
     epoch: Optional[int] = None
+    n: Optional[int] = None  # the trials `value` is the share of hits over (None: not a share of hits)
+    chance: Optional[float] = None  # the value of guessing, where one applies
 
 
 def write_json(path, rows: Sequence[Row], settings: Dict) -> Path:
@@ -35,22 +38,20 @@ def read_json(path) -> List[Row]:
         return [Row(**r) for r in json.load(f)['results']]
 
 
-def _fmt(value: Optional[float]) -> str:
-    return '-' if value is None or (isinstance(value, float) and math.isnan(value)) else f'{value:.2f}'
-
-
-def table(rows: Sequence[Row]) -> str:
-    """Rows dataset / task / metric, one column per model in the order they were evaluated."""
+def table(rows: Sequence[Row], trials: str = 'its samples') -> str:
+    """Rows dataset / task / metric, one column per model in the order they were evaluated; an accuracy over
+    counted trials (`trials` says what one is) with its interval, the chance level and, for two models, their
+    difference or "within chance" (`diffzoo.confidence.table`, as the demos print them)."""
     columns = list(dict.fromkeys(r.column for r in rows))
     keys = list(dict.fromkeys((r.dataset, r.task, r.metric) for r in rows))
-    values = {(r.dataset, r.task, r.metric, r.column): r.value for r in rows}
-    header = ['dataset', 'task', 'metric'] + columns
-    body = [[d, t, m] + [_fmt(values.get((d, t, m, c))) for c in columns] for d, t, m in keys]
-    widths = [max(len(str(line[i])) for line in [header] + body) for i in range(len(header))]
-
-    def line(cells):
-        return '  '.join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return '\n'.join([line(header), '  '.join('-' * w for w in widths)] + [line(b) for b in body])
+    values = {key: {} for key in keys}
+    counts = {}
+    for r in rows:
+        key = (r.dataset, r.task, r.metric)
+        values[key][r.column] = r.value
+        counts[key] = (r.n, r.chance)
+    return confidence.table(['dataset', 'task', 'metric'], columns,
+                            [(key, values[key], *counts[key]) for key in keys], trials)
 
 
 def plot_vs_epoch(rows: Sequence[Row], path) -> Optional[Path]:

@@ -82,7 +82,7 @@ def run(args) -> int:
         root = benchmark.dataset_root(args.dataset_root, dataset)
         tasks = suite.tasks_for(dataset, args.task)
         suite.check_dataset(dataset, root, tasks)
-        plan.append((dataset, root, tasks))
+        plan.append((dataset, root, tasks, suite.counted(dataset, root)))
     device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     amp = device.startswith('cuda') and not args.no_amp
     output = default_output(args)
@@ -94,7 +94,7 @@ def run(args) -> int:
         print(f'[{i}/{len(specs)}] {spec.label}: loading {spec.name}'
               + (f' from {spec.pretrained}' if spec.pretrained else ' (random init)'), flush=True)
         loaded = load(spec, device, args.force_image_size, args.seed)
-        for dataset, root, tasks in plan:
+        for dataset, root, tasks, counts in plan:
             for task in tasks:
                 start = time.time()
                 print(f'  {dataset}: {task} …', flush=True)
@@ -102,13 +102,14 @@ def run(args) -> int:
                                     args.lp_epochs, args.lp_lr, progress=print)
                 for task_name, metrics in results.items():
                     rows += [Row(spec.name, spec.pretrained, loaded.checkpoint_sha256, dataset, task_name, metric,
-                                 value, spec.label, spec.epoch) for metric, value in metrics.items()]
+                                 value, spec.label, spec.epoch, *counts.get(metric, (None, None)))
+                             for metric, value in metrics.items()]
                 shown = ', '.join(f'{k} {v:.2f}' for m in results.values() for k, v in list(m.items())[:3])
                 print(f'  {dataset}: {task} done in {time.time() - start:.0f}s ({shown})', flush=True)
                 write_json(output, rows, settings)
         del loaded
     print()
-    print(table(rows))
+    print(table(rows, '; '.join(suite.TRIALS[d] for d, _, _, counts in plan if counts)))
     print(f'\nresults: {output}')
     if args.every_checkpoint:
         plot = plot_vs_epoch(rows, output.with_name(output.stem + '_vs_epoch.png'))

@@ -6,7 +6,7 @@
     mmvp        (the MMVP-VLM folder)      mmvp (auto)
 """
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,6 +16,9 @@ from diffzoo.data.synthetic import class_names
 from . import benchmark, fewshot, mmvp, synthetic
 from .models import EvalError
 from .options import MMVP, SYNTHETIC
+
+
+TRIALS = {SYNTHETIC: synthetic.TRIALS}  # what one trial of a dataset's counted metrics is (`counted`)
 
 
 def supported_tasks(dataset: str):
@@ -62,6 +65,15 @@ def check_dataset(dataset: str, root: Optional[Path], tasks: List[str]) -> None:
         benchmark.check_local(dataset, root, 'test')
         if 'linear_probe' in tasks:
             benchmark.check_local(dataset, root, benchmark.train_split(dataset))
+
+
+def counted(dataset: str, root: Optional[Path]) -> Dict[str, Tuple[int, Optional[float]]]:
+    """{metric: (trials, chance level or None)} for the metrics of `dataset` that are shares of hits over counted
+    trials (the synthetic corpus's zero-shot and retrieval); the others are absent."""
+    if dataset != SYNTHETIC:
+        return {}
+    n, guess = synthetic.trials(synthetic.scenes(root / 'val')), synthetic.chance()
+    return {metric: (n[metric], guess.get(metric)) for metric in synthetic.METRICS}
 
 
 def run(loaded, dataset: str, root: Optional[Path], task: str, device: str, amp: bool, batch_size: int,

@@ -23,6 +23,9 @@ from diffzoo.data.shards import SIZES_FILE, DataError, iter_samples, list_shards
 from diffzoo.data.synthetic import COLOURS, SHAPES, SIZES, class_names
 
 RECALL_AT = (1, 5, 10)
+METRICS = ('zero_shot_shape', 'zero_shot_colour', *(f'{d}_R@{k}' for d in ('image_to_text', 'text_to_image')
+                                                       for k in RECALL_AT))
+TRIALS = 'val scenes; distinct captions for text→image'  # what one trial of a metric is (`trials`)
 
 
 def prompts(task: str) -> Dict[str, List[str]]:
@@ -136,6 +139,25 @@ def retrieval_recall(image_features: torch.Tensor, scenes: List[Dict], model, to
     captions = sorted({s['caption'] for s in scenes})
     own = torch.tensor([captions.index(s['caption']) for s in scenes])
     return recall_at_k(image_features @ encode_texts(model, tokenizer, captions).T, own)
+
+
+def trials(scenes: List[Dict]) -> Dict[str, int]:
+    """How many trials each metric counts hits over: every val scene (zero-shot, image→text), every distinct caption
+    (text→image: `retrieval_recall` queries with each caption once)."""
+    captions = len({s['caption'] for s in scenes})
+    return {m: captions if m.startswith('text_to_image') else len(scenes) for m in METRICS}
+
+
+def chance() -> Dict[str, float]:
+    """Accuracy of guessing, in percent: 1/classes for zero-shot; retrieval chance needs no row of its own."""
+    return {f'zero_shot_{task}': 100.0 / len(names) for task, names in class_names().items()}
+
+
+def scenes(val_dir) -> List[Dict]:
+    """The scene descriptions of a split's shards, in key order (their images left unread)."""
+    directory = Path(val_dir)
+    return [json.loads(members['json']) for shard in list_shards(directory)
+            for _, members in _shard_samples(shard, directory) if 'json' in members]
 
 
 def evaluate(model, preprocess, tokenizer, val_dir, limit: int = 0) -> Dict[str, float]:

@@ -191,8 +191,12 @@ def expand_shards(train_data: str) -> Tuple[str, List[str]]:
     missing = [s for s in local if not os.path.isfile(s)]
     if local and len(missing) == len(local):
         parent = os.path.dirname(local[0]) or '.'
-        hint = (f'{parent} does not exist' if not os.path.isdir(parent)
-                else f'{parent} holds {len(list(Path(parent).glob("*.tar")))} *.tar files')
+        if shards == [train_data]:  # one path, neither a directory nor a file
+            hint = f'{train_data} does not exist'
+        elif not os.path.isdir(parent):
+            hint = f'{parent} does not exist'
+        else:
+            hint = f'{parent} holds {len(list(Path(parent).glob("*.tar")))} *.tar files'
         raise RecipeError(f'train_data {train_data!r} matches no shard ({hint}); pass --train_data DIR')
     if missing:
         raise RecipeError(f'train_data {train_data!r}: {len(missing)} of {len(shards)} shards are missing '

@@ -14,7 +14,8 @@ from open_clip_train.params import parse_args
 from diffzoo.checkpoint import CheckpointError
 from diffzoo.data.shards import DataError
 
-from . import seams
+from . import loss_report, seams
+from .lambda_log import read_lambda_log
 from .recipe import (
     DERIVED, Plan, RecipeError, check_batches_fill, check_shard_count, expand_shards, find_recipe, load_recipe,
     open_clip_defaults, parse_overrides, resolve, shard_sizes,
@@ -156,7 +157,22 @@ def run(argv: List[str], doc: str = '') -> int:
             if world_size > 1 and _lost_contact(exc):
                 raise LostContact(_lost_contact_message(exc, rank, run_dir)) from exc
             raise
-    return 1 if result == -1 else 0
+    if result == -1:
+        return 1
+    if rank == 0 and run_dir:
+        print(_closing_line(args, run_dir, world_size), flush=True)
+    return 0
+
+
+def _closing_line(args, run_dir: str, world_size: int) -> str:
+    """The run's last loss and, for CLIP's contrastive loss alone (not SigLIP's, CoCa's caption or a distillation
+    loss), where it stands against chance: ln of the global batch."""
+    contrastive = not args.siglip and args.distill_model is None and 'coca' not in args.model.lower()
+    try:
+        records = read_lambda_log(run_dir)
+    except FileNotFoundError:
+        records = []
+    return loss_report.closing_line(records, args.batch_size * args.accum_freq * world_size, contrastive)
 
 
 # What gloo and NCCL say when the process at the other end of a collective is gone

@@ -178,9 +178,14 @@ def test_entropy_table_and_plot(tmp_path, built):
     lines = table.splitlines()
     assert lines[0].split() == ['block', *MODELS]
     assert [line.split()[0] for line in lines[2:6]] == ['0', '1', '2', '3']
-    means = {line.split()[0]: float(line.split()[1]) for line in lines[-2:]}
+    summary = _summary(table)
+    means = {line.split()[0]: float(line.split()[1]) for line in summary[1:3]}
     assert means == {name: pytest.approx(e.mean().item(), abs=5e-4) for name, e in entropies.items()}
-    assert f'log {N_TOKENS} = {math.log(N_TOKENS):.3f}' in lines[-1]
+    assert f'log {N_TOKENS} = {math.log(N_TOKENS):.3f}' in summary[2]
+    words = ' '.join(' '.join(summary).split())
+    assert 'how spread each attention row\'s weight is over the tokens (lower: on fewer tokens)' in words
+    assert 'differential attention: of |A1 − λ·A2| normalised, another map' in words
+    assert 'not that a model is more accurate' in words and 'noise' not in words
     png = plots.plot_entropy(entropies, tmp_path / 'entropy.png', n_tokens)
     with Image.open(png) as img:
         assert img.size == (840, 480) and np.asarray(img.convert('L')).std() > 10
@@ -197,7 +202,7 @@ def test_image_entropy_is_per_image_and_block_entropy_its_mean(built):
 
 def _summary(table):
     lines = table.splitlines()
-    return lines[lines.index('  mean attention entropy over layers and heads, in nats (lower = less diffuse/noise):'):]
+    return lines[lines.index(f'  {report.SUMMARY}'):]
 
 
 def test_entropy_table_gives_each_mean_its_interval_and_tests_the_difference_over_the_images():
@@ -221,6 +226,7 @@ def test_entropy_table_gives_each_mean_its_interval_and_tests_the_difference_ove
         assert (p < 0.05) == (verdict == 'beyond chance')
         assert summary[3].startswith(f'  diffclip − clip: {diff.mean():+.3f} nats')
         assert (' within chance ' in summary[3]) == (verdict == 'within chance')
+        assert (' a difference in spread beyond chance ' in summary[3]) == (verdict == 'beyond chance')
         assert 'paired t-test over the 40 images' in summary[3]
     flat = {'clip': torch.full((40, 4, 4), math.log(65)), 'diffclip': torch.full((40, 4, 2), 4.0)}
     summary = _summary(report.entropy_table({n: e.mean(0) for n, e in flat.items()}, None, flat))
@@ -285,7 +291,7 @@ def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[-2:] == [f'wrote {out}', f'wrote {out.with_name("attention_entropy.png")}']
-    summary = lines.index('  mean attention entropy over layers and heads, in nats (lower = less diffuse/noise):')
+    summary = lines.index(f'  {report.SUMMARY}')
     assert [line.split()[0] for line in lines[summary + 1:summary + 3]] == list(MODELS)
     assert all(0 < float(line.split()[1]) <= math.log(N_TOKENS) + 1e-3 for line in lines[summary + 1:summary + 3])
     with Image.open(out) as img:

@@ -5,8 +5,10 @@ import shutil
 import open_clip
 import torch
 
+from diffzoo.data.shards import iter_samples
 from diffzoo.eval.__main__ import main
 from diffzoo.eval.results import read_json
+from tests.factory import wilson
 
 
 def _training_run(run_dir, epochs=(1, 2)):
@@ -38,10 +40,46 @@ def test_every_checkpoint_of_a_run_gives_a_table_json_and_plot(corpus, tmp_path,
     assert {r.task for r in rows} == {'zeroshot_classification', 'zeroshot_retrieval'}
     by_epoch = [{r.metric: r.value for r in rows if r.epoch == e} for e in (1, 2)]
     assert by_epoch[0].keys() == by_epoch[1].keys() and by_epoch[0] != by_epoch[1]  # other weights, other results
-    header = next(line for line in out.splitlines() if line.startswith('dataset'))
-    assert header.split()[-4:] == ['epoch', '1', 'epoch', '2']
+    header = next(line for line in out.splitlines() if line.split()[:1] == ['dataset'])
+    assert header.split()[-7:] == ['epoch', '1', 'epoch', '2', 'chance', 'n', 'difference']
+    _check_intervals_and_verdicts(out, rows, corpus / 'val')
     assert (run_dir / 'eval' / 'results_vs_epoch.png').stat().st_size > 0
     assert f'plot: {run_dir / "eval" / "results_vs_epoch.png"}' in out
+
+
+def _check_intervals_and_verdicts(out, rows, val):
+    """The table's synthetic rows as the demo prints them: each accuracy with the Wilson interval of its hits over
+    the val scenes (distinct captions for text→image), the chance level of zero-shot, n, and for two columns the
+    difference or "within chance" where the intervals overlap; the notes name the accuracies at chance."""
+    columns = list(dict.fromkeys(r.column for r in rows))
+    scenes = [json.loads(m['json']) for shard in sorted(val.glob('*.tar')) for _, m in iter_samples(shard)]
+    captions = len({s['caption'] for s in scenes})
+    at_chance = []
+    for metric in {r.metric for r in rows}:
+        n = captions if metric.startswith('text_to_image') else len(scenes)
+        chance = {'zero_shot_shape': 100 / 3, 'zero_shot_colour': 100 / 6}.get(metric)
+        line = next(line.split('  ') for line in out.splitlines() if f'  {metric} ' in line)
+        cells = [c.strip() for c in line if c.strip()]
+        spans = []
+        for column in columns:
+            value = next(r.value for r in rows if r.metric == metric and r.column == column)
+            assert next(r.n for r in rows if r.metric == metric and r.column == column) == n
+            low, high = wilson(round(value * n / 100), n)
+            assert f'{value:.1f} ({low:.1f}–{high:.1f})' in cells, (metric, cells)
+            spans.append((low, high, value))
+            if chance is not None and low <= chance <= high:
+                at_chance.append(f'{column} {metric}')
+        assert cells[-2 if len(columns) == 2 else -1] == str(n)
+        if chance is not None:
+            assert f'{chance:.1f}' in cells
+        if len(columns) == 2:
+            (a_low, a_high, a), (b_low, b_high, b) = spans
+            overlap = a_low <= b_high and b_low <= a_high
+            assert cells[-1] == ('within chance' if overlap else f'{b - a:+.1f}')
+    notes = ' '.join(out.split())
+    assert 'Wilson 95% interval of each accuracy over its n trials (val scenes; distinct captions for' in notes
+    for entry in at_chance:
+        assert entry in notes.split('At chance (the interval holds the chance level): ')[1]
 
 
 def test_model_names_the_model_of_a_run_that_does_not(corpus, tmp_path, capsys):
@@ -56,6 +94,7 @@ def test_model_names_the_model_of_a_run_that_does_not(corpus, tmp_path, capsys):
     rows = read_json(run_dir / 'eval' / 'results.json')  # one training run: its eval/ folder, as with --run-dir
     assert {(r.model, r.epoch, r.pretrained) for r in rows} == {
         ('diffclip-tiny', 1, str(run_dir / 'checkpoints' / 'epoch_1.pt'))}
+    _check_intervals_and_verdicts(capsys.readouterr().out, rows, corpus / 'val')  # one column: no difference
 
 
 def test_models_side_by_side_with_few_shot(corpus, tmp_path, capsys):

@@ -2,6 +2,7 @@
 command lines through its `main` in this process (`python -m diffzoo.train` runs as a process of its own in the
 demo's trainings, tests/test_demo.py, and under scripts/train.sh, tests/train/test_train_sh.py)."""
 import json
+import math
 import os
 import sys
 
@@ -65,6 +66,22 @@ def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
     assert (run_dir / 'checkpoints' / 'epoch_1.pt').exists()
 
 
+def test_the_run_ends_on_its_loss_against_chance(damaged_run):
+    """The last line: the mean loss of the last logged steps (lambda.jsonl) against ln 8, the contrastive loss of
+    scoring every pair of the global batch of 8 alike, and the verdict those two numbers give."""
+    root, _, result = damaged_run
+    log = root / 'runs' / 'diffclip-tiny' / 'lambda.jsonl'
+    records = (json.loads(line) for line in log.read_text().splitlines())
+    losses = [r['loss'] for r in records if r['loss'] is not None][-10:]
+    loss = sum(losses) / len(losses)
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f'trained: loss {loss:.3f} (mean of the last {len(losses)} logged steps); chance ln 8 = '
+                           f'{math.log(8):.3f} (global batch 8): '), last
+    verdict = 'worse than' if loss > math.log(8) else 'at' if loss > math.log(0.9 * 8) else 'better than'
+    assert last.split('): ', 1)[1].startswith(f'{verdict} chance (the right pair is as likely as one in '
+                                              f'{math.exp(loss):.1f} of the batch\'s 8'), last
+
+
 def test_resolved_configuration_is_printed_first(damaged_run):
     _, _, result = damaged_run
     out = result.stdout
@@ -123,6 +140,8 @@ def test_rerunning_a_finished_run_says_so_and_how_to_extend_it(damaged_run):
 
 @pytest.mark.parametrize('args, message', [
     (['--train_data', 'missing/{00000..00009}.tar'], 'matches no shard (missing does not exist)'),
+    (['--train_data', '/nonexistent'], "train_data '/nonexistent' matches no shard (/nonexistent does not exist)"),
+    (['--train_data', 'no_sizes/{00005..00006}.tar'], 'matches no shard (no_sizes holds 2 *.tar files)'),
     (['--train_data', 'no_sizes'], 'no sizes.json in no_sizes and no train_num_samples'),
     (['--train_data', 'no_sizes', '--train_num_samples', '10', '--learning_rate', '1'], 'unknown recipe keys'),
     (['--train_data', 'no_sizes', '--train_num_samples', '10', '--model', 'diffclip-tyni'],

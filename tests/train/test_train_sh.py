@@ -1,10 +1,11 @@
-"""scripts/train.sh: torchrun across two 'nodes' on this machine (gloo): a job of a process per node whose node is
-lost mid-run, then restarted on both, resuming with nothing lost or repeated (c10d rendezvous, then a static
-master)."""
+"""scripts/train.sh, starting torchrun itself or started by it (`torchrun … scripts/train.sh -- RECIPE …`, with
+Python or --no-python). Across two 'nodes' on this machine (gloo): a job of a process per node whose node is lost
+mid-run, then restarted on both, resuming with nothing lost or repeated (c10d rendezvous, then a static master)."""
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -165,13 +166,78 @@ def test_a_failed_run_ends_on_its_own_error_and_exit_status(failed_run):
     is diffzoo's error, and the exit status the process's own (2: a bad input)."""
     assert failed_run.returncode == 2, failed_run.stderr[-3000:]
     assert failed_run.stderr.strip().splitlines()[-1] == (
-        "error: train_data 'missing' matches no shard (. holds 0 *.tar files); pass --train_data DIR")
+        "error: train_data 'missing' matches no shard (missing does not exist); pass --train_data DIR")
     assert 'Traceback' not in failed_run.stderr and 'ChildFailedError' not in failed_run.stderr
 
 
 def test_usage_without_a_recipe(tmp_path):
     result = run(['bash', TRAIN_SH], cwd=tmp_path)
     assert result.returncode == 2 and 'scripts/train.sh RECIPE' in result.stderr
+
+
+def test_the_script_is_bash_and_python():
+    """torchrun runs scripts/train.sh with Python unless --no-python: the file parses as both, warning-free."""
+    subprocess.run(['bash', '-n', TRAIN_SH], check=True)
+    subprocess.run([sys.executable, '-W', 'error', '-c', f'compile(open({TRAIN_SH!r}).read(), "train.sh", "exec")'],
+                   check=True)
+
+
+def test_a_stray_double_dash_is_named(tmp_path):
+    """One `--` after the script is dropped (torchrun's form); a second where the recipe belongs is an error."""
+    result = run(['bash', TRAIN_SH, '--', '--', 'diffclip-tiny'], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: scripts/train.sh: '--' where the recipe should be; the recipe comes "
+                                    "first, after at most one '--' (torchrun [torchrun flags] scripts/train.sh -- "
+                                    "RECIPE"), result.stderr
+
+
+TORCHRUN = str(Path(sys.executable).parent / 'torchrun')
+
+
+def _torchrun(flags, args, cwd, timeout=300):
+    """torchrun FLAGS scripts/train.sh ARGS, as a user runs it (a free port, this interpreter's torchrun)."""
+    return subprocess.run([TORCHRUN, *flags, TRAIN_SH, *args], cwd=cwd, env=python_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_torchrun_runs_the_script_for_help_and_a_failed_run(tmp_path):
+    """`torchrun … scripts/train.sh --help` prints the usage once (rank 0) and exits 0; a bad input ends its process
+    on the same error line as `scripts/train.sh` itself, exit status 2 (torchrun then adds its own report)."""
+    helped = _torchrun(['--standalone', '--nproc-per-node', '2'], ['--help'], tmp_path)
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert helped.stdout.count('Train a recipe through open_clip_train') == 1, helped.stdout
+    assert 'torchrun [torchrun flags] scripts/train.sh -- RECIPE' in helped.stdout
+    failed = _torchrun(['--standalone', '--nproc-per-node', '1'], ['--', 'diffclip-tiny', '--train_data', 'missing'],
+                       tmp_path)
+    assert failed.returncode != 0
+    assert ("error: train_data 'missing' matches no shard (missing does not exist); pass --train_data DIR\n"
+            in failed.stderr), failed.stderr[-3000:]
+    assert 'exitcode  : 2' in failed.stderr  # torchrun's report of the process: the launcher's own exit status
+
+
+def test_torchrun_launches_the_script_on_two_processes_and_no_python_resumes_it(tmp_path):
+    """The README's multi-GPU form on CPU (gloo): `torchrun --nproc-per-node 2 scripts/train.sh -- RECIPE … --logs
+    runs` trains one epoch on two processes (--logs, which torchrun alone refuses as a prefix of its --logs-specs,
+    reaches the recipe), rank 0 alone printing; `torchrun --no-python` (bash runs the script) with --epochs 2
+    resumes it from epoch 1 as scripts/train.sh would."""
+    write_shards(tmp_path / 'shards', 4, 8)
+    args = ['diffclip-tiny', '--train_data', 'shards', '--global_batch_size', '8', '--logs', 'runs']
+    first = _torchrun(['--standalone', '--nproc-per-node', '2'], ['--', *args, '--epochs', '1'], tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert first.stdout.count('run directory: runs/diffclip-tiny\n') == 1  # the plan: rank 0's
+    assert 'derived for 2 process(es)' in first.stdout
+    run_dir = tmp_path / 'runs' / 'diffclip-tiny'
+    record, = [json.loads(line) for line in (run_dir / 'data.jsonl').read_text().splitlines()]
+    assert len(record['ranks']) == 2 and record['samples_trained'] == 32
+    assert _epoch(run_dir / 'checkpoints' / 'epoch_1.pt') == 1
+
+    again = _torchrun(['--standalone', '--nproc-per-node', '2', '--no-python'], ['--', *args, '--epochs', '2'],
+                      tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert ('resuming diffclip-tiny from epoch 1 of 2 (checkpoint runs/diffclip-tiny/checkpoints/epoch_latest.pt)'
+            in again.stdout), again.stdout[-3000:]
+    assert _epoch(run_dir / 'checkpoints' / 'epoch_2.pt') == 2
+    assert [json.loads(line)['epoch'] for line in (run_dir / 'data.jsonl').read_text().splitlines()] == [1, 2]
 
 
 def test_slurm_script_parses():
