@@ -93,6 +93,9 @@ SKIPPED = {
     'python -m diffzoo.bench.tune --write': GPU,
     'python -m diffzoo.bench.gpu OUT': GPU,
     'python -m diffzoo.bench.gpu OUT bench compile': GPU,
+    'python -m diffzoo.bench.gpu OUT data': GPU,
+    'python -m diffzoo.bench.data_profile --out data_profile.json': GPU + ' (its default device; '
+                                                                     'tests/bench/test_data_profile.py runs it on the CPU)',
     'python -m diffzoo.bench.gpu OUT commands --limit commands=400 --b16-steps 224': GPU,
     'python -m diffzoo.bench.gpu OUT --device cpu': 'every step at tiny sizes, ~20 minutes on 2 cores '
                                                       '(tests/bench/test_gpu_check.py runs the dry run of cheap steps)',
