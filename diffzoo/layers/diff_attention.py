@@ -93,7 +93,7 @@ from timm.layers import DiffAttention, RmsNorm
 
 from .kernels import (SPLIT_KERNELS, add_mask, duplicate_attention, explicit_output, split_attention,
                       v2_attention)
-from .lambda_init import LambdaInit, resolve_lambda_init
+from .lambdas import LAMBDA_VECTORS, LambdaInit, reparameterized_lambda, resolve_lambda_init
 from .numerics import stats_dtype
 
 # the kernel functions are fx leaves wherever this module calls them (timm's tracer also knows them)
@@ -104,10 +104,6 @@ torch.fx.wrap('add_mask')
 torch.fx.wrap('explicit_output')
 
 VARIANTS = ('split', 'duplicate', 'v2')
-# what a differential layer has that plain attention has not (attribute names): λ's vectors or timm's dual
-# scalars, v2's W_λ and the sub-norm, as `lambda_lr` trains them and a converted layer initialises them itself
-LAMBDA_PARAMETERS = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'lambda_a', 'lambda_b', 'lambda_proj',
-                     'sub_norm')
 LAMBDA_PROJ_INITS = ('unilm', 'zeros')  # v2's W_λ: unilm's (no bias, nn.Linear init) or zero weight and bias
 
 
@@ -185,7 +181,7 @@ class DifferentialAttention(DiffAttention):
         if variant == 'duplicate' and not dual_lambda:
             # λ_q1, λ_k1, λ_q2, λ_k2 ∈ R^{d_head}, d_head = C / h (timm's are C / 2h: its split heads);
             # fp32 as timm keeps them, N(0, 0.1) by reset_parameters
-            for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
+            for name in LAMBDA_VECTORS:
                 setattr(self, name, nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32, device=device)))
             self.reset_parameters()
         if variant == 'v2':
@@ -217,7 +213,7 @@ class DifferentialAttention(DiffAttention):
         """Duplicate-variant checkpoints with timm's C / 2h-wide λ vectors (diffzoo before they were
         d_head wide) load zero-padded to d_head: every dot product, so λ and the output, is unchanged."""
         if self.variant == 'duplicate' and self.lambda_q1 is not None:
-            for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
+            for name in LAMBDA_VECTORS:
                 saved = state_dict.get(prefix + name)
                 if saved is not None and saved.shape == (self.head_dim // 2,):
                     state_dict[prefix + name] = F.pad(saved, (0, self.head_dim - saved.shape[0]))
@@ -228,19 +224,12 @@ class DifferentialAttention(DiffAttention):
         self.reset_parameters()
 
     def _compute_lambda(self) -> torch.Tensor:
-        """timm's λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init (or timm's dual-scalar form), its dot
-        products promoted (not rounded) to at least fp32: fp32 parameters give timm's numbers, fp64
-        ones keep fp64."""
+        """λ from the vectors (`diffzoo.layers.lambdas`) or timm's dual scalars, in fp32 (fp64 for fp64)."""
         if self.lambda_a is not None and self.lambda_b is not None:
-            lambda_1 = torch.exp(self.lambda_a)
-            lambda_2 = torch.exp(self.lambda_b)
-        else:
-            assert self.lambda_q1 is not None and self.lambda_k1 is not None
-            assert self.lambda_q2 is not None and self.lambda_k2 is not None
-            acc = stats_dtype(self.lambda_q1.dtype)
-            lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1).to(acc))
-            lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1).to(acc))
-        return lambda_1 - lambda_2 + self.lambda_init
+            return torch.exp(self.lambda_a) - torch.exp(self.lambda_b) + self.lambda_init
+        assert self.lambda_q1 is not None and self.lambda_k1 is not None
+        assert self.lambda_q2 is not None and self.lambda_k2 is not None
+        return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
 
     def compute_lambda(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
         """λ in fp32 (fp64 for fp64): a scalar for split/duplicate (x unused), (B, h, N, 1) per token
