@@ -1,87 +1,38 @@
-"""Differential attention: one family for every tower (ViT blocks, CLIP text blocks, analysis).
+"""Differential attention (Ye et al., Differential Transformer): one layer for every diffzoo tower.
 
-`DifferentialAttention` subclasses `timm.layers.DiffAttention` and adds what timm lacks: a λ_init
-policy (constant or by depth), the *duplicate* and *v2* variants, fp32 softmax/λ/sub-norm on every
-path, and the differential maps (A1 − λ·A2) from the explicit path.
+`DifferentialAttention` is timm's `DiffAttention` with a λ_init policy, the duplicate and v2 variants, and
+the differential maps of its explicit path; λ and λ_init are written in `diffzoo.layers.lambdas`.
+`num_heads` counts differential heads h (timm/unilm); with C = dim, `LAYOUTS` gives each variant's heads:
 
-Heads follow timm/unilm: `num_heads` counts *differential* heads h. With C = dim:
-
-    variant     query heads      q/k head dim   value head dim   output per head
-    split       2h (pairs)       C / h / 2      C / h            C / h, sub-norm
-    duplicate   h                C / h          C / h            C / h, sub-norm
-    v2          2h (GQA on h)    C / h          C / h            C / h, no sub-norm
+    variant     query heads      q/k head dim   value head dim   after the difference
+    split       2h (pairs)       C / h / 2      C / h            sub-norm, × (1 − λ_init)
+    duplicate   h                C / h          C / h            sub-norm, × (1 − λ_init)
+    v2          2h (GQA on h)    C / h          C / h            nothing
 
 DiffCLIP's ViT-B/16 (12 ordinary heads) is therefore `num_heads=6`: q/k 64, v 128.
 
-split (Ye et al., Differential Transformer; DiffCLIP). Query head 2i is Q1 and 2i+1 is Q2 of
-differential head i (likewise K); V of head i is the contiguous slice of width C/h:
+split (Differential Transformer; DiffCLIP): query head 2i is Q1 and 2i+1 is Q2 of differential head i
+(likewise K); V of head i is its contiguous slice of width C/h:
 
     DiffAttn(X) = (softmax(Q1 K1ᵀ/√d) − λ·softmax(Q2 K2ᵀ/√d)) V
-    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init
     head_i = (1 − λ_init) · RMSNorm(DiffAttn_i),    out = Concat(head_1..h) W_O
 
-duplicate (Differential PaliGemma, Eq. 5): both maps come from the same, undivided Q and K, so
-A1 = A2 = softmax(QKᵀ/√d) and DiffAttn = (A1 − λ·A2) V = (1 − λ)·A V; sub-norm and (1 − λ_init)
-as in split, λ from λ_q1, λ_k1, λ_q2, λ_k2 ∈ R^{d_head} (d_head = C / h, as the paper defines them
-and as `diffzoo.vlm.differentialize` has them; checkpoints with the earlier C / 2h-wide vectors load
-zero-padded, which keeps every λ). This keeps a pretrained model's heads intact. With x = AV of one
-head, for any λ ≠ 1
+duplicate (Differential PaliGemma, Eq. 5): both maps from the same, undivided Q and K, so A1 = A2 = A and
+DiffAttn = (1 − λ)·A V, with λ vectors of width C / h; sub-norm and (1 − λ_init) as in split. It keeps a
+pretrained model's heads intact, and as RMSNorm_ε((1 − λ)·x) = sign(1 − λ)·RMSNorm_{ε/(1 − λ)²}(x), λ
+reaches the output only through that sign and the effective ε.
 
-    RMSNorm_ε((1 − λ)·x) = sign(1 − λ) · RMSNorm_{ε/(1 − λ)²}(x)
+v2 (Differential Transformer V2): 2h query heads share h key/value heads in one attention call, λ is per
+token and head, projected from the input by W_λ (`lambda_proj`, unilm's `MultiheadFlashDiffV2` init):
 
-so λ reaches the output only through the sign and the effective ε: it matters where mean(((1 − λ)·x)²)
-is not ≫ ε (small activations, or λ near 1), and not at all otherwise. The variant acts as
-attention with a per-head norm, as the paper's definition implies.
+    O = Attn(Q, K, V);  O1, O2 = O[:, 0::2], O[:, 1::2];  head_i = O1_i − sigmoid(W_λ x)_i · O2_i
 
-v2 (Differential Transformer V2): 2h query heads share h key/value heads (GQA, group of 2), one
-attention call; λ is per token and head, projected from the input; no sub-norm, no (1 − λ_init):
-
-    O = Attn(Q, K, V) over 2h query heads;  O1, O2 = O[:, 0::2], O[:, 1::2]
-    head_i = O1_i − sigmoid(W_λ x)_i · O2_i
-
-W_λ (`lambda_proj`) follows unilm's `MultiheadFlashDiffV2`: no bias, `nn.Linear`'s default init
-(`lambda_proj_init='unilm'`). `lambda_proj_init='zeros'` is diffzoo's earlier default: a bias, and
-weight and bias zero, so λ starts at 0.5 in every token and head.
-
-λ_init policy: a number in [0, 1) (DiffCLIP: 0.8 in every layer) or "depth":
-λ_init(l) = 0.8 − 0.6·exp(−0.3·l) with l the 0-based block index (Differential Transformer, DiffCLIP*).
-
-`fused_attn=True` (default) uses `F.scaled_dot_product_attention`; `False` uses explicit math and
-passes each differential map (B, h, N, N) through `self.diff_map` (an identity), where forward
-hooks or `capture_attention_maps` can read it.
-
-Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need one width, so
-`split_kernel` chooses how the two maps are computed (`auto`, `two_calls`, `one_call`, `padded`, `four_calls`,
-`triton`; all exact): the table is in `diffzoo.layers.kernels`.
-
-Tracing: every path the default configuration takes works with `torch.jit.script`, torch.fx
-(`symbolic_trace`, timm's and torchvision's `create_feature_extractor`), `torch.compile(fullgraph=
-True)`, `torch.export` and ONNX export. The rules that keep it so:
-- no Python branch in `forward` (or the methods it calls) on a tensor's value, or on the dtype,
-  shape or device of an argument that may be a symbolic value (`attn_mask` is one);
-- choices are made at construction (the variant's head counts and qkv split are plain ints, v2
-  is told by `lambda_proj is not None`, which TorchScript resolves statically), by attributes set
-  from outside (`fused_attn`, `split_kernel`), or inside the kernel functions of
-  `diffzoo.layers.kernels`, which torch.fx records as leaves and which run their choices on real
-  tensors when the graph runs;
-- what TorchScript cannot compile sits behind `torch.jit.is_scripting()`: scripted, a
-  `split_kernel="triton"` layer selects the `auto` SDPA kernel by itself, the saved-outputs op runs
-  its forward chain under ordinary autograd (same numbers, more memory), and the output projection
-  is not folded into it. An fx graph runs the same kernels as eager mode, the Triton one included
-  (it sits inside a leaf); torch.compile and torch.export see it as one custom op.
-  `DIFFZOO_COMPILED_SUB_NORM=1` (opt-in) compiles the saved-outputs op's chains in eager mode and
-  in fx graphs; inside torch.compile and TorchScript they run as written.
-
-Numerics: softmax, λ and the sub-norm's statistics are computed in torch.promote_types(dtype,
-float32): fp32 for fp32, bf16 and fp16, fp64 for fp64 (nothing of an fp64 layer is rounded to fp32).
-The fused path keeps activations in their dtype: SDPA's softmax is fp32 inside its kernel, λ is
-computed in fp32, and `sub_normed_difference` forms A1V − λ·A2V (one multiply-add), the sub-norm
-with fp32 statistics and (1 − λ_init) folded into the norm weight, and, when `proj` is a plain
-`nn.Linear` with no scale norm before it, the output projection. It saves only the SDPA outputs
-(which SDPA's backward holds anyway) and recomputes the difference and the normed heads in its
-backward, so a differential layer keeps one (B, N, C) activation more than plain attention (A1V and
-A2V where plain attention keeps AV), not four. The explicit path computes the maps, the product and
-the sub-norm in fp32 (fp64 for fp64).
+Contract: `fused_attn=True` (default) runs the kernels of `diffzoo.layers.kernels` (SDPA, or the split
+variant's `split_kernel`; all exact); `False` computes explicitly and passes each differential map
+(B, h, N, N) through `diff_map`, an identity where hooks and `capture_attention_maps` read it. Softmax, λ
+and the sub-norm's statistics are computed in torch.promote_types(dtype, float32), then cast back. The
+forward branches only on what construction fixed and on `fused_attn`, so TorchScript, torch.fx,
+torch.compile(fullgraph=True), torch.export and ONNX take it (tests/layers/test_tracing.py).
 """
 import functools
 from typing import NamedTuple, Optional, Tuple, Type
