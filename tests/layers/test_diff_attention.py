@@ -517,6 +517,18 @@ def test_duplicate_lambda_vectors_are_head_dim_wide():
     assert abs(m.compute_lambda(None).item() - lam) > 1e-4
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_low_precision_lambda_vectors_take_their_dot_products_in_fp32(dtype):
+    """A layer cast to bf16 or fp16 keeps λ's formula in fp32 (`diffzoo.layers.lambdas`): the products and sums
+    of its λ vectors are fp32, as diffzoo.vlm's layers take them, not rounded in the vectors' dtype."""
+    torch.manual_seed(0)
+    m = DifferentialAttention(512, num_heads=2, variant='duplicate', lambda_init=0.8).to(dtype)
+    q1, k1, q2, k2 = (getattr(m, n).detach().double() for n in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'))
+    lam = math.exp(float(q1 @ k1)) - math.exp(float(q2 @ k2)) + 0.8
+    assert m.lambda_q1.dtype == dtype and m.compute_lambda(None).dtype == torch.float32
+    assert m.compute_lambda(None).item() == pytest.approx(lam, rel=1e-6)
+
+
 def test_duplicate_checkpoint_with_half_width_lambdas_loads_zero_padded():
     """A duplicate-variant state dict with C / 2h-wide λ vectors (diffzoo before they were d_head wide)
     loads zero-padded: λ and the output are those of the half-width formula."""
