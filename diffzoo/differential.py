@@ -40,9 +40,9 @@ import torch.nn as nn
 from open_clip.transformer import ResidualAttentionBlock, TextTransformer
 
 from diffzoo.checkpoint import model_state_dict, read_state_dict
-from diffzoo.layers import VARIANTS, DifferentialAttention, resolve_lambda_init
+from diffzoo.layers import DifferentialAttention
 from diffzoo.layers.blocks import block_indices
-from diffzoo.layers.diff_attention import LAMBDA_PROJ_INITS
+from diffzoo.layers.diff_attention import check_options
 from diffzoo.layers.pretrained import (HEAD_PAIRINGS, RECORD, PretrainedDifferentialAttention, copy_modules,
                                        differential_heads, read_record)
 from diffzoo.layers.residual import DiffResidualAttentionBlock
@@ -55,13 +55,9 @@ class NotConvertible(ValueError):
 
 
 def _settings(variant: str, lambda_init, head_pairing: Optional[str], lambda_proj_init: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
+    check_options(variant, lambda_init, lambda_proj_init)
     if head_pairing is not None and (variant != 'split' or head_pairing not in HEAD_PAIRINGS):
         raise ValueError(f'head_pairing={head_pairing!r}: pairs heads of variant="split", one of {HEAD_PAIRINGS}')
-    if lambda_proj_init not in LAMBDA_PROJ_INITS:
-        raise ValueError(f'lambda_proj_init={lambda_proj_init!r}: expected one of {LAMBDA_PROJ_INITS}')
-    resolve_lambda_init(lambda_init, 0)
 
 
 def _refuse_differential(model: nn.Module) -> None:

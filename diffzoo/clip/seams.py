@@ -5,9 +5,10 @@ wrappers around module-level functions, each checked before it is wrapped so tha
 open_clip's internals fails here, by name, instead of somewhere deep in a forward pass:
 
 - `open_clip.model._build_text_tower` (and CoCa's own reference to it): a `text_cfg` holding a
-  `diffzoo` key ({"variant": …, "lambda_init": …}) builds `DiffTextTransformer`; with `"convert": true`
-  it builds open_clip's own tower and converts it (`diffzoo.differentialize`, its settings in the key);
-  anything else goes to open_clip unchanged.
+  `diffzoo` key ({"variant": …, "lambda_init": …}) builds `DiffTextTransformer` through open_clip's own
+  builder, from the whole `CLIPTextCfg`, with `open_clip.model.TextTransformer` bound to it for that one
+  call (`differential_text_transformer`); with `"convert": true` it builds open_clip's own tower and
+  converts it (`diffzoo.differentialize`, its settings in the key); anything else goes to open_clip unchanged.
 - `open_clip.model._build_vision_tower` (and CoCa's reference): a `vision_cfg` holding a `diffzoo` key
   builds open_clip's tower (native or timm) and converts it with `diffzoo.differentialize`.
 - `create_model(name, …, diffzoo={"vision": {…}, "text": {…}})`: those keys put into the named config.
@@ -24,10 +25,12 @@ open_clip's internals fails here, by name, instead of somewhere deep in a forwar
   keeps open_clip's defaults and warns once, naming them; `hf-hub:<an official DiffCLIP repo>`
   (whose repos hold no open_clip config) is read as the matching tag (`diffclip-b16`, `cc3m`).
 """
+import contextlib
 import contextvars
 import functools
 import inspect
 import os
+import threading
 import warnings
 from importlib import resources
 from typing import Callable
@@ -39,7 +42,7 @@ import open_clip.model
 import open_clip.pretrained
 import torch
 from open_clip.model import CLIPTextCfg, set_model_preprocess_cfg
-from open_clip.transformer import LayerNorm, LayerNormFp32, QuickGELU
+from open_clip.transformer import TextTransformer
 
 from diffzoo.checkpoint import (
     CheckpointError, first_keys, is_official_diffclip, official_diffclip_to_open_clip, preprocess_record,
@@ -115,26 +118,40 @@ def _text_tower_builder(original):
         if unknown:
             raise ValueError(f'text_cfg.{DIFFZOO_KEY}: unknown key(s) {sorted(unknown)}; expected "variant" and '
                              f'"lambda_init" (DiffCLIP\'s text tower), or "convert": true with {SETTINGS}')
-        cfg = CLIPTextCfg(**text_cfg)
-        if cfg.hf_model_name:
+        hf_model_name = CLIPTextCfg(**text_cfg).hf_model_name
+        if hf_model_name:
             raise ValueError(f'text_cfg.{DIFFZOO_KEY} applies to open_clip\'s own text transformer, '
-                             f'not hf_model_name={cfg.hf_model_name!r}')
-        act_layer = QuickGELU if quick_gelu else torch.nn.GELU
-        norm_layer = LayerNormFp32 if cast_dtype in (torch.float16, torch.bfloat16) else LayerNorm
-        if cfg.norm_kwargs:
-            norm_layer = functools.partial(norm_layer, **cfg.norm_kwargs)
-        if cfg.act_kwargs is not None:
-            act_layer = functools.partial(act_layer, **cfg.act_kwargs)
-        return DiffTextTransformer(
-            context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.width,
-            heads=cfg.heads, layers=cfg.layers, mlp_ratio=cfg.mlp_ratio, ls_init_value=cfg.ls_init_value,
-            output_dim=embed_dim, embed_cls=cfg.embed_cls, no_causal_mask=cfg.no_causal_mask,
-            pad_id=cfg.pad_id, eos_id=cfg.eos_id, pool_type=cfg.pool_type, proj_type=cfg.proj_type,
-            proj_bias=cfg.proj_bias, output_tokens=cfg.output_tokens, act_layer=act_layer,
-            norm_layer=norm_layer, lambda_init=diff.get('lambda_init', 'depth'),
-            variant=diff.get('variant', 'split'),
-        )
+                             f'not hf_model_name={hf_model_name!r}')
+        with differential_text_transformer(lambda_init=diff.get('lambda_init', 'depth'),
+                                           variant=diff.get('variant', 'split')):
+            tower = original(embed_dim, text_cfg, quick_gelu, cast_dtype)
+        if not isinstance(tower, DiffTextTransformer):
+            raise OpenClipChanged(f'open_clip {open_clip.__version__}: open_clip.model._build_text_tower built a '
+                                  f'{type(tower).__name__}, not open_clip.model.TextTransformer; diffzoo is tested '
+                                  f'with open_clip_torch {TESTED_OPEN_CLIP}')
+        return tower
     return _build_text_tower
+
+
+_TEXT_TRANSFORMER_BOUND = threading.Lock()  # one differential text tower built at a time
+
+
+@contextlib.contextmanager
+def differential_text_transformer(**settings):
+    """`open_clip.model.TextTransformer` bound to `DiffTextTransformer` with `settings` (variant, lambda_init) while
+    one `_build_text_tower` call runs, and restored after. open_clip has no hook for its text tower's class;
+    so bound, its own builder maps the whole `CLIPTextCfg` (every field it reads, as it reads it) onto the
+    differential tower. A builder that no longer builds through that name fails here, by name."""
+    with _TEXT_TRANSFORMER_BOUND:
+        if getattr(open_clip.model, 'TextTransformer', None) is not TextTransformer:
+            raise OpenClipChanged(f'open_clip {open_clip.__version__}: open_clip.model.TextTransformer is not '
+                                  f'open_clip.transformer.TextTransformer; diffzoo is tested with open_clip_torch '
+                                  f'{TESTED_OPEN_CLIP}')
+        open_clip.model.TextTransformer = functools.partial(DiffTextTransformer, **settings)
+        try:
+            yield
+        finally:
+            open_clip.model.TextTransformer = TextTransformer
 
 
 def _state_dict_loader(original):

@@ -2,8 +2,13 @@
 
 `DiffTextTransformer` is open_clip's `TextTransformer` (token/positional embeddings, causal mask,
 `ln_final`, EOT pooling, `text_projection`, intermediates, locking) whose residual blocks use
-`DifferentialAttention`. `text_cfg.heads` keeps open_clip's meaning, ordinary heads: the tower has
-heads / 2 differential heads (DiffCLIP's text: 8 heads → 4 differential heads, q/k 64, v 128).
+`DifferentialAttention`. It takes every argument open_clip's takes, and open_clip's own `_build_text_tower`
+builds it from the whole `CLIPTextCfg` (`diffzoo.clip.seams`). `text_cfg.heads` keeps open_clip's meaning,
+ordinary heads: the tower has heads / 2 differential heads (DiffCLIP's text: 8 heads → 4 differential
+heads, q/k 64, v 128). The block options choose the block as open_clip's `Transformer` does: `block_type`
+"custom", or any of `qk_norm`, `scale_attn_inner`, `scale_attn`, `scale_fc`, gives open_clip's custom
+block layout (`DiffCustomResidualAttentionBlock`); `scaled_cosine_attn` and `scale_heads` have no
+differential counterpart and are refused.
 
 A causal tower (open_clip's default) attends with `is_causal=True` where open_clip hands it its
 (L, L) causal mask (`CLIP.encode_text`, `TextTransformer`), so the attention kernels skip the
@@ -13,6 +18,8 @@ passed on as given.
 The tower scripts with `torch.jit.script`, inside the whole model (open_clip's `create_model(..., jit=True)`,
 open_clip_train's `--torchscript`); torch.compile(fullgraph=True) and torch.export trace it.
 """
+import functools
+import inspect
 from typing import Optional, Type
 
 import torch
@@ -21,7 +28,11 @@ from open_clip.transformer import LayerNorm, TextTransformer, Transformer
 from torch.utils.checkpoint import checkpoint
 
 from diffzoo.layers import diff_attn_layer
-from diffzoo.layers.residual import DiffResidualAttentionBlock
+from diffzoo.layers.residual import DiffCustomResidualAttentionBlock, DiffResidualAttentionBlock
+
+TEXT_TRANSFORMER = inspect.signature(TextTransformer)
+# what open_clip's TextTransformer hands its Transformer: the arguments of both, by name
+STACK_ARGS = tuple(name for name in inspect.signature(Transformer).parameters if name in TEXT_TRANSFORMER.parameters)
 
 
 def is_exactly_causal(mask: torch.Tensor) -> bool:
@@ -37,8 +48,9 @@ def is_exactly_causal(mask: torch.Tensor) -> bool:
 
 
 class DiffTransformer(Transformer):
-    """open_clip's `Transformer` (intermediates, grad checkpointing) over differential blocks; its forward is
-    written out, as TorchScript compiles no `super()` call."""
+    """open_clip's `Transformer` (intermediates, grad checkpointing) over differential blocks, chosen by its block
+    options as open_clip chooses its own (module docstring); its forward is written out, as TorchScript compiles
+    no `super()` call."""
 
     def __init__(
             self,
@@ -49,6 +61,13 @@ class DiffTransformer(Transformer):
             ls_init_value: Optional[float] = None,
             act_layer: Type[nn.Module] = nn.GELU,
             norm_layer: Type[nn.Module] = LayerNorm,
+            block_type: Optional[str] = None,
+            qk_norm: bool = False,
+            scaled_cosine_attn: bool = False,
+            scale_heads: bool = False,
+            scale_attn_inner: bool = False,
+            scale_attn: bool = False,
+            scale_fc: bool = False,
             lambda_init='depth',
             variant: str = 'split',
             is_causal: bool = False,
@@ -57,13 +76,20 @@ class DiffTransformer(Transformer):
             raise ValueError(
                 f'differential text tower: heads={heads} ordinary heads cannot pair into differential '
                 f'heads; set text_cfg.heads to an even number (DiffCLIP: 8 → 4 differential heads)')
+        for name, value in (('scaled_cosine_attn', scaled_cosine_attn), ('scale_heads', scale_heads)):
+            if value:
+                raise ValueError(f'differential text tower: text_cfg.{name}=true is an option of open_clip\'s '
+                                 f'one-map attention, which differential attention has no counterpart of; leave it out')
         super().__init__(width, layers=0, heads=heads, batch_first=True)  # open_clip state, no blocks
         self.layers = layers
+        block = DiffResidualAttentionBlock
+        if block_type == 'custom' or (block_type is None and any((qk_norm, scale_attn_inner, scale_attn, scale_fc))):
+            block = functools.partial(DiffCustomResidualAttentionBlock, qk_norm=qk_norm,
+                                      scale_attn_inner=scale_attn_inner, scale_attn=scale_attn, scale_fc=scale_fc)
         attn_layer = diff_attn_layer(variant, lambda_init)
         self.resblocks = nn.ModuleList([
-            DiffResidualAttentionBlock(
-                width, heads // 2, mlp_ratio, ls_init_value=ls_init_value, act_layer=act_layer,
-                norm_layer=norm_layer, attn_layer=attn_layer, depth=i, is_causal=is_causal)
+            block(width, heads // 2, mlp_ratio, ls_init_value=ls_init_value, act_layer=act_layer,
+                  norm_layer=norm_layer, attn_layer=attn_layer, depth=i, is_causal=is_causal)
             for i in range(layers)
         ])
         self.is_causal = is_causal
@@ -110,16 +136,19 @@ class DiffTransformer(Transformer):
 
 class DiffTextTransformer(TextTransformer):
     """open_clip's `TextTransformer` with a `DiffTransformer` stack; same parameter names except
-    attention (`attn.qkv`, `attn.proj`, `attn.lambda_*`, `attn.sub_norm`)."""
+    attention (`attn.qkv`, `attn.proj`, `attn.lambda_*`, `attn.sub_norm`).
 
-    def __init__(self, *, layers: int = 12, lambda_init='depth', variant: str = 'split', **kwargs):
-        super().__init__(layers=0, **kwargs)  # open_clip builds embeddings, mask and projection
+    Takes `TextTransformer`'s arguments (keywords) and `lambda_init`, `variant`: open_clip's class builds the
+    embeddings, mask, pooling and projection from all of them, and the stack gets the ones open_clip's class
+    hands its `Transformer` (`STACK_ARGS`: width, layers, heads, the MLP, norm and block options)."""
+
+    def __init__(self, *, lambda_init='depth', variant: str = 'split', **kwargs):
+        arguments = TEXT_TRANSFORMER.bind(**kwargs)
+        arguments.apply_defaults()
+        super().__init__(**{**arguments.arguments, 'layers': 0})  # open_clip's embeddings, mask and projection
         self.transformer = DiffTransformer(
-            width=self.width, layers=layers, heads=self.heads, mlp_ratio=kwargs.get('mlp_ratio', 4.0),
-            ls_init_value=kwargs.get('ls_init_value'), act_layer=kwargs.get('act_layer', nn.GELU),
-            norm_layer=kwargs.get('norm_layer', LayerNorm), lambda_init=lambda_init, variant=variant,
-            is_causal=not kwargs.get('no_causal_mask', False),
-        )
+            **{name: arguments.arguments[name] for name in STACK_ARGS}, lambda_init=lambda_init, variant=variant,
+            is_causal=not arguments.arguments['no_causal_mask'])
         self.init_parameters()
 
     def init_parameters(self):

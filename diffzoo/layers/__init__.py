@@ -4,5 +4,5 @@ from .diff_attention import (
     diff_attn_layer,
     set_split_kernel,
 )
-from .lambda_init import resolve_lambda_init
+from .lambdas import resolve_lambda_init
 from .maps import capture_attention_maps

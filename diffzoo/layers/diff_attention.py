@@ -1,99 +1,50 @@
-"""Differential attention: one family for every tower (ViT blocks, CLIP text blocks, analysis).
+"""Differential attention (Ye et al., Differential Transformer): one layer for every diffzoo tower.
 
-`DifferentialAttention` subclasses `timm.layers.DiffAttention` and adds what timm lacks: a λ_init
-policy (constant or by depth), the *duplicate* and *v2* variants, fp32 softmax/λ/sub-norm on every
-path, and the differential maps (A1 − λ·A2) from the explicit path.
+`DifferentialAttention` is timm's `DiffAttention` with a λ_init policy, the duplicate and v2 variants, and
+the differential maps of its explicit path; λ and λ_init are written in `diffzoo.layers.lambdas`.
+`num_heads` counts differential heads h (timm/unilm); with C = dim, `LAYOUTS` gives each variant's heads:
 
-Heads follow timm/unilm: `num_heads` counts *differential* heads h. With C = dim:
-
-    variant     query heads      q/k head dim   value head dim   output per head
-    split       2h (pairs)       C / h / 2      C / h            C / h, sub-norm
-    duplicate   h                C / h          C / h            C / h, sub-norm
-    v2          2h (GQA on h)    C / h          C / h            C / h, no sub-norm
+    variant     query heads      q/k head dim   value head dim   after the difference
+    split       2h (pairs)       C / h / 2      C / h            sub-norm, × (1 − λ_init)
+    duplicate   h                C / h          C / h            sub-norm, × (1 − λ_init)
+    v2          2h (GQA on h)    C / h          C / h            nothing
 
 DiffCLIP's ViT-B/16 (12 ordinary heads) is therefore `num_heads=6`: q/k 64, v 128.
 
-split (Ye et al., Differential Transformer; DiffCLIP). Query head 2i is Q1 and 2i+1 is Q2 of
-differential head i (likewise K); V of head i is the contiguous slice of width C/h:
+split (Differential Transformer; DiffCLIP): query head 2i is Q1 and 2i+1 is Q2 of differential head i
+(likewise K); V of head i is its contiguous slice of width C/h:
 
     DiffAttn(X) = (softmax(Q1 K1ᵀ/√d) − λ·softmax(Q2 K2ᵀ/√d)) V
-    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init
     head_i = (1 − λ_init) · RMSNorm(DiffAttn_i),    out = Concat(head_1..h) W_O
 
-duplicate (Differential PaliGemma, Eq. 5): both maps come from the same, undivided Q and K, so
-A1 = A2 = softmax(QKᵀ/√d) and DiffAttn = (A1 − λ·A2) V = (1 − λ)·A V; sub-norm and (1 − λ_init)
-as in split, λ from λ_q1, λ_k1, λ_q2, λ_k2 ∈ R^{d_head} (d_head = C / h, as the paper defines them
-and as `diffzoo.vlm.differentialize` has them; checkpoints with the earlier C / 2h-wide vectors load
-zero-padded, which keeps every λ). This keeps a pretrained model's heads intact. With x = AV of one
-head, for any λ ≠ 1
+duplicate (Differential PaliGemma, Eq. 5): both maps from the same, undivided Q and K, so A1 = A2 = A and
+DiffAttn = (1 − λ)·A V, with λ vectors of width C / h; sub-norm and (1 − λ_init) as in split. It keeps a
+pretrained model's heads intact, and as RMSNorm_ε((1 − λ)·x) = sign(1 − λ)·RMSNorm_{ε/(1 − λ)²}(x), λ
+reaches the output only through that sign and the effective ε.
 
-    RMSNorm_ε((1 − λ)·x) = sign(1 − λ) · RMSNorm_{ε/(1 − λ)²}(x)
+v2 (Differential Transformer V2): 2h query heads share h key/value heads in one attention call, λ is per
+token and head, projected from the input by W_λ (`lambda_proj`, unilm's `MultiheadFlashDiffV2` init):
 
-so λ reaches the output only through the sign and the effective ε: it matters where mean(((1 − λ)·x)²)
-is not ≫ ε (small activations, or λ near 1), and not at all otherwise. The variant acts as
-attention with a per-head norm, as the paper's definition implies.
+    O = Attn(Q, K, V);  O1, O2 = O[:, 0::2], O[:, 1::2];  head_i = O1_i − sigmoid(W_λ x)_i · O2_i
 
-v2 (Differential Transformer V2): 2h query heads share h key/value heads (GQA, group of 2), one
-attention call; λ is per token and head, projected from the input; no sub-norm, no (1 − λ_init):
-
-    O = Attn(Q, K, V) over 2h query heads;  O1, O2 = O[:, 0::2], O[:, 1::2]
-    head_i = O1_i − sigmoid(W_λ x)_i · O2_i
-
-W_λ (`lambda_proj`) follows unilm's `MultiheadFlashDiffV2`: no bias, `nn.Linear`'s default init
-(`lambda_proj_init='unilm'`). `lambda_proj_init='zeros'` is diffzoo's earlier default: a bias, and
-weight and bias zero, so λ starts at 0.5 in every token and head.
-
-λ_init policy: a number in [0, 1) (DiffCLIP: 0.8 in every layer) or "depth":
-λ_init(l) = 0.8 − 0.6·exp(−0.3·l) with l the 0-based block index (Differential Transformer, DiffCLIP*).
-
-`fused_attn=True` (default) uses `F.scaled_dot_product_attention`; `False` uses explicit math and
-passes each differential map (B, h, N, N) through `self.diff_map` (an identity), where forward
-hooks or `capture_attention_maps` can read it.
-
-Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need one width, so
-`split_kernel` chooses how the two maps are computed (`auto`, `two_calls`, `one_call`, `padded`, `four_calls`,
-`triton`; all exact): the table is in `diffzoo.layers.kernels`.
-
-Tracing: every path the default configuration takes works with `torch.jit.script`, torch.fx
-(`symbolic_trace`, timm's and torchvision's `create_feature_extractor`), `torch.compile(fullgraph=
-True)`, `torch.export` and ONNX export. The rules that keep it so:
-- no Python branch in `forward` (or the methods it calls) on a tensor's value, or on the dtype,
-  shape or device of an argument that may be a symbolic value (`attn_mask` is one);
-- choices are made at construction (the variant's head counts and qkv split are plain ints, v2
-  is told by `lambda_proj is not None`, which TorchScript resolves statically), by attributes set
-  from outside (`fused_attn`, `split_kernel`), or inside the kernel functions of
-  `diffzoo.layers.kernels`, which torch.fx records as leaves and which run their choices on real
-  tensors when the graph runs;
-- what TorchScript cannot compile sits behind `torch.jit.is_scripting()`: scripted, a
-  `split_kernel="triton"` layer selects the `auto` SDPA kernel by itself, the saved-outputs op runs
-  its forward chain under ordinary autograd (same numbers, more memory), and the output projection
-  is not folded into it. An fx graph runs the same kernels as eager mode, the Triton one included
-  (it sits inside a leaf); torch.compile and torch.export see it as one custom op.
-  `DIFFZOO_COMPILED_SUB_NORM=1` (opt-in) compiles the saved-outputs op's chains in eager mode and
-  in fx graphs; inside torch.compile and TorchScript they run as written.
-
-Numerics: softmax, λ and the sub-norm's statistics are computed in torch.promote_types(dtype,
-float32): fp32 for fp32, bf16 and fp16, fp64 for fp64 (nothing of an fp64 layer is rounded to fp32).
-The fused path keeps activations in their dtype: SDPA's softmax is fp32 inside its kernel, λ is
-computed in fp32, and `sub_normed_difference` forms A1V − λ·A2V (one multiply-add), the sub-norm
-with fp32 statistics and (1 − λ_init) folded into the norm weight, and, when `proj` is a plain
-`nn.Linear` with no scale norm before it, the output projection. It saves only the SDPA outputs
-(which SDPA's backward holds anyway) and recomputes the difference and the normed heads in its
-backward, so a differential layer keeps one (B, N, C) activation more than plain attention (A1V and
-A2V where plain attention keeps AV), not four. The explicit path computes the maps, the product and
-the sub-norm in fp32 (fp64 for fp64).
+Contract: `fused_attn=True` (default) runs the kernels of `diffzoo.layers.kernels` (SDPA, or the split
+variant's `split_kernel`; all exact); `False` computes explicitly and passes each differential map
+(B, h, N, N) through `diff_map`, an identity where hooks and `capture_attention_maps` read it. Softmax, λ
+and the sub-norm's statistics are computed in torch.promote_types(dtype, float32), then cast back. The
+forward branches only on what construction fixed and on `fused_attn`, so TorchScript, torch.fx,
+torch.compile(fullgraph=True), torch.export and ONNX take it (tests/layers/test_tracing.py).
 """
 import functools
-from typing import Optional, Tuple, Type
+from typing import NamedTuple, Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import DiffAttention, RmsNorm
+from timm.layers import DiffAttention, RmsNorm, use_fused_attn
 
 from .kernels import (SPLIT_KERNELS, add_mask, duplicate_attention, explicit_output, split_attention,
                       v2_attention)
-from .lambda_init import LambdaInit, resolve_lambda_init
+from .lambdas import LAMBDA_VECTORS, LambdaInit, reparameterized_lambda, resolve_lambda_init
 from .numerics import stats_dtype
 
 # the kernel functions are fx leaves wherever this module calls them (timm's tracer also knows them)
@@ -103,23 +54,51 @@ torch.fx.wrap('v2_attention')
 torch.fx.wrap('add_mask')
 torch.fx.wrap('explicit_output')
 
-VARIANTS = ('split', 'duplicate', 'v2')
-# what a differential layer has that plain attention has not (attribute names): λ's vectors or timm's dual
-# scalars, v2's W_λ and the sub-norm, as `lambda_lr` trains them and a converted layer initialises them itself
-LAMBDA_PARAMETERS = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'lambda_a', 'lambda_b', 'lambda_proj',
-                     'sub_norm')
+
+class Layout(NamedTuple):
+    """A variant's heads, per differential head, and what follows the difference (module docstring)."""
+    query_heads: int  # query heads of width d
+    key_heads: int  # key heads of width d
+    qk_split: int  # d = C / h / qk_split
+    sub_norm: bool  # RMSNorm × (1 − λ_init) on each head
+    token_lambda: bool  # λ from the input by W_λ, not from the λ vectors
+
+
+LAYOUTS = {
+    'split': Layout(query_heads=2, key_heads=2, qk_split=2, sub_norm=True, token_lambda=False),
+    'duplicate': Layout(query_heads=1, key_heads=1, qk_split=1, sub_norm=True, token_lambda=False),
+    'v2': Layout(query_heads=2, key_heads=1, qk_split=1, sub_norm=False, token_lambda=True),
+}
+VARIANTS = tuple(LAYOUTS)
 LAMBDA_PROJ_INITS = ('unilm', 'zeros')  # v2's W_λ: unilm's (no bias, nn.Linear init) or zero weight and bias
+SUB_NORM_EPS = 1e-5  # unilm's and timm's
+
+
+def check_options(variant: str = 'split', lambda_init: LambdaInit = 'depth', lambda_proj_init: str = 'unilm',
+                  split_kernel: str = 'auto') -> None:
+    """The layer's options checked: a ValueError naming the first bad one and what it takes."""
+    if variant not in VARIANTS:
+        raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
+    resolve_lambda_init(lambda_init, 0)
+    if lambda_proj_init not in LAMBDA_PROJ_INITS:
+        raise ValueError(f'lambda_proj_init={lambda_proj_init!r}: expected one of {LAMBDA_PROJ_INITS} (v2\'s W_λ: '
+                         f'"unilm", no bias and nn.Linear\'s init; "zeros", a bias, weight and bias zero)')
+    if split_kernel != 'auto' and split_kernel not in SPLIT_KERNELS:
+        raise ValueError(f'split_kernel={split_kernel!r}: expected "auto" or one of {SPLIT_KERNELS}')
 
 
 class DifferentialAttention(DiffAttention):
-    """Differential attention with a λ_init policy and split / duplicate / v2 variants.
+    """Differential attention with a λ_init policy and split / duplicate / v2 variants (module docstring).
 
-    See the module docstring for the formulas, the head convention and the tracing rules. Besides
-    timm's arguments: `lambda_init` (a number in [0, 1) or "depth"), `variant` ("split",
-    "duplicate", "v2"), `split_kernel` ("auto" or one of SPLIT_KERNELS), and `lambda_proj_init` for
-    v2's λ projection: "unilm" (default; no bias, nn.Linear's init, as unilm's Differential
-    Transformer V2) or "zeros" (a bias, weight and bias zero so λ starts at 0.5: diffzoo's earlier
-    default, whose checkpoints have `lambda_proj.bias`).
+    Besides timm's arguments: `lambda_init` (a number in [0, 1) or "depth", with `depth` the block's 0-based
+    index), `variant` ("split", "duplicate", "v2"), `split_kernel` ("auto" or one of SPLIT_KERNELS) and, for
+    v2's λ projection, `lambda_proj_init`: "unilm" (no bias, nn.Linear's init, as unilm's Differential
+    Transformer V2) or "zeros" (a bias, weight and bias zero: λ starts at 0.5). `dual_lambda` is timm's
+    two-scalar λ, exp(λ_a) − exp(λ_b) + λ_init (split and duplicate).
+
+    It subclasses timm's layer, so timm's ViT hands it its block index (`depth=`) and its λ init rule applies,
+    and builds its modules once from the variant's `LAYOUTS` entry: timm's constructor has the split layout
+    only. Parameter names and shapes, their order and, for split, the order of initialisation are timm's.
     """
 
     def __init__(
@@ -142,82 +121,70 @@ class DifferentialAttention(DiffAttention):
             device=None,
             dtype=None,
     ) -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
-        if split_kernel != 'auto' and split_kernel not in SPLIT_KERNELS:
-            raise ValueError(f'split_kernel={split_kernel!r}: expected "auto" or one of {SPLIT_KERNELS}')
-        if lambda_proj_init not in LAMBDA_PROJ_INITS:
-            raise ValueError(f'lambda_proj_init={lambda_proj_init!r}: expected one of {LAMBDA_PROJ_INITS} '
-                             f'("zeros" for the earlier zero-initialised, biased λ projection of v2)')
+        check_options(variant, lambda_init, lambda_proj_init, split_kernel)
         if num_heads < 1 or dim % (2 * num_heads):
             raise ValueError(
                 f'num_heads={num_heads} differential heads do not divide dim={dim} into pairs of '
                 f'q/k halves: dim must be a multiple of 2 * num_heads')
-        resolve_lambda_init(lambda_init, depth)  # validate before building
-        # plain attributes read by the parent's __init__ (set_lambda_init, reset_parameters)
+        nn.Module.__init__(self)  # timm's DiffAttention.__init__ builds the split layout only
+        layout = LAYOUTS[variant]
+        dd = {'device': device, 'dtype': dtype}
+        norm_layer = norm_layer or RmsNorm
         self.variant = variant
         self.lambda_init_policy = lambda_init
         self.lambda_proj_init = lambda_proj_init
-        self.lambda_proj = None  # v2's W_λ (an nn.Linear); None tells the other variants, statically
-        super().__init__(
-            dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, scale_norm=scale_norm,
-            proj_bias=proj_bias, attn_drop=attn_drop, proj_drop=proj_drop, norm_layer=norm_layer,
-            depth=depth, dual_lambda=dual_lambda, device=device, dtype=dtype,
-        )
-        dd = {'device': device, 'dtype': dtype}
         self.depth = depth
-        self.diff_map = nn.Identity()
         self.split_kernel = split_kernel
-        # head layout, fixed here so forward has no branch on the variant: (query heads, key heads)
-        # of width head_dim, and the qkv projection's (q, k, v) widths
-        self.qk_heads = {'split': (2 * num_heads, 2 * num_heads), 'duplicate': (num_heads, num_heads),
-                                          'v2': (2 * num_heads, num_heads)}[variant]
-        self.qkv_split = [2 * dim if variant == 'v2' else dim, dim, dim]
+        self.fused_attn = use_fused_attn()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads // layout.qk_split  # d, the q/k head width
+        self.scale = self.head_dim ** -0.5
+        self.qk_heads = (layout.query_heads * num_heads, layout.key_heads * num_heads)
+        self.qkv_split = [self.qk_heads[0] * self.head_dim, self.qk_heads[1] * self.head_dim, dim]  # q, k, v widths
 
-        if variant != 'split':
-            # duplicate and v2 attend with the undivided head: q/k/v head dim C / h
-            self.head_dim = dim // num_heads
-            self.scale = self.head_dim ** -0.5
-            if qk_norm:
-                norm_layer = norm_layer or RmsNorm
-                self.q_norm = norm_layer(self.head_dim, **dd)
-                self.k_norm = norm_layer(self.head_dim, **dd)
-        if variant == 'duplicate' and not dual_lambda:
-            # λ_q1, λ_k1, λ_q2, λ_k2 ∈ R^{d_head}, d_head = C / h (timm's are C / 2h: its split heads);
-            # fp32 as timm keeps them, N(0, 0.1) by reset_parameters
-            for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
-                setattr(self, name, nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32, device=device)))
-            self.reset_parameters()
-        if variant == 'v2':
-            # 2h query heads + h key heads + h value heads, λ projected per token and head
-            self.qkv = nn.Linear(dim, 4 * dim, bias=qkv_bias, **dd)
-            self.lambda_proj = nn.Linear(dim, num_heads, bias=lambda_proj_init == 'zeros', **dd)
-            self.sub_norm = nn.Identity()
-            self.dual_lambda = False
-            self.lambda_q1 = self.lambda_k1 = self.lambda_q2 = self.lambda_k2 = None
-            self.lambda_a = self.lambda_b = None
-            self.reset_parameters()
+        self.qkv = nn.Linear(dim, sum(self.qkv_split), bias=qkv_bias, **dd)
+        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.attn_drop_p = attn_drop
+        self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+        # λ: the vectors (d wide) or timm's dual scalars, fp32 as timm keeps them; or v2's W_λ
+        self.dual_lambda = dual_lambda and not layout.token_lambda
+        vectors = not (self.dual_lambda or layout.token_lambda)
+        for name in LAMBDA_VECTORS:
+            setattr(self, name, nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32, device=device))
+                    if vectors else None)
+        self.lambda_a = nn.Parameter(torch.empty((), dtype=torch.float32, device=device)) if self.dual_lambda else None
+        self.lambda_b = nn.Parameter(torch.empty((), dtype=torch.float32, device=device)) if self.dual_lambda else None
+        self.sub_norm = RmsNorm(dim // num_heads, eps=SUB_NORM_EPS, **dd) if layout.sub_norm else nn.Identity()
+        self.diff_map = nn.Identity()
+        self.lambda_proj = (nn.Linear(dim, num_heads, bias=lambda_proj_init == 'zeros', **dd)
+                            if layout.token_lambda else None)
+        self.set_lambda_init(depth)
+        self.reset_parameters()
 
     def set_lambda_init(self, depth: int) -> None:
         self.lambda_init = resolve_lambda_init(self.lambda_init_policy, depth)
 
     def reset_parameters(self) -> None:
-        """λ parameters: N(0, 0.1) vectors (split, duplicate); v2's W_λ by `lambda_proj_init`:
-        nn.Linear's default init ("unilm"), or zero weight and bias so λ starts at 0.5 ("zeros")."""
-        if self.variant != 'v2':
+        """λ's initial values: timm's rule for the vectors (N(0, 0.1)) and dual scalars (0); v2's W_λ by
+        `lambda_proj_init`, nn.Linear's init ("unilm") or zero weight and bias ("zeros")."""
+        if self.lambda_proj is None:
             super().reset_parameters()
-        elif self.lambda_proj is not None:
-            if self.lambda_proj_init == 'zeros':
-                nn.init.zeros_(self.lambda_proj.weight)
-                nn.init.zeros_(self.lambda_proj.bias)
-            else:
-                self.lambda_proj.reset_parameters()
+        elif self.lambda_proj_init == 'zeros':
+            nn.init.zeros_(self.lambda_proj.weight)
+            nn.init.zeros_(self.lambda_proj.bias)
+        else:
+            self.lambda_proj.reset_parameters()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Duplicate-variant checkpoints with timm's C / 2h-wide λ vectors (diffzoo before they were
-        d_head wide) load zero-padded to d_head: every dot product, so λ and the output, is unchanged."""
+        """A duplicate layer takes λ vectors of width C / 2h (timm's split width) zero-padded to C / h:
+        every dot product, so λ and the output, is unchanged."""
         if self.variant == 'duplicate' and self.lambda_q1 is not None:
-            for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
+            for name in LAMBDA_VECTORS:
                 saved = state_dict.get(prefix + name)
                 if saved is not None and saved.shape == (self.head_dim // 2,):
                     state_dict[prefix + name] = F.pad(saved, (0, self.head_dim - saved.shape[0]))
@@ -228,27 +195,20 @@ class DifferentialAttention(DiffAttention):
         self.reset_parameters()
 
     def _compute_lambda(self) -> torch.Tensor:
-        """timm's λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init (or timm's dual-scalar form), its dot
-        products promoted (not rounded) to at least fp32: fp32 parameters give timm's numbers, fp64
-        ones keep fp64."""
+        """λ from the vectors (`diffzoo.layers.lambdas`) or timm's dual scalars, in fp32 (fp64 for fp64)."""
         if self.lambda_a is not None and self.lambda_b is not None:
-            lambda_1 = torch.exp(self.lambda_a)
-            lambda_2 = torch.exp(self.lambda_b)
-        else:
-            assert self.lambda_q1 is not None and self.lambda_k1 is not None
-            assert self.lambda_q2 is not None and self.lambda_k2 is not None
-            acc = stats_dtype(self.lambda_q1.dtype)
-            lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1).to(acc))
-            lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1).to(acc))
-        return lambda_1 - lambda_2 + self.lambda_init
+            return torch.exp(self.lambda_a) - torch.exp(self.lambda_b) + self.lambda_init
+        assert self.lambda_q1 is not None and self.lambda_k1 is not None
+        assert self.lambda_q2 is not None and self.lambda_k2 is not None
+        return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
 
     def compute_lambda(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
         """λ in fp32 (fp64 for fp64): a scalar for split/duplicate (x unused), (B, h, N, 1) per token
         and head for v2 (from x)."""
         if self.lambda_proj is not None:
             assert x is not None, 'v2 projects λ from the input: pass x'
-            w = self.lambda_proj(x)  # (B, N, h)
-            lam = torch.sigmoid(w.to(stats_dtype(w.dtype)))
+            logits = self.lambda_proj(x)  # (B, N, h)
+            lam = torch.sigmoid(logits.to(stats_dtype(logits.dtype)))
             return lam.transpose(1, 2).unsqueeze(-1)  # (B, h, N, 1)
         else:
             lam = self._compute_lambda()
@@ -299,7 +259,8 @@ class DifferentialAttention(DiffAttention):
         return self.attend(x, attn_mask, is_causal)
 
     def attend(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
-        """The layer's output (B, N, C); `forward` of this class and of subclasses with other signatures."""
+        """The layer's output (B, N, C); `forward` of this class and of subclasses with other signatures.
+        Its branches read what construction fixed (v2's `lambda_proj`, the variant) and `fused_attn`."""
         B, N, C = x.shape
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)
@@ -341,8 +302,7 @@ class DifferentialAttention(DiffAttention):
 def set_split_kernel(model: nn.Module, kernel: str) -> int:
     """Set `split_kernel` ("auto" or one of SPLIT_KERNELS) on every `DifferentialAttention` in
     `model`; returns how many layers it set."""
-    if kernel != 'auto' and kernel not in SPLIT_KERNELS:
-        raise ValueError(f'split_kernel={kernel!r}: expected "auto" or one of {SPLIT_KERNELS}')
+    check_options(split_kernel=kernel)
     layers = [m for m in model.modules() if isinstance(m, DifferentialAttention)]
     for layer in layers:
         layer.split_kernel = kernel
@@ -356,14 +316,10 @@ def diff_attn_layer(variant: str = 'split', lambda_init: LambdaInit = 'depth',
     timm's ViT takes `attn_layer=` as a class (it rejects partials), so each configuration is a
     small named subclass, created once and kept in this module so instances pickle. The arguments
     are checked before the cache is consulted (False hashes as 0, and a list does not hash).
-    E.g. v2 with the earlier zero-initialised λ projection in a timm model:
+    E.g. v2 with a zero-initialised λ projection in a timm model:
     `timm.create_model('vit_diff_small_patch16_224', attn_layer=diff_attn_layer('v2', 0.8, 'zeros'))`.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f'variant={variant!r}: expected one of {VARIANTS}')
-    if lambda_proj_init not in LAMBDA_PROJ_INITS:
-        raise ValueError(f'lambda_proj_init={lambda_proj_init!r}: expected one of {LAMBDA_PROJ_INITS}')
-    resolve_lambda_init(lambda_init, 0)
+    check_options(variant, lambda_init, lambda_proj_init)
     return _bound_class(variant, lambda_init, lambda_proj_init)
 
 

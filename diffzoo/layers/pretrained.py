@@ -37,7 +37,8 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
-from .diff_attention import LAMBDA_PARAMETERS, DifferentialAttention
+from .diff_attention import DifferentialAttention
+from .lambdas import LAMBDA_PARAMETERS
 
 SOURCES = ('timm', 'timm_eva', 'open_clip')
 HEAD_PAIRINGS = ('adjacent', 'halves')

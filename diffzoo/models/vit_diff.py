@@ -26,8 +26,9 @@ Differential models have half the baseline's heads (B/16: 12 → 6 heads of q/k 
 3 heads cannot be halved, so tiny keeps 3 differential heads (q/k 32, v 64). `micro_patch8_64` is a
 64 px, 4-block model for CPU tests and the demo.
 
-Every entrypoint takes `lambda_init` (float or "depth") and `variant` ("split", "duplicate",
-"v2") besides timm's usual kwargs; they are ignored by the baseline.
+Each entrypoint spells its geometry, as timm's do, over `_create_vit_diff` or `_create_baseline`. The
+differential models also take `lambda_init` (float or "depth") and `variant` ("split", "duplicate", "v2")
+besides timm's usual kwargs; the baseline models refuse both, naming their differential twins.
 
 DiffCLIP* counts l from 0 (λ_init 0.2 in the first block): the DiffCLIP paper writes
 λ_init = 0.8 − 0.6·exp(−0.3·l) without saying where l starts, and 0 is where the Differential
@@ -39,7 +40,7 @@ from typing import Any, Dict
 import timm
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Attention, LayerNorm
+from timm.layers import LayerNorm
 from timm.models import (build_model_with_cfg, generate_default_cfgs, register_model, register_model_deprecations,
                          resolve_pretrained_cfg)
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
@@ -50,46 +51,38 @@ from diffzoo.checkpoint import (SAFE_GLOBALS, first_keys, is_official_diffclip, 
 from diffzoo.layers import diff_attn_layer
 
 TRUNK = 'visual.trunk.'  # open_clip's prefix of a timm vision trunk
-
-# (baseline heads, differential heads) and the rest of each geometry
-ARCHS: Dict[str, Dict[str, Any]] = {
-    'micro_patch8_64': dict(img_size=64, patch_size=8, embed_dim=128, depth=4, heads=(4, 2)),
-    'tiny_patch16_224': dict(patch_size=16, embed_dim=192, depth=12, heads=(3, 3)),
-    'small_patch16_224': dict(patch_size=16, embed_dim=384, depth=12, heads=(6, 3)),
-    'base_patch16_224': dict(patch_size=16, embed_dim=768, depth=12, heads=(12, 6)),
-    'base_patch32_224': dict(patch_size=32, embed_dim=768, depth=12, heads=(12, 6)),
-    'large_patch14_224': dict(patch_size=14, embed_dim=1024, depth=24, heads=(16, 8)),
-}
-ATTN = {  # model family → λ_init policy, None for ordinary attention
-    'vit_diff': 0.8,
-    'vit_diff_dynamic': 'depth',
-    'vit_diff_baseline': None,
-}
-MODEL_NAMES = frozenset(f'{family}_{arch}' for family in ATTN for arch in ARCHS)
-DIFFCLIP_LAYOUT = dict(
+DIFFCLIP_LAYOUT = dict(  # every model's here, differential or baseline
     class_token=True, global_pool='token', pre_norm=False, qkv_bias=True, proj_bias=True,
     mlp_ratio=4., norm_layer=partial(LayerNorm, eps=1e-5),
 )
+DIFFERENTIAL_ONLY = ('lambda_init', 'variant')  # what the baseline models refuse
 
 
-def _create(model_name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
-    family, arch = next(
-        (f, model_name[len(f) + 1:]) for f in ATTN if model_name[len(f) + 1:] in ARCHS)
-    geometry = dict(ARCHS[arch])
-    baseline_heads, diff_heads = geometry.pop('heads')
-    lambda_init = kwargs.pop('lambda_init', ATTN[family])
-    variant = kwargs.pop('variant', 'split')
-    if ATTN[family] is None:
-        kwargs.setdefault('num_heads', baseline_heads)
-        kwargs.setdefault('attn_layer', Attention)
-    else:
-        kwargs.setdefault('num_heads', diff_heads)
-        kwargs.setdefault('attn_layer', diff_attn_layer(variant, lambda_init))
-        embed_dim = kwargs.get('embed_dim', geometry['embed_dim'])
-        if embed_dim % (2 * kwargs['num_heads']):
-            raise ValueError(
-                f'{model_name}: num_heads={kwargs["num_heads"]} differential heads cannot split '
-                f'embed_dim={embed_dim} into q/k halves; pick num_heads dividing {embed_dim // 2}')
+def _create_vit_diff(model_name: str, pretrained: bool = False, *, lambda_init, variant: str = 'split',
+                     **kwargs) -> VisionTransformer:
+    """A differential model: timm's ViT with `attn_layer=` the `DifferentialAttention` class of `variant` and
+    `lambda_init` (or the caller's own `attn_layer`)."""
+    kwargs.setdefault('attn_layer', diff_attn_layer(variant, lambda_init))
+    embed_dim, num_heads = kwargs['embed_dim'], kwargs['num_heads']
+    if embed_dim % (2 * num_heads):
+        raise ValueError(
+            f'{model_name}: num_heads={num_heads} differential heads cannot split '
+            f'embed_dim={embed_dim} into q/k halves; pick num_heads dividing {embed_dim // 2}')
+    return _create(model_name, pretrained, **kwargs)
+
+
+def _create_baseline(model_name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
+    """A baseline model: timm's ViT with its own attention, in the differential models' layout."""
+    refused = [k for k in DIFFERENTIAL_ONLY if k in kwargs]
+    if refused:
+        twins = [model_name.replace('vit_diff_baseline_', f'vit_diff_{family}') for family in ('', 'dynamic_')]
+        raise ValueError(
+            f'{model_name} has ordinary attention and takes no {" or ".join(refused)}: leave '
+            f'{"it" if len(refused) == 1 else "them"} out, or build a differential model ({", ".join(twins)})')
+    return _create(model_name, pretrained, **kwargs)
+
+
+def _create(model_name: str, pretrained: bool, **kwargs) -> VisionTransformer:
     if pretrained and not _has_weights(resolve_pretrained_cfg(model_name, kwargs.get('pretrained_cfg'),
                                                               kwargs.get('pretrained_cfg_overlay'))):
         tags = ', '.join(timm.list_pretrained('vit_diff*')) or 'none'
@@ -105,7 +98,7 @@ def _create(model_name: str, pretrained: bool = False, **kwargs) -> VisionTransf
             pretrained=pretrained,
             pretrained_filter_fn=diffclip_filter_fn,
             feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-            **{**DIFFCLIP_LAYOUT, **geometry, **kwargs},
+            **{**DIFFCLIP_LAYOUT, **kwargs},
         )
     if isinstance(model, VisionTransformer):  # features_only models are wrapped; their keys are not timm's
         model.register_load_state_dict_pre_hook(refuse_foreign_checkpoint)
@@ -181,104 +174,154 @@ def _diffclip_tag(repo: str) -> Dict[str, Any]:
                 notes=('DiffCLIP (Hammoud & Ghanem, TMLR 2025) vision tower; SLIP-style preprocessing',))
 
 
-TAGGED = 'vit_diff_base_patch16_224'  # its default cfg is its first tag's (timm's rule)
 default_cfgs = generate_default_cfgs({
-    f'{family}_{arch}': _cfg(input_size=(3, geometry.get('img_size', 224), geometry.get('img_size', 224)))
-    for family in ATTN for arch, geometry in ARCHS.items() if f'{family}_{arch}' != TAGGED
-} | {
+    'vit_diff_micro_patch8_64': _cfg(input_size=(3, 64, 64)),
+    'vit_diff_tiny_patch16_224': _cfg(),
+    'vit_diff_small_patch16_224': _cfg(),
     'vit_diff_base_patch16_224.diffclip_cc3m': _diffclip_tag('hammh0a/DiffCLIP_ViTB16_CC3M'),
     'vit_diff_base_patch16_224.diffclip_cc12m': _diffclip_tag('hammh0a/DiffCLIP_ViTB16_CC12M'),
+    'vit_diff_base_patch32_224': _cfg(),
+    'vit_diff_large_patch14_224': _cfg(),
+    'vit_diff_dynamic_micro_patch8_64': _cfg(input_size=(3, 64, 64)),
+    'vit_diff_dynamic_tiny_patch16_224': _cfg(),
+    'vit_diff_dynamic_small_patch16_224': _cfg(),
+    'vit_diff_dynamic_base_patch16_224': _cfg(),
+    'vit_diff_dynamic_base_patch32_224': _cfg(),
+    'vit_diff_dynamic_large_patch14_224': _cfg(),
+    'vit_diff_baseline_micro_patch8_64': _cfg(input_size=(3, 64, 64)),
+    'vit_diff_baseline_tiny_patch16_224': _cfg(),
+    'vit_diff_baseline_small_patch16_224': _cfg(),
+    'vit_diff_baseline_base_patch16_224': _cfg(),
+    'vit_diff_baseline_base_patch32_224': _cfg(),
+    'vit_diff_baseline_large_patch14_224': _cfg(),
 })
+MODEL_NAMES = frozenset(default_cfgs)  # the architectures registered here
 
 
 @register_model
 def vit_diff_micro_patch8_64(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_micro_patch8_64', pretrained, **kwargs)
+    """A 64 px, 4-block ViT for CPU runs, 2 differential heads (q/k 32, v 64), λ_init 0.8 in every block (DiffCLIP)."""
+    model_args = dict(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=2, lambda_init=0.8)
+    return _create_vit_diff('vit_diff_micro_patch8_64', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_tiny_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_tiny_patch16_224', pretrained, **kwargs)
+    """ViT-Ti/16, 3 differential heads (q/k 32, v 64), λ_init 0.8 in every block (DiffCLIP)."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, lambda_init=0.8)
+    return _create_vit_diff('vit_diff_tiny_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_small_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_small_patch16_224', pretrained, **kwargs)
+    """ViT-S/16, 3 differential heads (q/k 64, v 128), λ_init 0.8 in every block (DiffCLIP)."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=3, lambda_init=0.8)
+    return _create_vit_diff('vit_diff_small_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_base_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_base_patch16_224', pretrained, **kwargs)
+    """DiffCLIP's ViT-B/16 vision tower: 6 differential heads (q/k 64, v 128), λ_init 0.8 in every block."""
+    model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=6, lambda_init=0.8)
+    return _create_vit_diff('vit_diff_base_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_base_patch32_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_base_patch32_224', pretrained, **kwargs)
+    """ViT-B/32, 6 differential heads (q/k 64, v 128), λ_init 0.8 in every block (DiffCLIP)."""
+    model_args = dict(patch_size=32, embed_dim=768, depth=12, num_heads=6, lambda_init=0.8)
+    return _create_vit_diff('vit_diff_base_patch32_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_large_patch14_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_large_patch14_224', pretrained, **kwargs)
+    """ViT-L/14, 8 differential heads (q/k 64, v 128), λ_init 0.8 in every block (DiffCLIP)."""
+    model_args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=8, lambda_init=0.8)
+    return _create_vit_diff('vit_diff_large_patch14_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_dynamic_micro_patch8_64(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_dynamic_micro_patch8_64', pretrained, **kwargs)
+    """A 64 px, 4-block ViT for CPU runs, 2 differential heads (q/k 32, v 64), λ_init by depth (DiffCLIP*)."""
+    model_args = dict(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=2, lambda_init='depth')
+    return _create_vit_diff('vit_diff_dynamic_micro_patch8_64', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_dynamic_tiny_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_dynamic_tiny_patch16_224', pretrained, **kwargs)
+    """ViT-Ti/16, 3 differential heads (q/k 32, v 64), λ_init by depth (DiffCLIP*)."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, lambda_init='depth')
+    return _create_vit_diff('vit_diff_dynamic_tiny_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_dynamic_small_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_dynamic_small_patch16_224', pretrained, **kwargs)
+    """ViT-S/16, 3 differential heads (q/k 64, v 128), λ_init by depth (DiffCLIP*)."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=3, lambda_init='depth')
+    return _create_vit_diff('vit_diff_dynamic_small_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_dynamic_base_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_dynamic_base_patch16_224', pretrained, **kwargs)
+    """ViT-B/16, 6 differential heads (q/k 64, v 128), λ_init by depth (DiffCLIP*)."""
+    model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=6, lambda_init='depth')
+    return _create_vit_diff('vit_diff_dynamic_base_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_dynamic_base_patch32_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_dynamic_base_patch32_224', pretrained, **kwargs)
+    """ViT-B/32, 6 differential heads (q/k 64, v 128), λ_init by depth (DiffCLIP*)."""
+    model_args = dict(patch_size=32, embed_dim=768, depth=12, num_heads=6, lambda_init='depth')
+    return _create_vit_diff('vit_diff_dynamic_base_patch32_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_dynamic_large_patch14_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_dynamic_large_patch14_224', pretrained, **kwargs)
+    """ViT-L/14, 8 differential heads (q/k 64, v 128), λ_init by depth (DiffCLIP*)."""
+    model_args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=8, lambda_init='depth')
+    return _create_vit_diff('vit_diff_dynamic_large_patch14_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_baseline_micro_patch8_64(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_baseline_micro_patch8_64', pretrained, **kwargs)
+    """A 64 px, 4-block ViT for CPU runs, ordinary attention (4 heads): the CLIP baseline's tower."""
+    model_args = dict(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=4)
+    return _create_baseline('vit_diff_baseline_micro_patch8_64', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_baseline_tiny_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_baseline_tiny_patch16_224', pretrained, **kwargs)
+    """ViT-Ti/16, ordinary attention (3 heads): the CLIP baseline's tower."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+    return _create_baseline('vit_diff_baseline_tiny_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_baseline_small_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_baseline_small_patch16_224', pretrained, **kwargs)
+    """ViT-S/16, ordinary attention (6 heads): the CLIP baseline's tower."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return _create_baseline('vit_diff_baseline_small_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_baseline_base_patch16_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_baseline_base_patch16_224', pretrained, **kwargs)
+    """ViT-B/16, ordinary attention (12 heads): the CLIP baseline's tower."""
+    model_args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
+    return _create_baseline('vit_diff_baseline_base_patch16_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_baseline_base_patch32_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_baseline_base_patch32_224', pretrained, **kwargs)
+    """ViT-B/32, ordinary attention (12 heads): the CLIP baseline's tower."""
+    model_args = dict(patch_size=32, embed_dim=768, depth=12, num_heads=12)
+    return _create_baseline('vit_diff_baseline_base_patch32_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def vit_diff_baseline_large_patch14_224(pretrained: bool = False, **kwargs) -> VisionTransformer:
-    return _create('vit_diff_baseline_large_patch14_224', pretrained, **kwargs)
+    """ViT-L/14, ordinary attention (16 heads): the CLIP baseline's tower."""
+    model_args = dict(patch_size=14, embed_dim=1024, depth=24, num_heads=16)
+    return _create_baseline('vit_diff_baseline_large_patch14_224', pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 register_model_deprecations(__name__, {'diff_vit_base_patch16_224': 'vit_diff_base_patch16_224'})  # DiffCLIP's name

@@ -16,7 +16,8 @@ from typing import Iterable, Set
 
 import torch
 
-from diffzoo.layers.diff_attention import LAMBDA_PARAMETERS, DifferentialAttention
+from diffzoo.layers import DifferentialAttention
+from diffzoo.layers.lambdas import LAMBDA_PARAMETERS
 
 
 def differential_parameter_ids(model: torch.nn.Module) -> Set[int]:

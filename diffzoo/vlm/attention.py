@@ -18,6 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask,
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
 from diffzoo.layers.kernels import sub_normed_difference
+from diffzoo.layers.lambdas import reparameterized_lambda
 from diffzoo.layers.numerics import stats_dtype
 
 DIFF_SDPA, DIFF_EAGER = 'diffzoo_sdpa', 'diffzoo_eager'
@@ -25,11 +26,9 @@ INJECTED = 'diffzoo_injected'  # the forward keyword carrying eRAM-V's injected 
 
 
 def layer_lambda(module: nn.Module) -> torch.Tensor:
-    """λ of one layer, a 0-dim fp32 tensor (fp64 for fp64 parameters)."""
-    acc = stats_dtype(module.lambda_q1.dtype)
-    lq1, lk1 = module.lambda_q1.to(acc), module.lambda_k1.to(acc)
-    lq2, lk2 = module.lambda_q2.to(acc), module.lambda_k2.to(acc)
-    return torch.exp(torch.dot(lq1, lk1)) - torch.exp(torch.dot(lq2, lk2)) + module.differential.lambda_init
+    """λ of one layer (`diffzoo.layers.lambdas`), a 0-dim fp32 tensor (fp64 for fp64 parameters)."""
+    return reparameterized_lambda(module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2,
+                                  module.differential.lambda_init)
 
 
 def _sub_norm_weight(module: nn.Module, like: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,8 @@ Each chosen decoder layer's attention module (PaliGemma's Gemma, Gemma 2, Llama,
 its pretrained q/k/v/o projections and gains λ_q1, λ_k1, λ_q2, λ_k2 (head_dim each, N(0, 0.1)), a
 per-head RMSNorm `sub_norm` and λ_init. Its attention kernel is swapped through
 `transformers.AttentionInterface` (names `diffzoo_sdpa`, `diffzoo_eager`); transformers' modelling
-code is not edited. With d the model's head_dim and H its query heads:
-
-    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init          (fp32; fp64 in an fp64 model)
-    λ_init: a float, or "depth": 0.8 − 0.6·exp(−0.3·l), l the 0-based layer index
+code is not edited. λ and its λ_init policies are `diffzoo.layers.lambdas`' (l, for "depth", the 0-based
+decoder layer index). With d the model's head_dim and H its query heads:
 
 duplicate (Differential PaliGemma, Eq. 5): both maps from the pretrained, undivided Q and K,
 
@@ -64,11 +62,12 @@ from timm.layers import RmsNorm
 
 from diffzoo.layers import resolve_lambda_init
 from diffzoo.layers.blocks import block_indices
+from diffzoo.layers.lambdas import LAMBDA_VECTORS
 from .attention import DIFF_EAGER, DIFF_SDPA, layer_lambda, register_attention
 from .hf_config import SETTINGS_KEY, mark_differential, saved_settings
 from .options import HEAD_PAIRINGS, MLPS, VARIANTS
 
-PARAMETER_NAMES = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2', 'sub_norm.weight')
+PARAMETER_NAMES = (*LAMBDA_VECTORS, 'sub_norm.weight')  # what differentialize adds, as state-dict key endings
 SUB_NORM_EPS = 1e-5  # unilm's and timm's DiffAttention sub-norm
 
 
@@ -133,7 +132,7 @@ def _add_parameters(attn: nn.Module, variant: str, lambda_init: float, head_pair
     weight = attn.q_proj.weight
     dd = {'device': weight.device, 'dtype': weight.dtype}
     d = attn.head_dim
-    for name in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'):
+    for name in LAMBDA_VECTORS:
         setattr(attn, name, nn.Parameter(torch.empty(d, **dd).normal_(0, 0.1)))
     attn.sub_norm = RmsNorm(2 * d if variant == 'split' else d, eps=SUB_NORM_EPS, **dd)
     attn.differential = DifferentialSpec(variant, lambda_init, head_pairing)
@@ -199,7 +198,7 @@ def differentialize(
 def differential_parameters(model: nn.Module) -> List[nn.Parameter]:
     """λ and sub-norm parameters that `differentialize` added."""
     return [p for m in model.modules() if hasattr(m, 'differential')
-            for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2, m.sub_norm.weight)]
+            for p in (*(getattr(m, name) for name in LAMBDA_VECTORS), m.sub_norm.weight)]
 
 
 def differential_state_dict(model: nn.Module) -> dict:

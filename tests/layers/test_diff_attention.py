@@ -278,6 +278,35 @@ def test_bad_configuration_is_named():
         DifferentialAttention(64, num_heads=4, split_kernel='flash')
 
 
+@pytest.mark.parametrize('kw', [dict(), dict(qkv_bias=True, qk_norm=True, scale_norm=True), dict(dual_lambda=True)],
+                         ids=['plain', 'norms', 'dual_lambda'])
+def test_split_is_built_as_timm_builds_diff_attention(kw):
+    """The split layout is timm's: the same parameters in the same order, and from the same seed the same
+    initial values (timm's order of initialisation)."""
+    torch.manual_seed(0)
+    ours = DifferentialAttention(DIM, num_heads=HEADS, depth=2, **kw)
+    torch.manual_seed(0)
+    timms = DiffAttention(DIM, num_heads=HEADS, depth=2, **kw)
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in timms.named_parameters()]
+    for (name, a), b in zip(ours.state_dict().items(), timms.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_each_variant_builds_its_projections_once(monkeypatch):
+    """Each variant's projections are built once, at their layout's widths (qkv, proj, then v2's W_λ), and
+    λ is initialised once."""
+    built, resets = [], []
+    linear_init, reset = torch.nn.Linear.__init__, DifferentialAttention.reset_parameters
+    monkeypatch.setattr(torch.nn.Linear, '__init__',
+                        lambda self, i, o, *a, **k: built.append(o) or linear_init(self, i, o, *a, **k))
+    monkeypatch.setattr(DifferentialAttention, 'reset_parameters', lambda self: resets.append(1) or reset(self))
+    widths = {'split': [3 * DIM, DIM], 'duplicate': [3 * DIM, DIM], 'v2': [4 * DIM, DIM, HEADS]}
+    for variant in VARIANTS:
+        built.clear(), resets.clear()
+        DifferentialAttention(DIM, num_heads=HEADS, variant=variant)
+        assert built == widths[variant] and resets == [1], variant
+
+
 @pytest.mark.parametrize('variant', VARIANTS)
 def test_bf16_autocast_keeps_softmax_lambda_and_norm_in_fp32(variant):
     m = _layer(variant)
@@ -486,6 +515,18 @@ def test_duplicate_lambda_vectors_are_head_dim_wide():
         for name in names:
             getattr(m, name)[128:] = 0
     assert abs(m.compute_lambda(None).item() - lam) > 1e-4
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_low_precision_lambda_vectors_take_their_dot_products_in_fp32(dtype):
+    """A layer cast to bf16 or fp16 keeps λ's formula in fp32 (`diffzoo.layers.lambdas`): the products and sums
+    of its λ vectors are fp32, as diffzoo.vlm's layers take them, not rounded in the vectors' dtype."""
+    torch.manual_seed(0)
+    m = DifferentialAttention(512, num_heads=2, variant='duplicate', lambda_init=0.8).to(dtype)
+    q1, k1, q2, k2 = (getattr(m, n).detach().double() for n in ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2'))
+    lam = math.exp(float(q1 @ k1)) - math.exp(float(q2 @ k2)) + 0.8
+    assert m.lambda_q1.dtype == dtype and m.compute_lambda(None).dtype == torch.float32
+    assert m.compute_lambda(None).item() == pytest.approx(lam, rel=1e-6)
 
 
 def test_duplicate_checkpoint_with_half_width_lambdas_loads_zero_padded():

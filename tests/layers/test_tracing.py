@@ -1,6 +1,20 @@
-"""Every tracer PyTorch offers takes `DifferentialAttention` (module docstring, "Tracing"): TorchScript,
-torch.fx, torch.compile(fullgraph=True) and torch.export, for each variant, λ_init form, path and mask.
-The models built from the layer are traced in tests/models, tests/clip and tests/vlm."""
+"""Every tracer PyTorch offers takes `DifferentialAttention`: TorchScript, torch.fx, torch.compile(fullgraph=True)
+and torch.export, for each variant, λ_init form, path and mask. The models built from the layer are traced in
+tests/models, tests/clip and tests/vlm (ONNX in tests/clip/test_tracing.py).
+
+The rules that keep the layer so, which these tests hold it to:
+- no Python branch in `forward` (or the methods it calls) on a tensor's value, or on the dtype, shape or
+  device of an argument that may be a symbolic value (`attn_mask` is one);
+- choices are made at construction (the variant's head counts and qkv split are plain ints, v2 is told by
+  `lambda_proj is not None`, which TorchScript resolves statically), by attributes set from outside
+  (`fused_attn`, `split_kernel`), or inside the kernel functions of `diffzoo.layers.kernels`, which torch.fx
+  records as leaves and which run their choices on real tensors when the graph runs;
+- what TorchScript cannot compile sits behind `torch.jit.is_scripting()`: scripted, a `split_kernel="triton"`
+  layer selects the `auto` SDPA kernel by itself, the saved-outputs op runs its forward chain under ordinary
+  autograd (same numbers, more memory), and the output projection is not folded into it. An fx graph runs the
+  same kernels as eager mode, the Triton one included (it sits inside a leaf); torch.compile and torch.export
+  see it as one custom op. `DIFFZOO_COMPILED_SUB_NORM=1` (opt-in) compiles the saved-outputs op's chains in
+  eager mode and in fx graphs; inside torch.compile and TorchScript they run as written."""
 import warnings
 
 import pytest

@@ -7,8 +7,20 @@ import torch
 import torch.nn as nn
 
 from diffzoo.layers import DifferentialAttention, diff_attn_layer
-from diffzoo.models.vit_diff import ARCHS, ATTN
 
+ATTN = {  # model family → its λ_init policy, None for ordinary attention
+    'vit_diff': 0.8,
+    'vit_diff_dynamic': 'depth',
+    'vit_diff_baseline': None,
+}
+ARCHS = {  # size → (img_size, patch_size, embed_dim, depth, baseline heads, differential heads)
+    'micro_patch8_64': (64, 8, 128, 4, 4, 2),
+    'tiny_patch16_224': (224, 16, 192, 12, 3, 3),
+    'small_patch16_224': (224, 16, 384, 12, 6, 3),
+    'base_patch16_224': (224, 16, 768, 12, 12, 6),
+    'base_patch32_224': (224, 32, 768, 12, 12, 6),
+    'large_patch14_224': (224, 14, 1024, 24, 16, 8),
+}
 NAMES = [f'{family}_{arch}' for family in ATTN for arch in ARCHS] + ['diff_vit_base_patch16_224']  # + the alias
 SMALL = ['vit_diff_micro_patch8_64', 'vit_diff_dynamic_micro_patch8_64', 'vit_diff_baseline_micro_patch8_64']
 
@@ -51,6 +63,35 @@ def test_build_forward_backward(name):
     assert out.shape == (1, model.embed_dim)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize('family', list(ATTN))
+@pytest.mark.parametrize('arch', list(ARCHS))
+def test_each_entrypoint_builds_its_geometry(family, arch):
+    """Every entrypoint's model_args: image and patch size, width, depth, and half the baseline's heads in
+    differential models (ViT-Ti keeps 3); the layout's LayerNorm eps 1e-5 and λ_init policy in every one."""
+    img_size, patch_size, embed_dim, depth, baseline_heads, diff_heads = ARCHS[arch]
+    with torch.device('meta'):
+        model = timm.create_model(f'{family}_{arch}', num_classes=0)
+    assert model.patch_embed.img_size == (img_size, img_size)
+    assert model.patch_embed.patch_size == (patch_size, patch_size)
+    assert model.embed_dim == embed_dim and len(model.blocks) == depth and model.norm.eps == 1e-5
+    heads = {blk.attn.num_heads for blk in model.blocks}
+    assert heads == {baseline_heads if ATTN[family] is None else diff_heads}
+    assert {getattr(blk.attn, 'lambda_init_policy', None) for blk in model.blocks} == {ATTN[family]}
+    assert model.pretrained_cfg['input_size'] == (3, img_size, img_size)
+
+
+@pytest.mark.parametrize('kwargs', [dict(lambda_init=0.5), dict(variant='v2'), dict(lambda_init=0.5, variant='v2')])
+def test_baseline_refuses_differential_arguments_naming_the_model_and_its_twins(kwargs):
+    """The baseline has ordinary attention: lambda_init and variant would have no effect, so they are refused."""
+    names = ' or '.join(kwargs)
+    with pytest.raises(ValueError) as error:
+        timm.create_model('vit_diff_baseline_micro_patch8_64', **kwargs)
+    assert str(error.value) == (
+        f'vit_diff_baseline_micro_patch8_64 has ordinary attention and takes no {names}: leave '
+        f'{"it" if len(kwargs) == 1 else "them"} out, or build a differential model (vit_diff_micro_patch8_64, '
+        f'vit_diff_dynamic_micro_patch8_64)')
 
 
 def test_base_patch16_is_diffclip_vision_tower():
