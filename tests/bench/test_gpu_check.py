@@ -2,6 +2,7 @@
 record (status, exit status, seconds, time box), a failing command recorded and the run going on, commands past
 their time box ended and recorded as timed out, a command the budget leaves no time skipped, the log, --help."""
 import json
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,33 @@ def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget
     assert 'of the step left' in bench['reason']
     assert report['elapsed_s'] < 20
     assert 'failed or timed out: tune/tune, compile/compile' in done.stdout
+
+
+ABSENT = '''"""As if the eval extra (clip_benchmark), lmms-eval and llava-torch were not installed: importing them fails."""
+import sys
+
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition('.')[0] in {'clip_benchmark', 'llava', 'lmms_eval'}:
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+'''
+
+
+def test_the_gpu_tests_collect_without_the_eval_and_llava_packages(tmp_path):
+    """The tests step's `pytest -m gpu tests` on a machine with the core and train packages alone: every module
+    collects (those that need the missing packages skip), and the kernel tests are there."""
+    (tmp_path / 'absent_packages.py').write_text(ABSENT)
+    root = steps.PACKAGE.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)]))
+    done = subprocess.run([sys.executable, '-m', 'pytest', '-p', 'absent_packages', '-p', 'no:cacheprovider',
+                           '--collect-only', '-q', '-rs', '-m', 'gpu', 'tests'], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert 'error' not in done.stdout.lower().split('short test summary')[0][-2000:]
+    assert "could not import 'clip_benchmark'" in done.stdout  # the blocker was in force
+    assert 'tests/layers/test_kernels.py::test_bench_shapes_within_twice_sdpa' in done.stdout

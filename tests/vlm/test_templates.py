@@ -10,7 +10,6 @@ from torchvision import transforms
 
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
 from diffzoo.vlm.templates import VICUNA_V1_SYSTEM, encode, prompt
-from tests.vlm import llava_reference as llava
 from tests.vlm.test_conversations import _llama_tokenizer
 from tests.vlm.models import write_chat_language_model
 
@@ -47,6 +46,15 @@ def _load(tmp_path, records):
     return {c.id: c for c in kept}, problems
 
 
+@pytest.fixture(scope='module')
+def llava():
+    """LLaVA-1.5's own preprocessing and collator (`tests.vlm.llava_reference` over `llava-torch`, a test dependency
+    that a GPU machine may lack): the tests comparing with it skip where it is not installed."""
+    pytest.importorskip('llava')
+    from tests.vlm import llava_reference
+    return llava_reference
+
+
 @pytest.fixture(scope='module', params=[True, False], ids=['legacy', 'not legacy'])
 def vicuna(request, tmp_path_factory):
     tok = _llama_tokenizer(tmp_path_factory.mktemp('llama') / 'tok', request.param)
@@ -55,7 +63,7 @@ def vicuna(request, tmp_path_factory):
     return tok
 
 
-def test_vicuna_v1_gives_llavas_ids_labels_and_mismatches_record_by_record(tmp_path, vicuna):
+def test_vicuna_v1_gives_llavas_ids_labels_and_mismatches_record_by_record(tmp_path, vicuna, llava):
     """Each record through diffzoo's loader and encode equals LLaVA's preprocess_multimodal + preprocess_v1 on
     it: the ids (the image where LLaVA puts it: at the start of the turn that holds it, '<image>' alone when
     the turn is only the image), the label mask, and the samples LLaVA masks whole with its "tokenization
@@ -87,7 +95,7 @@ def test_the_image_only_turn_and_a_later_image_are_where_llava_puts_them(tmp_pat
 
 
 @pytest.mark.parametrize('max_length', [12, 40, 45, 46, 47, 60])
-def test_the_collator_cuts_where_llavas_does_the_image_one_token(tmp_path, vicuna, max_length):
+def test_the_collator_cuts_where_llavas_does_the_image_one_token(tmp_path, vicuna, llava, max_length):
     """LLaVA's DataCollatorForSupervisedDataset cuts the ids, the image placeholder one of them, to
     model_max_length: diffzoo's rows equal its rows at lengths around the later image's place (and a mismatch
     is checked only under the cut, as LLaVA checks it)."""
@@ -115,7 +123,7 @@ def test_the_collator_cuts_where_llavas_does_the_image_one_token(tmp_path, vicun
     assert sorted(batch.get('cut_short', [])) == [k for k in longer if k not in batch.get('mismatched', ())]
 
 
-def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna):
+def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna, llava):
     record = {'image': 'x.png', 'conversations': _turns(('human', '<image>'), ('gpt', 'a red circle'))}
     conversations, _ = _load(tmp_path, {'caption': record})
     got = encode(conversations['caption'].turns, vicuna, 'plain')
@@ -123,7 +131,7 @@ def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna):
     assert llava.with_image(got.ids, got.scored, got.image_at) == (ids, labels)
 
 
-def test_a_question_is_asked_as_llavas_eval_prompt(vicuna):
+def test_a_question_is_asked_as_llavas_eval_prompt(vicuna, llava):
     """model_vqa_loader's prompt: conv_vicuna_v1 with '<image>\\n' + question and an empty answer, tokenized
     by tokenizer_image_token."""
     conv = llava.llava_conversation.conv_templates['vicuna_v1'].copy()
