@@ -139,7 +139,10 @@ def main(argv: Optional[list] = None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     from diffzoo.layers import kernels
-    reason = kernels.unsupported(torch.empty(0, device=device, dtype=DTYPES[a.dtype]), None, 0.0)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        reason = 'no CUDA device here (torch.cuda.is_available() is False); --device cpu runs the interpreter'
+    else:
+        reason = kernels.unsupported(torch.empty(0, device=device, dtype=DTYPES[a.dtype]), None, 0.0)
     if reason is not None:
         print(f'error: the Triton kernel cannot run here: {reason}', file=sys.stderr)
         return 2
