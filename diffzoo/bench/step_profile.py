@@ -289,6 +289,13 @@ def profile_steps(name: str, batch: int, precision: str, steps: int, warmup: int
                        'throttle': sorted({c['throttle'] for c in clocks.samples})}}
 
 
+def _clock(clocks: Dict) -> str:
+    if not clocks['sm_mhz']:
+        return f'not sampled ({clocks["error"]})' if clocks['error'] else 'not sampled'
+    return (f'{clocks["sm_mhz"]["min"]:.0f}-{clocks["sm_mhz"]["max"]:.0f} MHz, throttle reasons '
+            f'{" ".join(clocks["throttle"]) or "-"}')
+
+
 def _ms(rows: List[Dict]) -> str:
     return ' '.join(f'{r["time_s"] * 1e3:.1f}' for r in rows)
 
@@ -308,9 +315,7 @@ def summary(section: Dict) -> str:
                   '  garbage collections (step, oldest generation, ms): '
                   + (', '.join(f'({i}, {g}, {t:.1f})' for i, g, t in gcs) or 'none'),
                   f'  Triton compilations: {sum(len(r["compiles"]) for r in timed["rows"] + prof["rows"])}; '
-                  f'SM clock: {m["clocks"]["sm_mhz"] and m["clocks"]["sm_mhz"]["min"]}-'
-                  f'{m["clocks"]["sm_mhz"] and m["clocks"]["sm_mhz"]["max"]} MHz, throttle reasons '
-                  f'{" ".join(m["clocks"]["throttle"]) or m["clocks"]["error"] or "-"}',
+                  f'SM clock: {_clock(m["clocks"])}',
                   f'  slowest vs fastest profiled step: {m["slow_vs_fast"]["verdict"]}']
         lines += [f'    {k}: {v:+.2f} ms' for k, v in m['slow_vs_fast']['parts_ms'].items()]
         lines += [f'    {k["slow_ms"] - k["fast_ms"]:+8.3f} ms  ({k["slow_count"]} vs {k["fast_count"]} calls)  '

@@ -183,7 +183,8 @@ def test_targets_follow_the_run_settings(smoke):
     assert cpu_time['ratio'] == pytest.approx(
         {r['model']: r for r in results['models']['rows']}['diffclip-tiny']['ratios']['train_time'])
     assert cpu_time['status'] == ('PASS' if cpu_time['ratio'] <= 1.10 else 'MISS')
-    assert targets['GPU bf16 b256 training step time']['status'] == 'n/a'
+    gpu = targets['GPU 16-bit b256 training step time']
+    assert gpu['status'] == 'n/a' and gpu['limit'] == 1.00 and 'needs device cuda, precision bf16/fp16' in gpu['detail']
     assert 'needs 197' in targets['attention layer fwd+bwd at 197 tokens vs SDPA']['detail']
     # the same results at 4096 tokens: PASS only when the peak stays under one N×N set
     row = dict(results['layers']['rows'][0], variant='split-fused', tokens=4096, peak_bytes=10, nn_bytes=100)
