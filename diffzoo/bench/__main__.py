@@ -251,6 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                            cfg['data_samples'], cfg['image_size'])
                 results['data']['accounting'] = accounting.run(cfg['models'][0], cfg['data_batch'], cfg['workers'],
                                                                *cfg['accounting'])
+            results['steps_agreement'] = report.steps_agreement(results)
             results['targets'] = report.evaluate_targets(results, cfg['target_model'])
             write(results, out)
     except BenchError as exc:

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 from .measure import fmt_mb, summarize
 
 SPREAD_LIMIT = 0.03  # interquartile range of the per-block ratios, as a share of their median
+AGREEMENT_LIMIT = 0.02  # the model section's training ratio against the steps section's consecutive steps
 
 # (name, section, measured quantity, limit, needs): `needs` are run settings the target is defined for (a tuple:
 # any of them).
@@ -69,6 +70,28 @@ def add_model_ratios(section: Dict, baseline: str) -> None:
     _ratios(section['rows'], baseline)
     if 'compile' in section:
         _ratios(section['compile']['rows'], baseline)
+
+
+def steps_agreement(results: Dict) -> Optional[List[Dict]]:
+    """Per model in both the model and the steps sections: its training time ratio from the blocks against the
+    ratio of the steps section's medians of consecutive steps (the baseline's from the same section), and
+    whether they agree within AGREEMENT_LIMIT. None unless both sections ran with the baseline."""
+    models, steps = results.get('models'), results.get('steps')
+    if not models or not steps:
+        return None
+    medians = {r['model']: r['timed']['time_s']['median'] for r in steps['rows']}
+    base = models['baseline']
+    if base not in medians:
+        return None
+    rows = []
+    for r in models['rows']:
+        if r['model'] in medians:
+            consecutive = medians[r['model']] / medians[base]
+            difference = r['ratios']['train_time'] / consecutive - 1
+            rows.append({'model': r['model'], 'blocks_ratio': r['ratios']['train_time'],
+                         'consecutive_ratio': consecutive, 'difference': difference,
+                         'agrees': abs(difference) <= AGREEMENT_LIMIT})
+    return rows
 
 
 def _measure(results: Dict, section: str, quantity: str, target_model: str):
@@ -208,6 +231,13 @@ def render(results: Dict) -> str:
             out.append(_table(['model', 'train samples/s', 'speed-up', 'x time', 'train peak MB', 'x mem',
                                'infer images/s', 'speed-up', 'x time', 'graph breaks', 'in attention'], rows))
             out.extend(_unsteady_note(comp['rows']))
+    agreement = results.get('steps_agreement')
+    if agreement:
+        out.append(f'\nTraining time ratio vs {models["baseline"]}: the model section\'s blocks against the steps '
+                   f'section\'s consecutive steps (agreeing within {AGREEMENT_LIMIT:.0%})')
+        out.append(_table(['model', 'blocks', 'consecutive steps', 'difference', 'agree'],
+                          [[a['model'], f'{a["blocks_ratio"]:.3f}x', f'{a["consecutive_ratio"]:.3f}x',
+                            f'{a["difference"]:+.1%}', 'yes' if a['agrees'] else 'NO'] for a in agreement]))
     layers = results.get('layers')
     if layers:
         out.append(f'\nAttention layer alone, width {layers["dim"]} (ms median [min-max]; ratios vs sdpa at the same N; '

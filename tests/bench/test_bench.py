@@ -240,6 +240,19 @@ def test_steps_section_compares_the_slowest_profiled_step_with_the_fastest(smoke
     assert all(m in text for m in SMOKE_MODELS) and 'slowest vs fastest profiled step' in text
 
 
+def test_the_model_section_s_ratio_is_set_against_the_steps_section_s_consecutive_steps(smoke):
+    results, stdout = smoke
+    medians = {m['model']: m['timed']['time_s']['median'] for m in results['steps']['rows']}
+    rows = {r['model']: r for r in results['models']['rows']}
+    for a in results['steps_agreement']:
+        consecutive = medians[a['model']] / medians['clip-tiny-baseline']
+        assert a['consecutive_ratio'] == pytest.approx(consecutive)
+        assert a['difference'] == pytest.approx(rows[a['model']]['ratios']['train_time'] / consecutive - 1)
+        assert a['agrees'] == (abs(a['difference']) <= 0.02)
+    assert [a['model'] for a in results['steps_agreement']] == list(SMOKE_MODELS)
+    assert "the model section's blocks against the steps section's consecutive steps" in stdout
+
+
 def test_the_step_recorder_tags_garbage_collections_with_the_step():
     from diffzoo.bench.step_profile import Recorder
     with Recorder() as rec:
@@ -344,3 +357,19 @@ def test_a_model_named_with_a_kernel_runs_it_beside_the_run_s_kernel_and_variant
     assert set(rows) == {'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline'}
     assert rows['clip-tiny-baseline']['ratios']['train_time'] == 1.0
     assert {r['variant'] for r in results['layers']['rows']} == {'sdpa', 'split-fused'}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='kernels on the GPU timeline need CUDA')
+def test_steps_on_cuda_give_each_step_its_kernels_and_split_its_time():
+    """On the GPU each profiled step's kernels are the ones its host range launched: the same kernels, as often,
+    in every step, their busy time within the step's time, and the comparison splits kernel time from idle time."""
+    from diffzoo.bench.step_profile import profile_steps
+    m = profile_steps('diffclip-tiny', 8, 'bf16', 4, 1, torch.device('cuda'), 'auto')
+    rows = m['profiled']['rows']
+    for r in rows:
+        gpu = r['gpu']
+        assert gpu['kernels'] > 50 and 0 < gpu['busy_ms'] <= r['time_s'] * 1e3 * 1.05 and gpu['gaps_ms'] >= 0
+        assert set(r['allocator']) == {'num_device_alloc', 'num_device_free', 'num_alloc_retries'}
+    assert len({tuple(sorted((k, v['count']) for k, v in r['gpu']['by_name'].items())) for r in rows}) == 1
+    assert {'GPU kernel time', 'GPU idle, waiting for the host'} <= set(m['slow_vs_fast']['parts_ms'])
