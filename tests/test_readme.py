@@ -18,6 +18,7 @@ RUN = {
     'python -m diffzoo.train recipes': 'clip-b16-baseline-cc3m',
     'python -m diffzoo.train.vlm recipes': 'paligemma-3b-vqav2-diff',
     'python -m diffzoo.bench.gpu --help': 'the project\'s GPU checks in one time-boxed run',
+    'python -m diffzoo.bench.gpu OUT --plan': 'total      590 s',
 }
 WEIGHTS, DATA, GPU = 'needs pretrained weights', 'needs a dataset', 'needs a GPU'
 QUICK = 'the quick start, run as a whole by tests/test_demo.py::test_the_quick_start_runs_as_written'
@@ -96,7 +97,8 @@ SKIPPED = {
     'python -m diffzoo.bench.gpu OUT data': GPU,
     'python -m diffzoo.bench.data_profile --out data_profile.json': GPU + ' (its default device; '
                                                                      'tests/bench/test_data_profile.py runs it on the CPU)',
-    'python -m diffzoo.bench.gpu OUT commands --limit commands=400 --b16-steps 224': GPU,
+    'python -m diffzoo.bench.gpu OUT tune extras stages': GPU,
+    'python -m diffzoo.bench.gpu OUT commands --b16-backends device open_clip --limit commands=300': GPU,
     'python -m diffzoo.bench.gpu OUT --device cpu': 'every step at tiny sizes, ~20 minutes on 2 cores '
                                                       '(tests/bench/test_gpu_check.py runs the dry run of cheap steps)',
     'source .venv/bin/activate': 'activates the environment make built (the quick start test runs the rest in it)',

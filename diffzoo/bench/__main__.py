@@ -2,12 +2,16 @@
 
 Sections (each module's docstring says how it measures):
   model    training step (forward, ClipLoss, backward, AdamW) samples/s and peak memory, and
-           encode_image images/s, per open_clip model; with --compile, both towers compiled:
-           speed-up and graph breaks (diffzoo.bench.whole_model)
+           encode_image images/s, per open_clip model, each step timed in blocks of consecutive steps
+           interleaved between models; ratios with the spread of their per-block ratios; with --compile,
+           both towers compiled: speed-up and graph breaks (diffzoo.bench.whole_model)
   layer    each attention variant alone vs timm's SDPA Attention at 77/197/577/4096 tokens:
            fwd+bwd and fwd time, peak memory against the N×N bytes, SDPA backend (diffzoo.bench.attention)
   profile  one training step per model under torch.profiler: attention, GEMM and other kernel time,
            against the baseline's, with each model's profiler table beside the JSON (diffzoo.bench.profile)
+  steps    --steps consecutive training steps per model, timed, then under torch.profiler: the slowest
+           against the fastest, kernel by kernel, with the GPU's idle gaps, garbage collections, Triton
+           compilations and allocator calls of each (diffzoo.bench.step_profile)
   data     webdataset decode + preprocess images/s for 1 and --workers workers (diffzoo.bench.data), and
            open_clip_train's training loader with and without diffzoo's data accounting at CC12M-like
            bookkeeping: samples/s ratio and journal bytes per epoch (diffzoo.bench.accounting)
@@ -31,24 +35,30 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-SECTIONS = ('model', 'layer', 'profile', 'data', 'train')
+from diffzoo._startup import startup_imports
+
+SECTIONS = ('model', 'layer', 'profile', 'steps', 'data', 'train')
 FULL_MODELS = ['diffclip-b16', 'clip-b16-baseline', 'ViT-B-16', 'diffclip-b16-vision', 'diffclip-b16-dynamic']
-# per setting: models, baseline, target model, batch, precision, reps, warm-up, tokens, tokens per layer
-# batch, data samples, data batch, workers, synthetic image size, seconds per timed layer repeat, layer width
+# per setting: models, baseline, target model, batch, precision, layer repeats, model blocks and steps per block,
+# profiled steps, warm-up, tokens, tokens per layer batch, data samples, data batch, workers, synthetic image
+# size, seconds per timed layer repeat, layer width
 DEFAULTS = {
     'cuda': dict(models=FULL_MODELS, baseline='clip-b16-baseline', target_model='diffclip-b16', batch=256,
-                 precision='bf16', reps=10, warmup=3, tokens=[77, 197, 577, 4096], causal_tokens=[77], tokens_per_batch=256 * 197,
+                 precision='bf16', reps=10, blocks=6, block_steps=12, steps=16, warmup=3, tokens=[77, 197, 577, 4096],
+                 causal_tokens=[77], tokens_per_batch=256 * 197,
                  data_samples=4096, data_batch=32, workers=min(8, os.cpu_count() or 1), image_size=256,
                  layer_target_s=0.05, layer_dim=768, sections=list(SECTIONS), accounting=[2176, 5000, 100, 7],
                  train_recipes=['diffclip-b16-cc3m', 'clip-b16-baseline-cc3m'], train_samples=16384, nproc=1),
     # 3 models: five B/16 models with AdamW state would hold ~12 GB of RAM at once
     'cpu': dict(models=FULL_MODELS[:3], baseline='clip-b16-baseline', target_model='diffclip-b16', batch=16,
-                precision='fp32', reps=3, warmup=1, tokens=[77, 197, 577, 4096], causal_tokens=[77], tokens_per_batch=16 * 197,
+                precision='fp32', reps=3, blocks=3, block_steps=3, steps=6, warmup=1, tokens=[77, 197, 577, 4096],
+                causal_tokens=[77], tokens_per_batch=16 * 197,
                 data_samples=1024, data_batch=32, workers=min(4, os.cpu_count() or 1), image_size=256,
                 layer_target_s=0.2, layer_dim=768, sections=[s for s in SECTIONS if s != 'train'],
                 accounting=[2176, 5000, 100, 7], train_recipes=['diffclip-b16-cc3m', 'clip-b16-baseline-cc3m'], train_samples=256, nproc=1),
     'smoke': dict(models=['diffclip-tiny', 'clip-tiny-baseline'], baseline='clip-tiny-baseline',
-                  target_model='diffclip-tiny', batch=4, precision=None, reps=2, warmup=1, tokens=[32, 1024], causal_tokens=[32],
+                  target_model='diffclip-tiny', batch=4, precision=None, reps=2, blocks=2, block_steps=2, steps=4,
+                  warmup=1, tokens=[32, 1024], causal_tokens=[32],
                   tokens_per_batch=1024, data_samples=64, data_batch=4, workers=2, image_size=64,
                   layer_target_s=0.002, layer_dim=128, sections=None, accounting=[16, 20, 4, 1],
                   train_recipes=['diffclip-tiny', 'clip-tiny-baseline'], train_samples=48),
@@ -65,9 +75,17 @@ def parser() -> argparse.ArgumentParser:
                         'diffclip-tiny clip-tiny-baseline)')
     p.add_argument('--baseline', default=None, help='the model every ratio divides by (default clip-b16-baseline)')
     p.add_argument('--batch', type=int, default=None, help='model batch (default cuda 256, cpu 16)')
-    p.add_argument('--precision', choices=('fp32', 'bf16'), default=None,
-                   help='fp32, or bf16 autocast as open_clip_train --precision amp_bf16 (default cuda bf16, cpu fp32)')
-    p.add_argument('--reps', type=int, default=None, help='timed repeats per measurement (default cuda 10, cpu 3)')
+    p.add_argument('--precision', choices=('fp32', 'bf16', 'fp16'), default=None,
+                   help='fp32; bf16 autocast as open_clip_train --precision amp_bf16; fp16 autocast with a gradient '
+                        'scaler as its --precision amp (default cuda bf16, cpu fp32)')
+    p.add_argument('--reps', type=int, default=None, help='layer section: timed repeats (default cuda 10, cpu 3)')
+    p.add_argument('--blocks', type=int, default=None,
+                   help='model section: blocks of consecutive steps per model, interleaved (default cuda 6, cpu 3)')
+    p.add_argument('--block-steps', type=int, default=None,
+                   help='model section: consecutive steps per block, each timed (default cuda 12, cpu 3)')
+    p.add_argument('--steps', type=int, default=None,
+                   help='steps section: consecutive training steps per model, timed, then profiled (default cuda '
+                        '16, cpu 6)')
     p.add_argument('--warmup', type=int, default=None, help='untimed calls before timing (default cuda 3, cpu 1)')
     p.add_argument('--sections', nargs='+', choices=SECTIONS, default=None,
                    help='default: all; on CPU all but train')
@@ -123,7 +141,8 @@ def resolve(args: argparse.Namespace) -> Dict:
                data=args.data, smoke=args.smoke, tf32=args.tf32, threads=args.threads, split_kernel=args.split_kernel)
     if args.split_kernel != 'auto' and args.split_kernel not in SPLIT_KERNELS:
         raise BenchError(f'--split-kernel {args.split_kernel}: expected auto or one of {", ".join(SPLIT_KERNELS)}')
-    for name in ('batch', 'reps', 'data_samples', 'data_batch', 'workers', 'tokens_per_batch', 'train_samples', 'nproc'):
+    for name in ('batch', 'reps', 'blocks', 'block_steps', 'steps', 'data_samples', 'data_batch', 'workers',
+                 'tokens_per_batch', 'train_samples', 'nproc'):
         if cfg[name] < 1:
             raise BenchError(f'--{name.replace("_", "-")} {cfg[name]}: must be at least 1')
     if min(cfg['accounting']) < 1:
@@ -141,7 +160,7 @@ def resolve(args: argparse.Namespace) -> Dict:
         bad = [v for v in args.variants if v not in VARIANTS]
         if bad:
             raise BenchError(f'--variants {" ".join(bad)}: expected some of {", ".join(VARIANTS)}')
-    if {'model', 'profile'} & set(cfg['sections']):
+    if {'model', 'profile', 'steps'} & set(cfg['sections']):
         known = set(open_clip.list_models())
         names = cfg['models'] + [cfg['baseline']]
         unknown = [m for m in names if model_and_kernel(m)[0] not in known]
@@ -180,11 +199,14 @@ def write(results: Dict, path: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
     args = parser().parse_args(argv)
-    # heavy (torch, open_clip): imported after parsing so that --help answers at once
-    import torch
+    # heavy (torch, open_clip): imported after parsing so that --help answers at once; in the command's own
+    # process out of the garbage collector's full passes, which would walk them all during timed steps
+    with startup_imports(argv is None):
+        import open_clip  # noqa: F401
+        import torch
 
-    from . import accounting, attention, data, end_to_end, profile, report, whole_model
-    from .measure import BenchError, device_slug, environment
+        from . import accounting, attention, data, end_to_end, profile, report, step_profile, whole_model
+        from .measure import BenchError, device_slug, environment
     try:
         cfg = resolve(args)
         device = torch.device(cfg['device'], cfg['device_index']) if cfg['device_index'] is not None \
@@ -205,9 +227,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for i, section in enumerate(steps, 1):
             print(f'[{i}/{len(steps)}] {section}', flush=True)
             if section == 'model':
-                results['models'] = whole_model.run(cfg['models'], cfg['batch'], cfg['precision'], cfg['reps'],
-                                                    cfg['warmup'], device, compile_models=cfg['compile'],
-                                                    split_kernel=cfg['split_kernel'])
+                results['models'] = whole_model.run(cfg['models'], cfg['batch'], cfg['precision'], cfg['blocks'],
+                                                    cfg['block_steps'], cfg['warmup'], device,
+                                                    compile_models=cfg['compile'], split_kernel=cfg['split_kernel'])
                 report.add_model_ratios(results['models'], cfg['baseline'])
             elif section == 'layer':
                 results['layers'] = attention.run(cfg['tokens'], cfg['tokens_per_batch'], cfg['precision'],
@@ -217,6 +239,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             elif section == 'profile':
                 results['profile'] = profile.run(cfg['models'], cfg['baseline'], cfg['batch'], cfg['precision'],
                                                  cfg['warmup'], device, cfg['split_kernel'], out)
+            elif section == 'steps':
+                results['steps'] = step_profile.run(cfg['models'], cfg['batch'], cfg['precision'], cfg['steps'],
+                                                    cfg['warmup'], device, cfg['split_kernel'], out)
             elif section == 'train':
                 results['train'] = end_to_end.run(cfg['train_recipes'], cfg['batch'], cfg['nproc'], cfg['workers'],
                                                   cfg['train_samples'], cfg['image_size'], cfg['warmup'],
@@ -226,6 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                            cfg['data_samples'], cfg['image_size'])
                 results['data']['accounting'] = accounting.run(cfg['models'][0], cfg['data_batch'], cfg['workers'],
                                                                *cfg['accounting'])
+            results['steps_agreement'] = report.steps_agreement(results)
             results['targets'] = report.evaluate_targets(results, cfg['target_model'])
             write(results, out)
     except BenchError as exc:

@@ -6,7 +6,7 @@ another width (`--smoke` uses 128) the baseline has width / 64 heads and the dif
 
     sdpa            timm.layers.Attention(768, 12 heads), fused_attn=True
     split-fused     DifferentialAttention(768, 6, variant='split'), fused_attn=True with the run's
-                    --split-kernel (default 'auto': the device's choice, kernels.auto_split_kernel), the
+                    --split-kernel (default 'auto': by device, dtype and tokens, kernels.auto_split_kernel), the
                     path the models train with and the one the targets read
     split-<kernel>  the same with each split_kernel: two_calls, one_call, padded, four_calls, and
                     triton on CUDA (under Triton's CPU interpreter it is a correctness tool, not timed)

@@ -1,6 +1,9 @@
 """Timing, peak memory, SDPA backend detection and the environment record shared by every section.
 
-Time: `synchronize` (CUDA) then `time.perf_counter` around `inner` calls, divided by `inner`.
+Time of a call: `synchronize` (CUDA) then `time.perf_counter` around `inner` calls, divided by `inner`.
+Time of each of consecutive steps (`time_steps`): on CUDA, events recorded on the current stream between the
+steps, read after one synchronize at the end, so the steps run back to back as in training; on CPU, the
+wall clock around each step.
 Peak memory of one call, *above what was live when it started* (the "transient" bytes):
     cuda  `torch.cuda.reset_peak_memory_stats`, then `max_memory_allocated() − memory_allocated()`
     cpu   torch has no CPU allocator counter, so the call runs under `torch.profiler` with
@@ -58,6 +61,25 @@ def time_call(fn: Callable[[], object], device: torch.device, inner: int = 1) ->
         fn()
     synchronize(device)
     return (time.perf_counter() - start) / inner
+
+
+def time_steps(fn: Callable[[], object], device: torch.device, steps: int) -> List[float]:
+    """Seconds of each of `steps` consecutive calls of `fn` (see the module docstring)."""
+    if device.type != 'cuda':
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
+    synchronize(device)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    marks[0].record()
+    for mark in marks[1:]:
+        fn()
+        mark.record()
+    synchronize(device)
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
 def calibrate(fn: Callable[[], object], device: torch.device, target_s: float) -> int:
@@ -230,9 +252,9 @@ def environment(device: torch.device) -> Dict:
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast as open_clip_train's `--precision amp_bf16`; fp32 runs without autocast."""
-    if precision == 'bf16':
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+    """bf16 or fp16 autocast as open_clip_train's `--precision amp_bf16` and `amp`; fp32 runs without autocast."""
+    if precision in ('bf16', 'fp16'):
+        return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
     return contextlib.nullcontext()
 
 

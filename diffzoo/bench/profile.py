@@ -48,7 +48,7 @@ def _kernel_times(prof, device: torch.device) -> Dict[str, float]:
 def profile_model(name: str, batch: int, precision: str, warmup: int, device: torch.device,
                   split_kernel: str, table_path: Optional[Path]) -> Dict:
     from torch.profiler import ProfilerActivity, profile
-    s = build(name, batch, device, split_kernel)
+    s = build(name, batch, device, split_kernel, precision)
     s.model.train()
     for _ in range(max(1, warmup)):
         train_step(s, precision)

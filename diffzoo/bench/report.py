@@ -1,24 +1,32 @@
 """Ratios against the same run's baseline, the project's performance targets, and the printed tables.
 
-Every ratio is model / baseline of medians measured in this run, as time or bytes: above 1 is
-slower or larger. A target is PASS or MISS with the measured ratio, or n/a with what it needs.
+Every ratio is model / baseline measured in this run, as time or bytes: above 1 is slower or larger.
+A whole model's time ratio is the median of its per-block ratios (each block's median step against
+the baseline's block of the same round), reported with their interquartile range; a ratio whose
+range spans more than SPREAD_LIMIT of its median is flagged unsteady. Other ratios are of medians.
+A target is PASS or MISS with the measured ratio, or n/a with what it needs.
 """
-from typing import Dict, List, Optional
+import statistics
+from typing import Dict, List, Optional, Sequence
 
-from .measure import fmt_mb
+from .measure import fmt_mb, summarize
 
-# (name, section, measured quantity, limit, needs): `needs` are run settings the target is defined for.
+SPREAD_LIMIT = 0.03  # interquartile range of the per-block ratios, as a share of their median
+AGREEMENT_LIMIT = 0.02  # the model section's training ratio against the steps section's consecutive steps
+
+# (name, section, measured quantity, limit, needs): `needs` are run settings the target is defined for (a tuple:
+# any of them).
 # Ratios are model / baseline (limit in ×); `other_ms_more` is a difference in milliseconds per step.
-GPU = {'device': 'cuda', 'precision': 'bf16', 'batch': 256}
+GPU = {'device': 'cuda', 'precision': ('bf16', 'fp16'), 'batch': 256}
 TARGETS = (
     ('CPU fp32 training step time', 'model', 'train_time', 1.10, {'device': 'cpu', 'precision': 'fp32'}),
     ('CPU fp32 training peak memory', 'model', 'train_memory', 1.05, {'device': 'cpu', 'precision': 'fp32'}),
-    ('GPU bf16 b256 training step time', 'model', 'train_time', 1.05, GPU),
-    ('GPU bf16 b256 training peak memory', 'model', 'train_memory', 1.05, GPU),
-    ('GPU bf16 b256 inference time', 'model', 'infer_time', 1.03, GPU),
-    ('GPU bf16 b256 compiled training step time', 'compile', 'train_time', 1.05, GPU),
-    ('GPU bf16 b256 compiled training peak memory', 'compile', 'train_memory', 1.05, GPU),
-    ('GPU bf16 b256 compiled inference time', 'compile', 'infer_time', 1.03, GPU),
+    ('GPU 16-bit b256 training step time', 'model', 'train_time', 1.00, GPU),
+    ('GPU 16-bit b256 training peak memory', 'model', 'train_memory', 1.05, GPU),
+    ('GPU 16-bit b256 inference time', 'model', 'infer_time', 1.03, GPU),
+    ('GPU 16-bit b256 compiled training step time', 'compile', 'train_time', 1.00, GPU),
+    ('GPU 16-bit b256 compiled training peak memory', 'compile', 'train_memory', 1.05, GPU),
+    ('GPU 16-bit b256 compiled inference time', 'compile', 'infer_time', 1.03, GPU),
     ('GPU attention layer fwd+bwd at 197 tokens vs SDPA', 'layer', 'fwd_bwd_time', 1.25,
      {'device': 'cuda', 'precision': 'bf16'}),
     ('GPU attention layer fwd at 197 tokens vs SDPA', 'layer', 'fwd_time', 1.10, {'device': 'cuda', 'precision': 'bf16'}),
@@ -33,13 +41,24 @@ TARGETS = (
 SECTION_KEY = {'model': 'models', 'compile': 'models', 'layer': 'layers', 'profile': 'profile', 'data': 'data'}
 
 
+def block_ratio(model_blocks: Sequence[Sequence[float]], base_blocks: Sequence[Sequence[float]]) -> Dict:
+    """The per-block ratios model / baseline (each block's median step, blocks of the same round paired) as a
+    summary, with `rel_iqr` = (q3 − q1) / median and `unsteady` when that is over SPREAD_LIMIT."""
+    stats = summarize([statistics.median(a) / statistics.median(b) for a, b in zip(model_blocks, base_blocks)])
+    stats['rel_iqr'] = (stats['q3'] - stats['q1']) / stats['median']
+    stats['unsteady'] = stats['rel_iqr'] > SPREAD_LIMIT
+    return stats
+
+
 def _ratios(rows: List[Dict], baseline: str) -> None:
     b = {r['model']: r for r in rows}[baseline]
     for r in rows:
+        r['ratio_spread'] = {'train_time': block_ratio(r['train']['blocks'], b['train']['blocks']),
+                             'infer_time': block_ratio(r['infer']['blocks'], b['infer']['blocks'])}
         r['ratios'] = {
-            'train_time': r['train']['step_s']['median'] / b['train']['step_s']['median'],
+            'train_time': r['ratio_spread']['train_time']['median'],
             'train_memory': r['train']['peak_bytes'] / b['train']['peak_bytes'],
-            'infer_time': r['infer']['call_s']['median'] / b['infer']['call_s']['median'],
+            'infer_time': r['ratio_spread']['infer_time']['median'],
             'infer_memory': r['infer']['peak_bytes'] / b['infer']['peak_bytes'],
         }
 
@@ -51,6 +70,28 @@ def add_model_ratios(section: Dict, baseline: str) -> None:
     _ratios(section['rows'], baseline)
     if 'compile' in section:
         _ratios(section['compile']['rows'], baseline)
+
+
+def steps_agreement(results: Dict) -> Optional[List[Dict]]:
+    """Per model in both the model and the steps sections: its training time ratio from the blocks against the
+    ratio of the steps section's medians of consecutive steps (the baseline's from the same section), and
+    whether they agree within AGREEMENT_LIMIT. None unless both sections ran with the baseline."""
+    models, steps = results.get('models'), results.get('steps')
+    if not models or not steps:
+        return None
+    medians = {r['model']: r['timed']['time_s']['median'] for r in steps['rows']}
+    base = models['baseline']
+    if base not in medians:
+        return None
+    rows = []
+    for r in models['rows']:
+        if r['model'] in medians:
+            consecutive = medians[r['model']] / medians[base]
+            difference = r['ratios']['train_time'] / consecutive - 1
+            rows.append({'model': r['model'], 'blocks_ratio': r['ratios']['train_time'],
+                         'consecutive_ratio': consecutive, 'difference': difference,
+                         'agrees': abs(difference) <= AGREEMENT_LIMIT})
+    return rows
 
 
 def _measure(results: Dict, section: str, quantity: str, target_model: str):
@@ -84,7 +125,12 @@ def _measure(results: Dict, section: str, quantity: str, target_model: str):
         row = rows[target_model]
         value = row['vs_baseline'][quantity] if section == 'profile' else row['ratios'][quantity]
         baseline = data.get('baseline') or results['models']['baseline']
-        return value, f'{target_model} / {baseline}' + (' (compiled)' if section == 'compile' else '')
+        detail = f'{target_model} / {baseline}' + (' (compiled)' if section == 'compile' else '')
+        spread = row.get('ratio_spread', {}).get(quantity)
+        if spread:
+            detail += (f', per-block IQR {spread["q1"]:.3f}-{spread["q3"]:.3f}'
+                       + (f' UNSTEADY (over {SPREAD_LIMIT:.0%})' if spread['unsteady'] else ''))
+        return value, detail
     tokens = 4096 if quantity == 'no_nn_4096' else 197
     rows = [r for r in data['rows'] if r['variant'] == 'split-fused' and r['tokens'] == tokens and not r.get('causal')]
     if not rows:
@@ -103,7 +149,8 @@ def evaluate_targets(results: Dict, target_model: str) -> List[Dict]:
     out = []
     for name, section, quantity, limit, needs in TARGETS:
         row = {'target': name, 'model': target_model if section != 'layer' else 'split-fused'}
-        unmet = [f'{k} {v}' for k, v in needs.items() if str(cfg[k]) != str(v)]
+        unmet = [f'{k} {"/".join(map(str, v)) if isinstance(v, tuple) else v}' for k, v in needs.items()
+                 if str(cfg[k]) not in (tuple(map(str, v)) if isinstance(v, tuple) else (str(v),))]
         measured, detail = (None, f'needs {", ".join(unmet)}') if unmet else _measure(
             results, section, quantity, target_model)
         if quantity == 'no_nn_4096':
@@ -139,6 +186,21 @@ def _ratio(x: Optional[float]) -> str:
     return '-' if x is None else f'{x:.2f}x'
 
 
+def _block_ratio(row: Dict, quantity: str) -> str:
+    """A time ratio with the interquartile range of its per-block ratios; `!` marks an unsteady one."""
+    s = row.get('ratio_spread', {}).get(quantity)
+    if s is None:
+        return _ratio(row['ratios'][quantity])
+    return f'{s["median"]:.3f}x [{s["q1"]:.3f}-{s["q3"]:.3f}]' + ('!' if s['unsteady'] else '')
+
+
+def _unsteady_note(rows: List[Dict]) -> List[str]:
+    flagged = [f'{r["model"]} {q}' for r in rows for q, s in r.get('ratio_spread', {}).items() if s['unsteady']]
+    if not flagged:
+        return []
+    return [f'  ! unsteady (per-block ratios spread over {SPREAD_LIMIT:.0%} of their median): {", ".join(flagged)}']
+
+
 def render(results: Dict) -> str:
     out = []
     env, cfg = results['environment'], results['config']
@@ -147,25 +209,35 @@ def render(results: Dict) -> str:
                + (f', TF32 {"on" if env.get("tf32_matmul") else "off"}' if cfg['device'] == 'cuda' else '') + ')')
     models = results.get('models')
     if models:
-        out.append(f'\nWhole model (median [min-max] of {cfg["reps"]} interleaved repeats; ratios vs '
-                   f'{models["baseline"]}, time or bytes, >1 = slower/larger)')
+        out.append(f'\nWhole model (per step, median [min-max] over {models["blocks"]} interleaved blocks of '
+                   f'{models["block_steps"]} consecutive steps per model; ratios vs {models["baseline"]}, time or '
+                   f'bytes, >1 = slower/larger; time ratios: median [IQR] of the per-block ratios)')
         rows = [[r['model'], f'{r["params"] / 1e6:.1f}M', _spread(r['train']['samples_per_s']),
-                 _ratio(r['ratios']['train_time']), fmt_mb(r['train']['peak_bytes']), _ratio(r['ratios']['train_memory']),
-                 _spread(r['infer']['images_per_s']), _ratio(r['ratios']['infer_time']),
+                 _block_ratio(r, 'train_time'), fmt_mb(r['train']['peak_bytes']), _ratio(r['ratios']['train_memory']),
+                 _spread(r['infer']['images_per_s']), _block_ratio(r, 'infer_time'),
                  '/'.join(r['train']['sdpa_backends']) or '-']
                 for r in models['rows']]
         out.append(_table(['model', 'params', 'train samples/s', 'x time', 'train peak MB', 'x mem',
                            'infer images/s', 'x time', 'SDPA backends (train)'], rows))
+        out.extend(_unsteady_note(models['rows']))
         comp = models.get('compile')
         if comp:
             out.append('\ntorch.compile (both towers; speed-up = eager median / compiled median; x = vs the compiled baseline)')
             rows = [[r['model'], _spread(r['train']['samples_per_s']), f'{r["train"]["speedup"]:.2f}x',
-                     _ratio(r['ratios']['train_time']), fmt_mb(r['train']['peak_bytes']),
+                     _block_ratio(r, 'train_time'), fmt_mb(r['train']['peak_bytes']),
                      _ratio(r['ratios']['train_memory']), _spread(r['infer']['images_per_s']),
-                     f'{r["infer"]["speedup"]:.2f}x', _ratio(r['ratios']['infer_time']),
+                     f'{r["infer"]["speedup"]:.2f}x', _block_ratio(r, 'infer_time'),
                      str(r['graph_breaks']), str(r['graph_breaks_in_attention'])] for r in comp['rows']]
             out.append(_table(['model', 'train samples/s', 'speed-up', 'x time', 'train peak MB', 'x mem',
                                'infer images/s', 'speed-up', 'x time', 'graph breaks', 'in attention'], rows))
+            out.extend(_unsteady_note(comp['rows']))
+    agreement = results.get('steps_agreement')
+    if agreement:
+        out.append(f'\nTraining time ratio vs {models["baseline"]}: the model section\'s blocks against the steps '
+                   f'section\'s consecutive steps (agreeing within {AGREEMENT_LIMIT:.0%})')
+        out.append(_table(['model', 'blocks', 'consecutive steps', 'difference', 'agree'],
+                          [[a['model'], f'{a["blocks_ratio"]:.3f}x', f'{a["consecutive_ratio"]:.3f}x',
+                            f'{a["difference"]:+.1%}', 'yes' if a['agrees'] else 'NO'] for a in agreement]))
     layers = results.get('layers')
     if layers:
         out.append(f'\nAttention layer alone, width {layers["dim"]} (ms median [min-max]; ratios vs sdpa at the same N; '

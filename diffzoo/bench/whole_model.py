@@ -2,27 +2,32 @@
 
 Training step, as open_clip_train's `train_one_epoch` does it: `zero_grad(set_to_none=True)`, the
 model's forward (both towers) under the precision's autocast, `open_clip.ClipLoss`, backward,
-`AdamW.step()`, `logit_scale.clamp_(0, ln 100)`. Inference: `encode_image` under `inference_mode`.
+`AdamW.step()` (in fp16 through a `GradScaler`, as its `--precision amp`), `logit_scale.clamp_(0, ln 100)`.
+Inference: `encode_image` under `inference_mode`.
 Inputs are a fixed random image batch (B, 3, S, S) and tokenized captions (B, context_length).
 
 Differential models run with the run's `--split-kernel` (set on every differential layer); a
 model named `NAME@KERNEL` (`diffclip-b16@two_calls`) runs NAME with that split kernel instead, so
 two kernels are measured in one run against the same baseline.
 
-Repeats are interleaved across models (model A rep 1, model B rep 1, …, A rep 2, …) after
-`warmup` untimed calls of each, so drift in clocks or load hits every model alike. Peak memory is
-the model's own state (parameters, plus AdamW's moments for training) plus the transient peak of
-one profiled call (see `measure`), so models held side by side do not count against each other.
+Each step is timed (`measure.time_steps`: CUDA events between consecutive steps, the wall clock on
+CPU) in blocks of `block_steps` consecutive steps of one model, after `warmup` untimed calls of each;
+blocks are interleaved across models (round 1: A, B, C; round 2: B, C, A; …), so drift in clocks or
+load hits every model alike and no model always runs first. Every step's time is kept, per block, for
+the ratios (`report`: the median and spread of per-block ratios). Peak memory is the model's own
+state (parameters, plus AdamW's moments for training) plus the transient peak of one profiled call
+(see `measure`), so models held side by side do not count against each other.
 """
 import math
+import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from diffzoo.layers import set_split_kernel
 
-from .measure import BenchError, Probe, autocast, rate, summarize, tensor_bytes, time_call
+from .measure import BenchError, Probe, autocast, rate, summarize, tensor_bytes, time_steps
 
 CAPTIONS = ('a small red circle left of a large blue square', 'a large yellow triangle',
             'a photo of a dog on a beach at sunset', 'a diagram of differential attention')
@@ -37,6 +42,7 @@ class Subject:
     loss: torch.nn.Module
     images: torch.Tensor  # (B, 3, S, S)
     texts: torch.Tensor  # (B, context_length)
+    scaler: Optional[torch.amp.GradScaler] = None  # fp16 only
     params: int = 0
     results: Dict = field(default_factory=dict)
 
@@ -47,7 +53,8 @@ def model_and_kernel(name: str, split_kernel: str = 'auto') -> Tuple[str, str]:
     return model, kernel or split_kernel
 
 
-def build(name: str, batch: int, device: torch.device, split_kernel: str = 'auto') -> Subject:
+def build(name: str, batch: int, device: torch.device, split_kernel: str = 'auto',
+          precision: str = 'fp32') -> Subject:
     import open_clip
     model_name, split_kernel = model_and_kernel(name, split_kernel)
     cfg = open_clip.get_model_config(model_name)
@@ -63,7 +70,8 @@ def build(name: str, batch: int, device: torch.device, split_kernel: str = 'auto
     images = torch.randn(batch, 3, *size, device=device)  # (B, 3, S, S)
     # open_clip_train's recipe (diffzoo's recipes: lr 5e-4, weight decay 0.5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.5)
-    return Subject(name, model, optimizer, open_clip.ClipLoss(), images, texts,
+    scaler = torch.amp.GradScaler(device.type) if precision == 'fp16' else None
+    return Subject(name, model, optimizer, open_clip.ClipLoss(), images, texts, scaler,
                    params=sum(p.numel() for p in model.parameters()))
 
 
@@ -72,8 +80,13 @@ def train_step(s: Subject, precision: str) -> None:
     with autocast(s.images.device, precision):
         out = s.model(s.images, s.texts)
         loss = s.loss(out['image_features'], out['text_features'], out['logit_scale'])
-    loss.backward()
-    s.optimizer.step()
+    if s.scaler is None:
+        loss.backward()
+        s.optimizer.step()
+    else:
+        s.scaler.scale(loss).backward()
+        s.scaler.step(s.optimizer)
+        s.scaler.update()
     with torch.no_grad():
         s.model.logit_scale.clamp_(0, math.log(100))
 
@@ -90,23 +103,26 @@ def _state_bytes(s: Subject, training: bool) -> int:
     return tensor_bytes(state)
 
 
-def time_round_robin(subjects: List[Subject], kind: str, precision: str, reps: int, warmup: int,
-                     device: torch.device, tag: str = '') -> Dict[str, Dict]:
-    """{model: seconds-per-call summary} for `kind` ('train' or 'infer'), repeats interleaved."""
+def time_blocks(subjects: List[Subject], kind: str, precision: str, blocks: int, block_steps: int, warmup: int,
+                device: torch.device, tag: str = '') -> Dict[str, Dict]:
+    """{model: {'step_s': summary of every step, 'blocks': [[seconds per step] per block]}} for `kind`
+    ('train' or 'infer'): `blocks` rounds of one block of `block_steps` consecutive steps per model, the
+    models' order rotated each round."""
     step = train_step if kind == 'train' else infer_step
     for s in subjects:
         s.model.train(kind == 'train')
         print(f'  {tag}{kind} warm-up {s.name} ({warmup} calls)', flush=True)
         for _ in range(warmup):
             step(s, precision)
-    times = {s.name: [] for s in subjects}
-    for rep in range(reps):
-        for s in subjects:
+    times: Dict[str, List[List[float]]] = {s.name: [] for s in subjects}
+    for r in range(blocks):
+        for s in subjects[r % len(subjects):] + subjects[:r % len(subjects)]:
             s.model.train(kind == 'train')
-            times[s.name].append(time_call(lambda: step(s, precision), device))
-        line = ', '.join(f'{s.name} {times[s.name][-1] * 1e3:,.0f} ms' for s in subjects)
-        print(f'  {tag}{kind} rep {rep + 1}/{reps}: {line}', flush=True)
-    return {name: summarize(values) for name, values in times.items()}
+            times[s.name].append(time_steps(lambda: step(s, precision), device, block_steps))
+        line = ', '.join(f'{s.name} {statistics.median(times[s.name][-1]) * 1e3:,.1f} ms' for s in subjects)
+        print(f'  {tag}{kind} block {r + 1}/{blocks} ({block_steps} steps, median): {line}', flush=True)
+    return {name: {'step_s': summarize([t for block in bl for t in block]), 'blocks': bl}
+            for name, bl in times.items()}
 
 
 def probe(s: Subject, kind: str, precision: str, device: torch.device) -> Dict:
@@ -120,28 +136,28 @@ def probe(s: Subject, kind: str, precision: str, device: torch.device) -> Dict:
             'sdpa_backends': p.backends, 'attention_kernels': p.kernels}
 
 
-def run(names: List[str], batch: int, precision: str, reps: int, warmup: int, device: torch.device,
-        compile_models: bool = False, split_kernel: str = 'auto') -> Dict:
+def run(names: List[str], batch: int, precision: str, blocks: int, block_steps: int, warmup: int,
+        device: torch.device, compile_models: bool = False, split_kernel: str = 'auto') -> Dict:
     """The whole-model section: rows per model, and the compile section when asked."""
     subjects = []
     for name in names:
         print(f'  building {name} (batch {batch}, {device.type}, {precision})', flush=True)
-        subjects.append(build(name, batch, device, split_kernel))
-    train = time_round_robin(subjects, 'train', precision, reps, warmup, device)
-    infer = time_round_robin(subjects, 'infer', precision, reps, warmup, device)
+        subjects.append(build(name, batch, device, split_kernel, precision))
+    train = time_blocks(subjects, 'train', precision, blocks, block_steps, warmup, device)
+    infer = time_blocks(subjects, 'infer', precision, blocks, block_steps, warmup, device)
     rows = []
     for s in subjects:
         print(f'  profiling {s.name}: one training step and one inference call', flush=True)
         rows.append({
             'model': s.name, 'params': s.params, 'batch': batch,
-            'train': {'step_s': train[s.name], 'samples_per_s': rate(train[s.name], batch),
-                      **probe(s, 'train', precision, device)},
-            'infer': {'call_s': infer[s.name], 'images_per_s': rate(infer[s.name], batch),
-                      **probe(s, 'infer', precision, device)},
+            'train': {'step_s': train[s.name]['step_s'], 'blocks': train[s.name]['blocks'],
+                      'samples_per_s': rate(train[s.name]['step_s'], batch), **probe(s, 'train', precision, device)},
+            'infer': {'call_s': infer[s.name]['step_s'], 'blocks': infer[s.name]['blocks'],
+                      'images_per_s': rate(infer[s.name]['step_s'], batch), **probe(s, 'infer', precision, device)},
         })
-    section = {'rows': rows, 'split_kernel': split_kernel}
+    section = {'rows': rows, 'split_kernel': split_kernel, 'blocks': blocks, 'block_steps': block_steps}
     if compile_models:
-        section['compile'] = run_compiled(subjects, rows, precision, reps, warmup, device)
+        section['compile'] = run_compiled(subjects, rows, precision, blocks, block_steps, warmup, device)
     return section
 
 
@@ -167,8 +183,8 @@ def graph_breaks(s: Subject, precision: str) -> Dict:
             'graph_breaks_in_attention': len(in_attention), 'break_reasons': reasons[:20]}
 
 
-def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str, reps: int, warmup: int,
-                 device: torch.device) -> Dict:
+def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str, blocks: int, block_steps: int,
+                 warmup: int, device: torch.device) -> Dict:
     """Compile both towers of every model in place (`module.compile()`), time them as the eager
     models were, and report speed-up against the eager medians, peak memory and the graph breaks."""
     from torch._dynamo.utils import counters
@@ -180,19 +196,21 @@ def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str
         text_tower(s.model).compile()
     counters.clear()
     # warm-up includes compilation (train and eval modes compile separately); at least 2 calls each
-    train = time_round_robin(subjects, 'train', precision, reps, max(warmup, 2), device, tag='compiled ')
-    infer = time_round_robin(subjects, 'infer', precision, reps, max(warmup, 2), device, tag='compiled ')
+    train = time_blocks(subjects, 'train', precision, blocks, block_steps, max(warmup, 2), device, tag='compiled ')
+    infer = time_blocks(subjects, 'infer', precision, blocks, block_steps, max(warmup, 2), device, tag='compiled ')
     runtime_breaks = sum(counters['graph_break'].values())
     rows = []
     for s, eager in zip(subjects, eager_rows):
         print(f'  profiling compiled {s.name}: one training step and one inference call', flush=True)
         rows.append({
             'model': s.name, **breaks[s.name],
-            'train': {'step_s': train[s.name], 'samples_per_s': rate(train[s.name], s.images.shape[0]),
-                      'speedup': eager['train']['step_s']['median'] / train[s.name]['median'],
+            'train': {'step_s': train[s.name]['step_s'], 'blocks': train[s.name]['blocks'],
+                      'samples_per_s': rate(train[s.name]['step_s'], s.images.shape[0]),
+                      'speedup': eager['train']['step_s']['median'] / train[s.name]['step_s']['median'],
                       'peak_bytes': probe(s, 'train', precision, device)['peak_bytes']},
-            'infer': {'call_s': infer[s.name], 'images_per_s': rate(infer[s.name], s.images.shape[0]),
-                      'speedup': eager['infer']['call_s']['median'] / infer[s.name]['median'],
+            'infer': {'call_s': infer[s.name]['step_s'], 'blocks': infer[s.name]['blocks'],
+                      'images_per_s': rate(infer[s.name]['step_s'], s.images.shape[0]),
+                      'speedup': eager['infer']['call_s']['median'] / infer[s.name]['step_s']['median'],
                       'peak_bytes': probe(s, 'infer', precision, device)['peak_bytes']},
         })
     return {'rows': rows, 'graph_breaks_while_running_all_models': runtime_breaks}

@@ -1,14 +1,18 @@
 """`python -m diffzoo.bench --smoke`: one CLI run on CPU, checked for structure and arithmetic, never for speed."""
 import contextlib
+import gc
 import io
 import json
+import statistics
+import time
 
 import pytest
 import torch
 
 from diffzoo.bench import attention, end_to_end
 from diffzoo.bench.__main__ import main, parser
-from diffzoo.bench.report import evaluate_targets
+from diffzoo.bench.measure import time_steps
+from diffzoo.bench.report import block_ratio, evaluate_targets
 
 pytestmark = pytest.mark.slow  # the bench runs models, layers and trainings
 
@@ -33,7 +37,7 @@ def _positive_stats(stats):
 
 def test_json_has_every_section_and_the_environment(smoke):
     results, _ = smoke
-    assert {'environment', 'config', 'models', 'layers', 'data', 'targets'} <= results.keys()
+    assert {'environment', 'config', 'models', 'layers', 'steps', 'data', 'targets'} <= results.keys()
     env = results['environment']
     for key in ('torch', 'timm', 'open_clip', 'device', 'torch_threads'):
         assert env[key]
@@ -46,22 +50,49 @@ def test_model_rows_are_positive_and_ratios_use_the_same_run_baseline(smoke):
     rows = {r['model']: r for r in models['rows']}
     assert tuple(rows) == SMOKE_MODELS and models['baseline'] == 'clip-tiny-baseline'
     base = rows['clip-tiny-baseline']
+    blocks, steps = results['config']['blocks'], results['config']['block_steps']
+    assert (models['blocks'], models['block_steps']) == (blocks, steps) == (2, 2)
     for r in rows.values():
         for stats in (r['train']['step_s'], r['train']['samples_per_s'], r['infer']['call_s'],
                       r['infer']['images_per_s']):
             _positive_stats(stats)
-            assert stats['n'] == results['config']['reps']
+            assert stats['n'] == blocks * steps
+        # every step's time is kept, block by block: the summary is of them all
+        for kind, key in (('train', 'step_s'), ('infer', 'call_s')):
+            assert [len(b) for b in r[kind]['blocks']] == [steps] * blocks
+            assert r[kind][key]['values'] == [t for b in r[kind]['blocks'] for t in b]
         assert r['train']['peak_bytes'] == r['train']['state_bytes'] + r['train']['transient_bytes']
         assert r['train']['transient_bytes'] > 0 and r['infer']['transient_bytes'] > 0
         # AdamW's two moments make training state about 3x the parameters alone
         assert r['train']['state_bytes'] > 2.5 * r['infer']['state_bytes']
-        assert r['ratios']['train_time'] == pytest.approx(
-            r['train']['step_s']['median'] / base['train']['step_s']['median'])
+        # a time ratio is the median of the per-block ratios (block medians, blocks of one round paired)
+        for kind, q in (('train', 'train_time'), ('infer', 'infer_time')):
+            per_block = [statistics.median(a) / statistics.median(b)
+                         for a, b in zip(r[kind]['blocks'], base[kind]['blocks'])]
+            spread = r['ratio_spread'][q]
+            assert spread['values'] == pytest.approx(per_block)
+            assert r['ratios'][q] == spread['median'] == pytest.approx(statistics.median(per_block))
+            assert spread['unsteady'] == (spread['q3'] - spread['q1'] > 0.03 * spread['median'])
         assert r['ratios']['train_memory'] == pytest.approx(r['train']['peak_bytes'] / base['train']['peak_bytes'])
-        assert r['ratios']['infer_time'] == pytest.approx(
-            r['infer']['call_s']['median'] / base['infer']['call_s']['median'])
         assert r['train']['sdpa_backends'], 'the profiled step names an SDPA backend'
     assert base['ratios'] == {k: pytest.approx(1.0) for k in base['ratios']}
+
+
+def test_per_block_ratios_flag_a_spread_over_three_percent():
+    base = [[0.100, 0.100, 0.101]] * 4
+    steady = block_ratio([[0.100, 0.101, 0.102], [0.101, 0.101, 0.100], [0.100, 0.102, 0.101], [0.101] * 3], base)
+    assert steady['median'] == pytest.approx(1.0, abs=0.011) and not steady['unsteady']
+    # two of four blocks 10 % slower: the median moves little, the interquartile range flags the row
+    unsteady = block_ratio([[0.100] * 3, [0.110] * 3, [0.100] * 3, [0.111] * 3], base)
+    assert unsteady['rel_iqr'] > 0.03 and unsteady['unsteady']
+    assert unsteady['values'] == pytest.approx([1.0, 1.1, 1.0, 1.11])
+
+
+def test_time_steps_times_each_of_consecutive_calls_on_the_cpu():
+    calls = []
+    times = time_steps(lambda: (calls.append(1), time.sleep(0.02 * len(calls))), torch.device('cpu'), 3)
+    assert len(calls) == len(times) == 3
+    assert [t >= 0.02 * (i + 1) for i, t in enumerate(times)] == [True] * 3 and times[2] < 1
 
 
 def test_layer_rows_exist_for_every_variant_and_token_count(smoke):
@@ -152,7 +183,8 @@ def test_targets_follow_the_run_settings(smoke):
     assert cpu_time['ratio'] == pytest.approx(
         {r['model']: r for r in results['models']['rows']}['diffclip-tiny']['ratios']['train_time'])
     assert cpu_time['status'] == ('PASS' if cpu_time['ratio'] <= 1.10 else 'MISS')
-    assert targets['GPU bf16 b256 training step time']['status'] == 'n/a'
+    gpu = targets['GPU 16-bit b256 training step time']
+    assert gpu['status'] == 'n/a' and gpu['limit'] == 1.00 and 'needs device cuda, precision bf16/fp16' in gpu['detail']
     assert 'needs 197' in targets['attention layer fwd+bwd at 197 tokens vs SDPA']['detail']
     # the same results at 4096 tokens: PASS only when the peak stays under one N×N set
     row = dict(results['layers']['rows'][0], variant='split-fused', tokens=4096, peak_bytes=10, nn_bytes=100)
@@ -176,6 +208,62 @@ def test_profile_rows_split_the_step_and_compare_with_the_baseline(smoke, tmp_pa
     assert diff['vs_baseline']['other_ms_more'] == pytest.approx(diff['other_ms'] - base['other_ms'])
     assert any('scaled_dot_product' in k['name'] for k in diff['top']['attention'])
     assert 'One training step profiled' in stdout
+
+
+def test_steps_section_compares_the_slowest_profiled_step_with_the_fastest(smoke, tmp_path_factory):
+    """Per model, --steps consecutive steps timed, then as many profiled; each profiled step's aten ops are its own
+    (attributed by their host time); the comparison names the slowest and the fastest and splits their
+    difference; the text summary lies beside the JSON."""
+    results, stdout = smoke
+    section = results['steps']
+    steps = results['config']['steps']
+    assert [m['model'] for m in section['rows']] == list(SMOKE_MODELS)
+    for m in section['rows']:
+        for run in ('timed', 'profiled'):
+            rows = m[run]['rows']
+            assert [r['step'] for r in rows] == list(range(steps))
+            assert m[run]['time_s']['values'] == [r['time_s'] for r in rows]
+            for r in rows:
+                assert r['time_s'] > 0 and r['gc_count'] >= 0 and r['compiles'] == [] and r['allocator'] is None
+        profiled = m['profiled']['rows']
+        for r in profiled:
+            ops = r['gpu']['by_name']
+            assert ops['aten::addmm']['count'] > 0 and sum(o['ms'] for o in ops.values()) < r['host_s'] * 1e3
+        # every step runs the same ops, as often
+        assert len({tuple(sorted((k, v['count']) for k, v in r['gpu']['by_name'].items())) for r in profiled}) == 1
+        cmp = m['slow_vs_fast']
+        times = [r['time_s'] for r in profiled]
+        assert (cmp['slow'], cmp['fast']) == (times.index(max(times)), times.index(min(times)))
+        assert cmp['delta_ms'] == pytest.approx((max(times) - min(times)) * 1e3)
+        assert f'step {cmp["slow"]} ' in cmp['verdict'] and 'largest part' in cmp['verdict']
+    text = (tmp_path_factory.getbasetemp() / 'bench0' / section['summary']).read_text()
+    assert all(m in text for m in SMOKE_MODELS) and 'slowest vs fastest profiled step' in text
+
+
+def test_the_model_section_s_ratio_is_set_against_the_steps_section_s_consecutive_steps(smoke):
+    results, stdout = smoke
+    medians = {m['model']: m['timed']['time_s']['median'] for m in results['steps']['rows']}
+    rows = {r['model']: r for r in results['models']['rows']}
+    for a in results['steps_agreement']:
+        consecutive = medians[a['model']] / medians['clip-tiny-baseline']
+        assert a['consecutive_ratio'] == pytest.approx(consecutive)
+        assert a['difference'] == pytest.approx(rows[a['model']]['ratios']['train_time'] / consecutive - 1)
+        assert a['agrees'] == (abs(a['difference']) <= 0.02)
+    assert [a['model'] for a in results['steps_agreement']] == list(SMOKE_MODELS)
+    assert "the model section's blocks against the steps section's consecutive steps" in stdout
+
+
+def test_the_step_recorder_tags_garbage_collections_with_the_step():
+    from diffzoo.bench.step_profile import Recorder
+    with Recorder() as rec:
+        rec.step = 3
+        gc.collect()
+        rec.step = 4
+    assert rec.of(3)['gc_count'] >= 1 and rec.of(3)['gc_oldest'] == 2 and rec.of(3)['gc_ms'] > 0
+    assert rec.of(4)['gc_count'] == 0
+    before = len(rec.collections)
+    gc.collect()  # after the recorder: not recorded
+    assert len(rec.collections) == before
 
 
 def test_categories():
@@ -269,3 +357,19 @@ def test_a_model_named_with_a_kernel_runs_it_beside_the_run_s_kernel_and_variant
     assert set(rows) == {'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline'}
     assert rows['clip-tiny-baseline']['ratios']['train_time'] == 1.0
     assert {r['variant'] for r in results['layers']['rows']} == {'sdpa', 'split-fused'}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='kernels on the GPU timeline need CUDA')
+def test_steps_on_cuda_give_each_step_its_kernels_and_split_its_time():
+    """On the GPU each profiled step's kernels are the ones its host range launched: the same kernels, as often,
+    in every step, their busy time within the step's time, and the comparison splits kernel time from idle time."""
+    from diffzoo.bench.step_profile import profile_steps
+    m = profile_steps('diffclip-tiny', 8, 'bf16', 4, 1, torch.device('cuda'), 'auto')
+    rows = m['profiled']['rows']
+    for r in rows:
+        gpu = r['gpu']
+        assert gpu['kernels'] > 50 and 0 < gpu['busy_ms'] <= r['time_s'] * 1e3 * 1.05 and gpu['gaps_ms'] >= 0
+        assert set(r['allocator']) == {'num_device_alloc', 'num_device_free', 'num_alloc_retries'}
+    assert len({tuple(sorted((k, v['count']) for k, v in r['gpu']['by_name'].items())) for r in rows}) == 1
+    assert {'GPU kernel time', 'GPU idle, waiting for the host'} <= set(m['slow_vs_fast']['parts_ms'])

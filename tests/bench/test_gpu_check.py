@@ -2,6 +2,7 @@
 record (status, exit status, seconds, time box), a failing command recorded and the run going on, commands past
 their time box ended and recorded as timed out, a command the budget leaves no time skipped, the log, --help."""
 import json
+import os
 import subprocess
 import sys
 
@@ -41,7 +42,9 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     monkeypatch.setattr(steps, 'PACKAGE', tmp_path / 'site-packages' / 'diffzoo')
     assert cli.main([str(tmp_path / 'out'), 'tune', 'tests', '--device', 'cuda']) == 1
     report, by_name = records(tmp_path / 'out')
-    assert [r['name'] for r in report['steps']] == ['tune', 'kernel-tests', 'gpu-tests']
+    assert [r['name'] for r in report['steps']] == ['tune', 'kernel-tests', 'gpu-tests', 'lambda-error']
+    error = by_name['lambda-error']
+    assert error['status'] == 'failed' and 'no CUDA device here' in error['last_line']
     tune = by_name['tune']
     assert (tune['status'], tune['rc'], tune['timeout_s']) == ('failed', 2, 300) and tune['seconds'] > 0
     assert 'it needs a CUDA GPU' in tune['last_line'] and 'diffzoo.bench.tune --write' in tune['command']
@@ -52,20 +55,21 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     log = (tmp_path / 'out' / 'gpu_check.log').read_text()
     assert '=== tune/tune' in log and 'it needs a CUDA GPU' in log
     table = capsys.readouterr().out
-    assert 'tests/kernel-tests' in table and 'failed or timed out: tune/tune\n' in table
+    assert 'tests/kernel-tests' in table and 'failed or timed out: tune/tune, tests/lambda-error\n' in table
 
 
 def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget_leaves_no_time(tmp_path):
     """A 12 s budget: tune (a 5 s box) and compile (what is left, about 7 s) are ended while they run and recorded
-    as timed out; bench finds no time left and is skipped."""
+    as timed out; bench's two commands find no time left and are skipped. The run prints its plan first."""
     out = tmp_path / 'out'
     done = subprocess.run([sys.executable, '-m', 'diffzoo.bench.gpu', str(out), 'tune', 'compile', 'bench',
                            '--device', 'cpu', '--budget', '12', '--limit', 'tune=5'], capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     report, by_name = records(out)
     assert (report['device'], report['budget_s']) == ('cpu', 12)
-    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench']
+    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-fp16']
     tune, compiled, bench = by_name['tune'], by_name['compile'], by_name['bench']
+    assert by_name['bench-fp16']['status'] == 'skipped'
     assert (tune['status'], tune['timeout_s']) == ('timed out', 5) and 5 <= tune['seconds'] < 9
     assert tune['command'].startswith('env TRITON_INTERPRET=1 ') and '--device cpu --tokens 20' in tune['command']
     assert compiled['status'] == 'timed out' and 5 <= compiled['timeout_s'] <= 7
@@ -74,3 +78,101 @@ def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget
     assert 'of the step left' in bench['reason']
     assert report['elapsed_s'] < 20
     assert 'failed or timed out: tune/tune, compile/compile' in done.stdout
+    plan = done.stdout.split('\n[tune]')[0]
+    assert '  tune         5 s' in plan and 'budget 12 s' in plan
+
+
+ABSENT = '''"""As if the eval extra (clip_benchmark), lmms-eval and llava-torch were not installed: importing
+them fails."""
+import sys
+
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition('.')[0] in {'clip_benchmark', 'llava', 'lmms_eval'}:
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+'''
+
+
+def test_the_gpu_tests_collect_without_the_eval_and_llava_packages(tmp_path):
+    """The tests step's `pytest -m gpu tests` on a machine with the core and train packages alone: every module
+    collects (those that need the missing packages skip), and the kernel tests are there."""
+    (tmp_path / 'absent_packages.py').write_text(ABSENT)
+    root = steps.PACKAGE.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)]))
+    done = subprocess.run([sys.executable, '-m', 'pytest', '-p', 'absent_packages', '-p', 'no:cacheprovider',
+                           '--collect-only', '-q', '-rs', '-m', 'gpu', 'tests'], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert 'error' not in done.stdout.lower().split('short test summary')[0][-2000:]
+    assert "could not import 'clip_benchmark'" in done.stdout  # the blocker was in force
+    assert 'tests/layers/test_kernels.py::test_bench_shapes_within_twice_sdpa' in done.stdout
+
+
+def test_the_default_run_fits_ten_minutes_on_cuda_and_the_plan_says_so(tmp_path, capsys):
+    """With no STEP, the run is the steps the issue's GPU checks need; their time boxes add up to at most 600 s, and
+    --plan prints them, each with its commands, and runs nothing."""
+    assert cli.main([str(tmp_path / 'out'), '--plan']) == 0
+    plan = capsys.readouterr().out
+    assert [line.split()[0] for line in plan.splitlines()[1:]] == [*steps.DEFAULT_STEPS, 'total']
+    total = sum(steps.BOXES[name][0] for name in steps.DEFAULT_STEPS)
+    assert total <= 600 and f'total      {total} s' in plan
+    assert '2-train-diffclip-b16-cc3m@defaults' in plan and 'lambda-error' in plan
+    assert not (tmp_path / 'out').exists()
+
+
+def test_the_b16_runs_start_with_the_moonshot_pair_and_its_ratio_is_read_from_their_logs(tmp_path):
+    """diffclip-b16-cc3m on every default and clip-b16-baseline-cc3m on open_clip's pipeline come first (further
+    backends after them); the moonshot's ratio is the first's median images/s over the second's, read from
+    open_clip_train's own step lines."""
+    from diffzoo.bench.gpu import commands
+    recipes = commands.B16_RECIPES
+    assert commands.b16_runs(recipes, []) == [(recipes[0], 'defaults'), (recipes[1], 'open_clip')]
+    assert commands.b16_runs(recipes, ['device', 'open_clip']) == [
+        (recipes[0], 'defaults'), (recipes[1], 'open_clip'), (recipes[0], 'device'), (recipes[1], 'device'),
+        (recipes[0], 'open_clip')]
+    line = ('2026-11-24,14:00:00 | INFO | Train Epoch: 0 [ {i}/48 (17%)] Data (t): 0.012 Batch (t): 0.250, '
+            '{ips:.4f}/s, {ips:.4f}/s/gpu LR: 0.000100 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794)')
+    for (recipe, backend), ips in zip(commands.b16_runs(recipes, []), (1500.0, 1200.0)):
+        log = tmp_path / 'runs-b16' / f'{recipe}-{backend}' / 'out.log'
+        log.parent.mkdir(parents=True)
+        log.write_text('Running with a single process. Device cuda:0\n'
+                       + '\n'.join(line.format(i=i, ips=ips + i) for i in range(8)) + '\n')
+    result = commands.summarise_b16(tmp_path, commands.b16_runs(recipes, []), commands.SIZES['cuda'])
+    moon = result['train_b16']['moonshot']
+    assert (moon['differential'], moon['baseline']) == (f'{recipes[0]}@defaults', f'{recipes[1]}@open_clip')
+    assert (moon['differential_images_per_s'], moon['baseline_images_per_s']) == (1506.0, 1206.0)  # steps 5-7
+    assert moon['ratio'] == pytest.approx(1506 / 1206) and moon['met']
+    assert result['notes'][f'2-train-{recipes[0]}@defaults'].startswith('8 steps on cuda:0, 1506.0 images/s/gpu')
+
+
+def test_the_dispatch_task_says_which_rows_of_auto_s_table_the_kernel_tests_support(tmp_path):
+    """From the kernel tests' JUnit XML: bf16 passing at every bench shape supports its row to 4096 tokens; fp16
+    failing at 4096 tokens (batch 256) supports its row to 577 tokens and no further."""
+    cases = []
+    for dtype in ('bf16', 'fp16'):
+        for n, mask in ((77, 'causal'), (197, 'none'), (577, 'none'), (4096, 'none')):
+            for batch in (1, 256):
+                failed = dtype == 'fp16' and n == 4096 and batch == 256
+                cases.append(f'<testcase classname="tests.layers.test_kernels" '
+                             f'name="test_bench_shapes_within_twice_sdpa[{n}-{mask}-{dtype}-{batch}]" time="1.0">'
+                             + ('<failure message="lambda_q1">AssertionError</failure>' if failed else '')
+                             + '</testcase>')
+    junit = tmp_path / 'kernel-tests.xml'
+    junit.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest">' + ''.join(cases)
+                     + '<testcase classname="tests.layers.test_kernels" name="test_other" time="0.1"/>'
+                     + '</testsuite></testsuites>')
+    out = tmp_path / 'dispatch.json'
+    done = subprocess.run([sys.executable, '-m', 'diffzoo.bench.gpu.tasks', 'dispatch', str(junit), str(out)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(steps.PACKAGE.parent)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report['bf16']['passed_up_to'], report['bf16']['supports_row']) == (4096, True)
+    assert (report['fp16']['passed_up_to'], report['fp16']['supports_row']) == (577, True)
+    assert [(c['tokens'], c['batch']) for c in report['fp16']['not_passed']] == [(4096, 256)]
+    assert 'could extend' not in report['fp16']['verdict']
+    assert 'bf16: the row (to 4096 tokens) is supported' in done.stdout

@@ -5,11 +5,13 @@ import pytest
 import torch
 import webdataset as wds
 
-from diffzoo.data.shards import iter_samples, list_shards
-from diffzoo.eval import benchmark
-from diffzoo.eval.__main__ import main
-from diffzoo.eval.models import EvalError, ModelSpec, load
-from diffzoo.eval.results import read_json
+pytest.importorskip('clip_benchmark')  # the eval extra: diffzoo.eval.benchmark runs CLIP_benchmark's own code
+
+from diffzoo.data.shards import iter_samples, list_shards  # noqa: E402
+from diffzoo.eval import benchmark  # noqa: E402
+from diffzoo.eval.__main__ import main  # noqa: E402
+from diffzoo.eval.models import EvalError, ModelSpec, load  # noqa: E402
+from diffzoo.eval.results import read_json  # noqa: E402
 
 MODELS = ['diffclip-tiny', 'clip-tiny-baseline']
 

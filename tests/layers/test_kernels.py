@@ -322,7 +322,7 @@ def _rms(values):
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != 'cuda', reason='bench shapes need a GPU')
 @pytest.mark.parametrize('batch', [1, 256])
-@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])  # read by bench.gpu
 @pytest.mark.parametrize('n, mask', GPU_CASES)
 def test_bench_shapes_within_twice_sdpa(n, mask, dtype, batch):
     """ViT-B width (768, 6 differential heads) at the bench's token counts, batch 1 and 256, fp32

@@ -11,7 +11,6 @@ from torchvision import transforms
 
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
 from diffzoo.vlm.templates import VICUNA_V1_SYSTEM, encode, prompt
-from tests.vlm import llava_reference as llava
 from tests.vlm.test_conversations import _llama_tokenizer
 from tests.vlm.models import write_chat_language_model
 
@@ -50,6 +49,15 @@ def _load(tmp_path, records, prompt_format='vicuna_v1'):
     return {c.id: c for c in kept}, problems
 
 
+@pytest.fixture(scope='module')
+def llava():
+    """LLaVA-1.5's own preprocessing and collator (`tests.vlm.llava_reference` over `llava-torch`, a test dependency
+    that a GPU machine may lack): the tests comparing with it skip where it is not installed."""
+    pytest.importorskip('llava')
+    from tests.vlm import llava_reference
+    return llava_reference
+
+
 @pytest.fixture(scope='module', params=[True, False], ids=['legacy', 'not legacy'])
 def vicuna(request, tmp_path_factory):
     tok = _llama_tokenizer(tmp_path_factory.mktemp('llama') / 'tok', request.param)
@@ -58,7 +66,7 @@ def vicuna(request, tmp_path_factory):
     return tok
 
 
-def test_vicuna_v1_gives_llavas_ids_labels_and_mismatches_record_by_record(tmp_path, vicuna):
+def test_vicuna_v1_gives_llavas_ids_labels_and_mismatches_record_by_record(tmp_path, vicuna, llava):
     """Each record through diffzoo's loader and encode equals LLaVA's preprocess_multimodal + preprocess_v1 on
     it: the ids (the image where LLaVA puts it: at the start of the turn that holds it, '<image>' alone when
     the turn is only the image), the label mask, and the samples LLaVA masks whole with its "tokenization
@@ -95,7 +103,7 @@ def test_the_image_only_turn_and_a_later_image_are_where_llava_puts_them(tmp_pat
 
 
 @pytest.mark.parametrize('max_length', [12, 40, 45, 46, 47, 60])
-def test_the_collator_cuts_where_llavas_does_the_image_one_token(tmp_path, vicuna, max_length):
+def test_the_collator_cuts_where_llavas_does_the_image_one_token(tmp_path, vicuna, llava, max_length):
     """LLaVA's DataCollatorForSupervisedDataset cuts the ids, the image placeholder one of them, to
     model_max_length: diffzoo's rows equal its rows at lengths around the later image's place (and a mismatch
     is checked only under the cut, as LLaVA checks it)."""
@@ -137,8 +145,8 @@ CAPTIONS = {  # plain: LLaVA's pre-training captions (preprocess_plain: no round
 
 @pytest.mark.parametrize('max_length', [12, 30, 40, 44, 48, 52, 60, 2048])
 @pytest.mark.parametrize('prompt_format', ['vicuna_v1', 'plain'])
-def test_a_row_is_what_llavas_model_takes_after_its_collator_and_its_splice(tmp_path, vicuna, max_length,
-                                                                           prompt_format):
+def test_a_row_is_what_llavas_model_takes_after_its_collator_and_its_splice(tmp_path, vicuna, llava,
+                                                                           max_length, prompt_format):
     """Each row, the image spliced in as the model's 7 positions, equals the sequence LLaVA's forward pass takes
     (its collator, then `prepare_inputs_labels_for_multimodal`): the tokens equal to the pad id are dropped (LLaVA
     attends only `ids != pad` and removes the rest), and the whole is cut to model_max_length with the image's 7
@@ -192,7 +200,7 @@ def test_after_an_image_only_turn_llavas_slow_tokenizer_gives_one_space_token_mo
     assert after[0] == '▁ASSISTANT'
 
 
-def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna):
+def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna, llava):
     record = {'image': 'x.png', 'conversations': _turns(('human', '<image>'), ('gpt', 'a red circle'))}
     conversations, _ = _load(tmp_path, {'caption': record})
     got = encode(conversations['caption'].turns, vicuna, 'plain')
@@ -200,7 +208,7 @@ def test_plain_gives_llavas_pretraining_ids_and_labels(tmp_path, vicuna):
     assert llava.with_image(got.ids, got.scored, got.image_at) == (ids, labels)
 
 
-def test_a_question_is_asked_as_llavas_eval_prompt(vicuna):
+def test_a_question_is_asked_as_llavas_eval_prompt(vicuna, llava):
     """model_vqa_loader's prompt: conv_vicuna_v1 with '<image>\\n' + question and an empty answer, tokenized
     by tokenizer_image_token."""
     conv = llava.llava_conversation.conv_templates['vicuna_v1'].copy()

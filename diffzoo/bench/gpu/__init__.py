@@ -1,17 +1,25 @@
 """python -m diffzoo.bench.gpu OUT [STEP ...]: the project's GPU checks in one time-boxed run on a CUDA machine.
 
-Steps, in this order by default (each a few commands; the seconds are each step's time box on CUDA):
+Steps, the first four by default (590 s together on CUDA: the run fits 10 minutes), the others by name (each a
+few commands; the seconds are each step's time box on CUDA; `--plan` prints them and runs nothing):
+  tests     175 s  the kernel tests on CUDA (tests/layers/test_kernels.py and the official checkpoint's CUDA
+                   test), which rows of split_kernel="auto"'s table they support (OUT/dispatch.json), the fp16
+                   λ gradient's error row by row at 4096 tokens, batch 256 (python -m diffzoo.bench.lambda_error,
+                   OUT/lambda-error.json), then every other test marked gpu (pytest -m gpu); needs the
+                   repository's tests/
+  bench     150 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
+                   diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive
+                   steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); the model
+                   section again in fp16 with a gradient scaler (OUT/bench-fp16.json)
+  compile   120 s  the model section with both towers under torch.compile (OUT/bench-compile.json)
+  commands  145 s  diffclip-b16-cc3m through scripts/train.sh on every default and clip-b16-baseline-cc3m on
+                   open_clip's own pipeline, in one job on synthetic shards: images/s per GPU, their ratio (the
+                   moonshot: at least 1), the share of each step waiting for data; an all_reduce over NCCL; see
+                   diffzoo.bench.gpu.commands
   tune      300 s  python -m diffzoo.bench.tune --write: the Triton split kernel's launches for this GPU
                    (OUT/tune.json; the package's launch_configs.json, copied to OUT)
-  tests     420 s  the kernel tests on CUDA (tests/layers/test_kernels.py and the official checkpoint's CUDA
-                   test), then every other test marked gpu (pytest -m gpu); needs the repository's tests/
-  bench     300 s  python -m diffzoo.bench, layer, model and profile sections: the Triton kernel against the
-                   default SDPA kernel (two_calls) and the baseline, in one run (OUT/bench.json)
-  compile   300 s  the model section with both towers under torch.compile (OUT/bench-compile.json)
-  commands  250 s  scripts/train.sh diffclip-tiny on a synthetic corpus; diffclip-b16-cc3m and
-                   clip-b16-baseline-cc3m through train.sh (images/s per GPU, their ratio, the share of each
-                   step waiting for data); a VLM fine-tuning stage on a tiny PaliGemma; the eRAM-V bench
-                   (OUT/eramv.json); see diffzoo.bench.gpu.commands
+  extras    200 s  scripts/train.sh diffclip-tiny on a synthetic corpus; a VLM fine-tuning stage on a tiny
+                   PaliGemma; the eRAM-V bench (OUT/eramv.json)
   stages    720 s  the LLaVA-style stages 1 -> 2 -> 3 of python -m diffzoo.train.vlm on a tiny DiffCLIP tower
                    and Qwen2-style LM in bf16, and stage 3 again under FSDP2 through torchrun
   data      300 s  python -m diffzoo.bench.data_profile: diffclip-b16's data path taken apart, 8 workers at batch
@@ -27,6 +35,6 @@ A table ends the run; the exit status is 1 when a command failed or timed out.
 
 --device cpu is a dry run of the same steps on the CPU at tiny sizes (the Triton interpreter, smoke-sized
 benches, the tests marked gpu collected and skipped, 4-step trainings; the FSDP stage is skipped: accelerate
-shards on GPUs only; the commands get 4 times their CUDA time boxes): every command and its record, in about
-20 minutes on 2 busy cores.
+shards on GPUs only; the commands get 4 times their CUDA time boxes): every command and its record; it prints
+the plan first, as every run does.
 """

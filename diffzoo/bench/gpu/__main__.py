@@ -24,24 +24,28 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('out', metavar='OUT', help='folder for gpu_check.json, gpu_check.log and the steps\' results')
     p.add_argument('steps', metavar='STEP', nargs='*',
-                   help=f'steps to run, in the order given (default: {" ".join(steps.STEPS)})')
+                   help=f'steps to run, in the order given (default: {" ".join(steps.DEFAULT_STEPS)}; also '
+                        f'{", ".join(n for n in steps.STEPS if n not in steps.DEFAULT_STEPS)})')
     p.add_argument('--device', choices=('cuda', 'cpu'), default='cuda',
                    help='cuda (default), or cpu: a dry run of the same commands at tiny sizes')
     p.add_argument('--budget', type=float, default=None,
                    help="seconds for the whole run (default: the sum of the steps' time boxes)")
+    p.add_argument('--plan', action='store_true', help='print the steps, their time boxes and the total, run nothing')
     p.add_argument('--limit', action='append', default=[], metavar='STEP=SECONDS',
-                   help="a step's time box, repeatable (defaults: see above; on the CPU tests 300, bench 400, "
-                        'compile 600, commands 1000, stages 600)')
+                   help="a step's time box, repeatable (defaults: see above; on the CPU tests 300, bench 500, "
+                        'compile 600, commands 600, extras 800, stages 600)')
     p.add_argument('--b16-recipes', nargs=2, default=list(commands.B16_RECIPES), metavar=('RECIPE', 'BASELINE'),
                    help='commands: the differential B/16 recipe and its baseline (default %(default)s)')
-    p.add_argument('--b16-backends', nargs='+', default=list(commands.B16_BACKENDS), choices=('device', 'open_clip'),
-                   metavar='BACKEND', help='commands: train.sh --data_backend of the B/16 runs: the first for both '
-                                           'recipes, each other for the first recipe (default %(default)s)')
+    p.add_argument('--b16-backends', nargs='+', default=[], choices=('device', 'open_clip'),
+                   metavar='BACKEND', help='commands: B/16 runs besides the moonshot\'s pair, with these train.sh '
+                                           '--data_backend values: the first for both recipes, each other for the '
+                                           'first recipe (default: none)')
     p.add_argument('--b16-only', action='store_true',
-                   help='commands: the environment check and the B/16 runs alone (no tiny run, VLM stage, eRAM-V)')
+                   help='kept for earlier command lines: commands runs the environment and the B/16 runs alone '
+                        '(the tiny run, VLM stage and eRAM-V are the extras step)')
     p.add_argument('--b16-batch', type=int, default=None, help='commands: B/16 batch (default cuda 256, cpu 4)')
     p.add_argument('--b16-steps', type=int, default=None,
-                   help='commands: B/16 steps, one epoch, a multiple of --b16-workers (default cuda 112, cpu 4)')
+                   help='commands: B/16 steps, one epoch, a multiple of --b16-workers (default cuda 84, cpu 4)')
     p.add_argument('--b16-workers', type=int, default=None, help='commands: data workers (default cuda 14, cpu 2)')
     p.add_argument('--b16-image-size', type=int, default=None,
                    help='commands: synthetic scenes\' size in px, cropped to 224 (default cuda 64, cpu 128)')
@@ -102,17 +106,34 @@ def header(args, checkout: Optional[Path]) -> Dict:
 
 
 def table(runner: Runner) -> str:
-    notes = dict(runner.results.get('commands', {}).get('notes', {}),
-                 **steps.stage_notes(runner.results.get('stages', {})))
+    notes = dict(runner.results.get('commands', {}).get('notes', {}))
+    notes.update(runner.results.get('extras', {}).get('notes', {}))
+    notes.update(steps.stage_notes(runner.results.get('stages', {})))
     rows = [(f'{r.step}/{r.name}', r.status, '-' if r.seconds is None else f'{r.seconds:.1f}',
              notes.get(r.name) or r.reason or r.last_line) for r in runner.records]
     width = max([len(r[0]) for r in rows] + [4]) + 2
     lines = [f'{"step":<{width}}{"status":<11}{"s":>7}  result']
     lines += [f'{name:<{width}}{status:<11}{seconds:>7}  {note}'[:200] for name, status, seconds, note in rows]
-    ratio = runner.results.get('commands', {}).get('train_b16', {}).get('train_time_ratio')
-    if ratio is not None:
-        lines.append(f'B/16 train-time ratio (baseline images/s / differential images/s, medians): {ratio:.3f}')
-    for name, r in runner.results.get('commands', {}).get('train_b16', {}).get('backend_ratios', {}).items():
+    for dtype, r in runner.results.get('dispatch', {}).items():
+        lines.append(f'split_kernel="auto" on CUDA, {dtype}: {r["verdict"]}')
+    error = runner.results.get('lambda_error')
+    if error:
+        rms = error['dlambda_error_rms']
+        lines.append(f'fp16 dL/dλ error against fp64 on the same inputs (rms of draws): kernel {rms["kernel"]:.3e}, '
+                     f'two_calls {rms["two_calls"]:.3e}; per-row z-scores kernel {error["mean_z"]["kernel"]}, '
+                     f'two_calls {error["mean_z"]["two_calls"]}')
+    b16 = runner.results.get('commands', {}).get('train_b16', {})
+    moon = b16.get('moonshot')
+    if moon and moon['ratio'] is not None:
+        lines.append(f'moonshot: {moon["differential"]} (all defaults, train.sh) '
+                     f'{moon["differential_images_per_s"]:,.1f} images/s against {moon["baseline"]} (open_clip\'s '
+                     f'pipeline) {moon["baseline_images_per_s"]:,.1f}: '
+                     f'{moon["ratio"]:.3f} ({"met" if moon["met"] else "not met"}: at least 1 is DiffCLIP in diffzoo '
+                     f'faster than CLIP in open_clip)')
+    if b16.get('train_time_ratio') is not None:
+        lines.append(f'B/16 train-time ratio on one backend (baseline images/s / differential images/s, medians): '
+                     f'{b16["train_time_ratio"]:.3f}')
+    for name, r in b16.get('backend_ratios', {}).items():
         if r is not None:
             lines.append(f'B/16 images/s of {name} / of the first backend (medians): {r:.3f}')
     bad = [r[0] for r in rows if r[1] in ('failed', 'timed out', 'interrupted')]
@@ -123,7 +144,7 @@ def table(runner: Runner) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    names = list(dict.fromkeys(args.steps or steps.STEPS))
+    names = list(dict.fromkeys(args.steps or steps.DEFAULT_STEPS))
     unknown = [n for n in names if n not in steps.STEPS]
     if unknown:
         return fail(f'unknown step {" ".join(unknown)}: expected some of {", ".join(steps.STEPS)}')
@@ -140,6 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return fail(f'--b16-steps {sizes.b16_steps} must be a multiple of --b16-workers {sizes.b16_workers}, '
                     f'--b16-batch {sizes.b16_batch} even, all positive')
     budget = args.budget if args.budget is not None else sum(boxes.values())
+    if args.plan:
+        print(f'python -m diffzoo.bench.gpu on {args.device}: the plan\n{steps.plan(names, boxes, budget)}')
+        return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix='diffzoo-gpu-check-'))
@@ -162,7 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                               args.corpus_processes or (10 if cpus > 12 else cpus - 2 if cpus > 2 else 1),
                               args.test_workers)
     runner = Runner(out, work, budget, env, checkout or work, header(args, checkout))
-    print(f'diffzoo.bench.gpu on {args.device}: {" ".join(names)}; budget {budget:.0f} s; {out}', flush=True)
+    print(f'diffzoo.bench.gpu on {args.device}: {" ".join(names)}; budget {budget:.0f} s; {out}\n'
+          f'{steps.plan(names, boxes, budget)}', flush=True)
+    runner.write_log(f'plan:\n{steps.plan(names, boxes, budget)}\n\n')
     status = 'complete'
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

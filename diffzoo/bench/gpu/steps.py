@@ -45,50 +45,82 @@ def tune(runner: Runner, s: Settings) -> None:
 
 
 def tests(runner: Runner, s: Settings) -> None:
-    """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), then every other
-    test marked gpu; on the CPU only the tests marked gpu are collected (and skip, no CUDA): the plumbing."""
-    workers = ['-n', str(s.test_workers), '--dist', 'loadgroup'] if s.device == 'cuda' else []  # xdist_group marks
-    pytest = [sys.executable, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
-    kernel = [*pytest, *([] if s.device == 'cuda' else ['-m', 'gpu']), *KERNEL_TESTS]
+    """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), which rows of
+    `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row at 4096 tokens
+    (diffzoo.bench.lambda_error), then every other test marked gpu; on the CPU only the tests marked gpu are
+    collected (and skip, no CUDA), and lambda_error runs under the interpreter at 300 tokens: the plumbing."""
+    py, cuda = sys.executable, s.device == 'cuda'
+    workers = ['-n', str(s.test_workers), '--dist', 'loadgroup'] if cuda else []  # xdist_group marks
+    pytest = [py, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
+    junit = s.out / 'kernel-tests.xml'
+    kernel = [*pytest, *([] if cuda else ['-m', 'gpu']), '--junitxml', str(junit), *KERNEL_TESTS]
     rest = [*pytest, '-m', 'gpu', 'tests', '--ignore', KERNEL_TESTS[0]]
+    shape = ['--tokens', '4096', '--batch', '256'] if cuda else ['--tokens', '300', '--batch', '1', '--dim', '128',
+                                                                  '--heads', '1', '--seeds', '1']
+    error = [*([] if cuda else ['env', 'TRITON_INTERPRET=1']), py, '-m', 'diffzoo.bench.lambda_error', '--device',
+             s.device, *shape, '--dtype', 'fp16', '--out', str(s.out / 'lambda-error.json')]
     if s.checkout is None or not (s.checkout / KERNEL_TESTS[0]).is_file():
         reason = "the repository's tests/ folder is not here (an installed package): run from a diffzoo checkout"
         runner.skip('kernel-tests', kernel, reason)
         runner.skip('gpu-tests', rest, reason)
-        return
-    runner.run('kernel-tests', kernel, reserve=120)
-    runner.run('gpu-tests', rest)
+    else:
+        runner.run('kernel-tests', kernel, reserve=65)
+        support = runner.run('dispatch', [py, '-m', 'diffzoo.bench.gpu.tasks', 'dispatch', str(junit),
+                                          str(s.out / 'dispatch.json')], 20, reserve=60, grace=5)
+        if support.status == 'ok':
+            runner.results['dispatch'] = json.loads((s.out / 'dispatch.json').read_text())
+    if runner.run('lambda-error', error, 35 if cuda else 120, reserve=30).status == 'ok':
+        runner.results['lambda_error'] = json.loads((s.out / 'lambda-error.json').read_text())['summary']
+    if s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file():
+        runner.run('gpu-tests', rest)
 
 
 def bench(runner: Runner, s: Settings) -> None:
-    """python -m diffzoo.bench, layer, model and profile sections: the Triton kernel against the default SDPA
-    kernel (two_calls) and the baseline, in one run (OUT/bench.json, the profiler tables beside it)."""
-    cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'layer', 'model', 'profile']
+    """python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path (`auto`),
+    diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive steps
+    profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); then the model section in
+    fp16 with a gradient scaler, as open_clip's --precision amp (OUT/bench-fp16.json)."""
+    py = sys.executable
+    base = [py, '-m', 'diffzoo.bench', '--device', s.device]
     if s.device == 'cuda':
-        cmd += ['--split-kernel', 'triton', '--model', 'diffclip-b16', 'diffclip-b16@two_calls', 'clip-b16-baseline',
-                '--variants', 'split-fused', 'split-two_calls', '--tokens', '197', '577', '4096', '--causal-tokens',
-                '77', '--reps', '10']
+        bf16 = [*base, '--sections', 'model', 'steps', '--model', 'diffclip-b16', 'diffclip-b16@two_calls',
+                'clip-b16-baseline', '--blocks', '5', '--block-steps', '8', '--steps', '10']
+        fp16 = [*base, '--sections', 'model', '--precision', 'fp16', '--model', 'diffclip-b16', 'clip-b16-baseline',
+                '--blocks', '4', '--block-steps', '8']
     else:  # the interpreted Triton kernel takes seconds a call: the CPU's own kernel at smoke sizes
-        cmd += ['--smoke', '--model', 'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline',
-                '--variants', 'split-fused', 'split-two_calls']
-    runner.run('bench', [*cmd, '--out', str(s.out / 'bench.json')])
+        bf16 = [*base, '--smoke', '--sections', 'model', 'steps', '--model', 'diffclip-tiny', 'diffclip-tiny@two_calls',
+                'clip-tiny-baseline']
+        fp16 = [*base, '--smoke', '--sections', 'model', '--precision', 'fp16', '--model', 'diffclip-tiny',
+                'clip-tiny-baseline']
+    runner.run('bench', [*bf16, '--out', str(s.out / 'bench.json')], reserve=45)
+    runner.run('bench-fp16', [*fp16, '--out', str(s.out / 'bench-fp16.json')])
 
 
 def compile_models(runner: Runner, s: Settings) -> None:
-    """The model section with both towers under torch.compile (OUT/bench-compile.json)."""
+    """The model section with both towers under torch.compile, on the default path (OUT/bench-compile.json)."""
     cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'model', '--compile']
     if s.device == 'cuda':
-        cmd += ['--split-kernel', 'triton', '--model', 'diffclip-b16', 'clip-b16-baseline', '--reps', '10']
+        cmd += ['--model', 'diffclip-b16', 'clip-b16-baseline', '--blocks', '4', '--block-steps', '6']
     else:
         cmd += ['--smoke', '--model', 'diffclip-tiny', 'clip-tiny-baseline']
     runner.run('compile', [*cmd, '--out', str(s.out / 'bench-compile.json')])
 
 
 def run_commands(runner: Runner, s: Settings) -> None:
+    """diffclip-b16-cc3m through scripts/train.sh on every default against clip-b16-baseline-cc3m on open_clip's
+    own pipeline, in one job: images/s and their ratio (diffzoo.bench.gpu.commands)."""
     train_sh = s.checkout / 'scripts' / 'train.sh' if s.checkout else None
-    runner.results['commands'] = commands.run(runner, s.device, s.sizes, s.b16_recipes, s.corpus_processes,
-                                              train_sh if train_sh and train_sh.is_file() else None, s.out,
-                                              s.b16_backends, s.b16_only)
+    runner.results['commands'] = commands.run_b16(runner, s.device, s.sizes, s.b16_recipes, s.corpus_processes,
+                                                  train_sh if train_sh and train_sh.is_file() else None,
+                                                  s.b16_backends)
+
+
+def extras(runner: Runner, s: Settings) -> None:
+    """scripts/train.sh diffclip-tiny, a VLM fine-tuning stage on a tiny PaliGemma and the eRAM-V bench
+    (diffzoo.bench.gpu.commands)."""
+    train_sh = s.checkout / 'scripts' / 'train.sh' if s.checkout else None
+    runner.results['extras'] = commands.run_extras(runner, s.device, s.sizes,
+                                                   train_sh if train_sh and train_sh.is_file() else None, s.out)
 
 
 # LLaVA-style stages on the suite's tiny DiffCLIP tower and Qwen2-style LM: name -> (data JSON, format, train,
@@ -161,8 +193,28 @@ def stage_notes(report: Dict) -> Dict[str, str]:
 
 
 STEPS: Dict[str, Callable[[Runner, Settings], None]] = {
-    'tune': tune, 'tests': tests, 'bench': bench, 'compile': compile_models, 'commands': run_commands, 'stages': stages,
-    'data': data_profile}
+    'tune': tune, 'tests': tests, 'bench': bench, 'compile': compile_models, 'commands': run_commands,
+    'extras': extras, 'stages': stages, 'data': data_profile}
+DEFAULT_STEPS = ('tests', 'bench', 'compile', 'commands')  # the run without STEP arguments: 590 s on CUDA
 BOXES = {  # seconds per step: cuda, cpu
-    'tune': (300, 300), 'tests': (420, 300), 'bench': (300, 400), 'compile': (300, 600),
-    'commands': (commands.SIZES['cuda'].box, commands.SIZES['cpu'].box), 'stages': (720, 600), 'data': (300, 600)}
+    'tune': (300, 300), 'tests': (175, 300), 'bench': (150, 500), 'compile': (120, 600),
+    'commands': (commands.SIZES['cuda'].box, commands.SIZES['cpu'].box),
+    'extras': (commands.SIZES['cuda'].extras_box, commands.SIZES['cpu'].extras_box), 'stages': (720, 600),
+    'data': (300, 600)}
+
+
+RUNS = {  # what each step runs, for the plan
+    'tune': 'tune', 'tests': 'kernel-tests (up to 110 s), dispatch, lambda-error (35 s), gpu-tests',
+    'bench': 'bench (bf16: model and steps sections), bench-fp16 (model section, 45 s)', 'compile': 'compile',
+    'commands': '0-env beside 2-corpus, 2-train-diffclip-b16-cc3m@defaults, 2-train-clip-b16-baseline-cc3m@open_clip',
+    'extras': '1-train-tiny, 3-vlm, 4-eramv (their corpus and assets behind them)',
+    'stages': 'stage-assets, stage1, stage2, stage3, stage3-fsdp',
+    'data': 'data-profile (each data backend taken apart: decode and check, worker CPU, a batch\'s making, the wait)'}
+
+
+def plan(names: Sequence[str], boxes: Dict[str, float], budget: float) -> str:
+    """The steps to run, each with its time box and its commands, and the total against the budget."""
+    lines = [f'  {name:<9}{boxes[name]:>5.0f} s  {RUNS[name]}' for name in names]
+    total = sum(boxes[n] for n in names)
+    lines.append(f'  {"total":<9}{total:>5.0f} s  (budget {budget:.0f} s: every box is cut to what is left of it)')
+    return '\n'.join(lines)

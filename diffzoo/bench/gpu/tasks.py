@@ -11,10 +11,13 @@
   stage-assets DIR                      the LLaVA-style stages' tiny Qwen2-style LM and JSON sets (diffzoo.vlm.tiny)
   vlm OUT.json -- ARGS                  `python -m diffzoo.train.vlm ARGS` (its main, in this process), then the
                                         device it trained on and CUDA's peak memory, to OUT.json
+  dispatch JUNIT.xml OUT.json           which rows of `split_kernel="auto"`'s table (kernels.TRITON_ON_CUDA) the
+                                        kernel tests' bench-shape cases in JUNIT.xml support, per dtype
 """
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -189,6 +192,45 @@ def cmd_vlm(a, argv) -> int:
     return rc
 
 
+BENCH_SHAPES = re.compile(r'test_bench_shapes_within_twice_sdpa\[(\d+)-(\w+)-(bf16|fp16)-(\d+)\]')
+
+
+def cmd_dispatch(a) -> int:
+    """Per dtype: the bench-shape cases that passed and failed (tokens, mask, batch), the most tokens up to which
+    every case passed, and whether that supports the table's row (or would extend it)."""
+    import xml.etree.ElementTree as ET
+
+    import torch
+
+    from diffzoo.layers.kernels import TRITON_ON_CUDA
+    cases = {}
+    for case in ET.parse(a.junit).getroot().iter('testcase'):
+        found = BENCH_SHAPES.search(case.get('name', ''))
+        if found:
+            n, mask, dtype, batch = int(found[1]), found[2], found[3], int(found[4])
+            outcome = next((child.tag for child in case if child.tag in ('failure', 'error', 'skipped')), 'passed')
+            cases.setdefault(dtype, []).append({'tokens': n, 'mask': mask, 'batch': batch, 'outcome': outcome})
+    table = {{torch.bfloat16: 'bf16', torch.float16: 'fp16'}[dtype]: most for dtype, most in TRITON_ON_CUDA}
+    report = {}
+    for dtype in ('bf16', 'fp16'):
+        ran = sorted((c for c in cases.get(dtype, []) if c['outcome'] != 'skipped'),
+                     key=lambda c: (c['tokens'], c['batch']))  # skipped: no GPU there, a dry run
+        bad = [c for c in ran if c['outcome'] != 'passed']
+        first_bad = min((c['tokens'] for c in bad), default=None)
+        up_to = max((c['tokens'] for c in ran if first_bad is None or c['tokens'] < first_bad), default=0)
+        row = table.get(dtype, 0)
+        verdict = ('no bench-shape case ran' if not ran else
+                   f'the row (to {row} tokens) is supported' if up_to >= row else
+                   f'the row (to {row} tokens) is not supported: every case passed only to {up_to} tokens')
+        if ran and up_to > row:
+            verdict += f'; every case passed to {up_to} tokens, so the row could extend to {up_to}'
+        report[dtype] = {'table_most_tokens': row, 'passed_up_to': up_to, 'supports_row': bool(ran) and up_to >= row,
+                         'cases': ran, 'not_passed': bad, 'verdict': verdict}
+        print(f'{dtype}: {verdict}')
+    Path(a.out).write_text(json.dumps(report, indent=1) + '\n')
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = []
@@ -219,10 +261,14 @@ def main(argv=None) -> int:
     g.add_argument('--scenes', type=int, default=64)
     v = sub.add_parser('vlm')
     v.add_argument('out')
+    d = sub.add_parser('dispatch')
+    d.add_argument('junit')
+    d.add_argument('out')
     a = p.parse_args(argv)
     if a.command == 'vlm':
         return cmd_vlm(a, rest)
-    return {'env': cmd_env, 'corpus': cmd_corpus, 'assets': cmd_assets, 'stage-assets': cmd_stage_assets}[a.command](a)
+    return {'env': cmd_env, 'corpus': cmd_corpus, 'assets': cmd_assets, 'stage-assets': cmd_stage_assets,
+            'dispatch': cmd_dispatch}[a.command](a)
 
 
 if __name__ == '__main__':

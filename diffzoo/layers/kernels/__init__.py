@@ -7,9 +7,10 @@
 
 Fused split attention: q/k heads are d = C/2h wide and v heads 2d, and SDPA's flash kernels need
 one width, so `split_kernel` chooses how the two maps are computed (all exact; `auto` is chosen at
-run time by device, `kernels.auto_split_kernel`, measured with `python -m diffzoo.bench`: two_calls
-on an H100 (cuDNN takes the unequal widths), four_calls on CPU, which keeps the flash kernel without
-copying q, k or v where two_calls / one_call fall back to the math kernel and hold the N×N matrices):
+run time from the device, dtype and token count, `kernels.auto_split_kernel`: on CUDA the Triton kernel
+where its GPU tests pass (`kernels.TRITON_ON_CUDA`: bf16 to 4096 tokens, fp16 to 577), else two_calls
+(cuDNN takes the unequal widths); four_calls on CPU, which keeps the flash kernel without copying q, k
+or v where two_calls / one_call fall back to the math kernel and hold the N×N matrices):
 
     two_calls    SDPA(Q1, K1, V) and SDPA(Q2, K2, V): cuDNN / memory-efficient kernels (unequal widths)
     one_call     one SDPA over the 2h query heads, V repeated for each pair: same kernels, one launch
@@ -22,11 +23,12 @@ copying q, k or v where two_calls / one_call fall back to the math kernel and ho
                  P1 − λ·P2 formed before a single P·V product, the sub-norm in its epilogue and a
                  FlashAttention-2-style backward; it takes is_causal and key-padding masks in bf16,
                  fp16 or fp32. Calls it cannot take (attention dropout, other masks, no Triton, a
-                 CPU tensor outside Triton's interpreter) run the `auto` kernel, with a warning
-                 naming the reason. Opt-in: in bf16 its GPU tests pass (H200, H100); in fp16 the λ
-                 gradient at 4096 tokens does not yet, nor do all its speed targets (docs/performance.md).
+                 CPU tensor outside Triton's interpreter) run `sdpa_split_kernel`'s, with a warning
+                 naming the reason when it was asked for by name. `auto` on CUDA where its GPU
+                 tests pass; in fp16 beyond 577 tokens its λ gradient does not yet
+                 (docs/performance.md).
 """
-from .dispatch import (SPLIT_KERNELS, add_mask, auto_split_kernel, duplicate_attention, explicit_output,
-                       split_attention, split_parts, v2_attention)
+from .dispatch import (SPLIT_KERNELS, TRITON_ON_CUDA, add_mask, auto_split_kernel, duplicate_attention,
+                       explicit_output, sdpa_split_kernel, split_attention, split_parts, v2_attention)
 from .sub_norm import sub_normed_difference
 from .triton_op import HAS_TRITON, INTERPRETED, key_padding_bias, split_diff_attention, unsupported

@@ -9,7 +9,8 @@
 
 Each is a leaf of torch.fx (registered with timm's `register_notrace_function`; the attention module
 wraps its names with `torch.fx.wrap`): a symbolic trace records one call, and the choices inside —
-`split_kernel="auto"` by device, the Triton kernel's fallbacks, a mask's dtype and per-head layout —
+`split_kernel="auto"` by device, dtype and length, the Triton kernel's fallbacks, a mask's dtype and
+per-head layout —
 are made on the real tensors when the graph runs, exactly as in eager mode. Each also compiles
 with TorchScript; there the Triton kernel and the saved-outputs op (a custom op and an
 autograd.Function, which TorchScript cannot compile) give way to the SDPA kernels and the same
@@ -28,14 +29,34 @@ from .sub_norm import sub_normed_difference
 
 SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls', 'triton')
 
+# `split_kernel="auto"` on CUDA runs the Triton kernel for a (dtype, most tokens) row below: where its GPU tests
+# (tests/layers/test_kernels.py, `pytest -m gpu`) have passed on an H100 and an H200, and nowhere else. The one
+# place to change when a GPU run passes more: `python -m diffzoo.bench.gpu OUT tests` says which rows its run
+# supports. docs/performance.md holds the evidence.
+TRITON_ON_CUDA: Tuple[Tuple[torch.dtype, int], ...] = (
+    (torch.bfloat16, 4096),  # every case, 77 (causal) to 4096 tokens, batch 1 and 256
+    (torch.float16, 577),  # to 577 tokens; at 4096, batch 256, its dL/dλ is off by 2.4x SDPA's error
+)
+
 
 @register_notrace_function
-def auto_split_kernel(device_type: str) -> str:
-    """`split_kernel="auto"`'s choice, measured with `python -m diffzoo.bench`: two_calls on CUDA
-    (cuDNN takes the unequal widths), four_calls on CPU (flash kernels, nothing copied)."""
+def sdpa_split_kernel(device_type: str) -> str:
+    """The SDPA kernel `auto` runs where the Triton kernel does not, measured with `python -m diffzoo.bench`:
+    two_calls on CUDA (cuDNN takes the unequal widths), four_calls on CPU (flash kernels, nothing copied)."""
     if device_type == 'cpu':
         return 'four_calls'
     return 'two_calls'
+
+
+@register_notrace_function
+def auto_split_kernel(device_type: str, dtype: torch.dtype, n_tokens: int) -> str:
+    """`split_kernel="auto"`'s choice, from the device, the dtype and the token count alone: "triton" on CUDA
+    for a row of TRITON_ON_CUDA (where Triton is installed), else `sdpa_split_kernel`."""
+    if device_type == 'cuda' and triton_op.HAS_TRITON:
+        for row_dtype, most in TRITON_ON_CUDA:
+            if dtype == row_dtype and n_tokens <= most:
+                return 'triton'
+    return sdpa_split_kernel(device_type)
 
 
 @register_notrace_function
@@ -66,14 +87,14 @@ def split_parts(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
         is_causal: bool, scale: float, kernel: str,
 ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """A1·V and A2·V of the split variant by an SDPA-based `kernel` ("auto" by device; "triton" runs
-    "auto" here): two lists of (B, N, h, ·) parts tiling the value width 2d in order.
+    """A1·V and A2·V of the split variant by an SDPA-based `kernel` ("auto" and "triton" run
+    `sdpa_split_kernel` here): two lists of (B, N, h, ·) parts tiling the value width 2d in order.
     q, k (B, 2h, N, d) with query head 2i = Q1 and 2i + 1 = Q2 of differential head i; v (B, h, N, 2d)."""
     B, h, N, dv = v.shape
     d = q.shape[-1]  # explicit widths in every view: an empty batch cannot infer a -1
     attn_mask = sdpa_mask(attn_mask, q.dtype)
     if kernel == 'auto' or kernel == 'triton':
-        kernel = auto_split_kernel(q.device.type)
+        kernel = sdpa_split_kernel(q.device.type)
     if kernel == 'four_calls' and dropout_p > 0:
         kernel = 'padded'  # one dropout mask per map over the whole value width, as the formula has it
     q1, q2 = q.view(B, h, 2, N, d).unbind(2)  # (B, h, N, d) each, views
@@ -102,11 +123,16 @@ def split_attention(
         kernel: str, proj_weight: Optional[torch.Tensor] = None, proj_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The split variant's fused path: RMSNorm(A1V − λ·A2V)·weight per head as (B, N, C), or that
-    projected, (B, N, C_out), when `proj_weight` is given. `kernel` is "auto" or one of SPLIT_KERNELS;
-    "triton" runs the Triton kernel where it can take the call, else "auto" with a warning naming why."""
+    projected, (B, N, C_out), when `proj_weight` is given. `kernel` is "auto" (`auto_split_kernel`) or one
+    of SPLIT_KERNELS; the Triton kernel runs where it can take the call, else `sdpa_split_kernel`'s, with a
+    warning naming why when "triton" was asked for by name (silently for "auto")."""
     if not torch.jit.is_scripting():
+        asked = kernel == 'triton'
+        if kernel == 'auto':
+            kernel = auto_split_kernel(q.device.type, q.dtype, q.shape[2])
         if kernel == 'triton':
-            out = _triton(q, k, v, lam, weight, eps, attn_mask, dropout_p, is_causal, scale, proj_weight, proj_bias)
+            out = _triton(q, k, v, lam, weight, eps, attn_mask, dropout_p, is_causal, scale, proj_weight, proj_bias,
+                          asked)
             if out is not None:
                 return out
     o1, o2 = split_parts(q, k, v, attn_mask, dropout_p, is_causal, scale, kernel)
@@ -114,12 +140,13 @@ def split_attention(
     return out if proj_weight is not None else out.flatten(-2)
 
 
-def _triton(q, k, v, lam, weight, eps, attn_mask, dropout_p, is_causal, scale, proj_weight, proj_bias):
-    """The Triton kernel's output where it can take the call; else None, with a warning naming why."""
+def _triton(q, k, v, lam, weight, eps, attn_mask, dropout_p, is_causal, scale, proj_weight, proj_bias, warn):
+    """The Triton kernel's output where it can take the call; else None, with a warning naming why if `warn`."""
     reason = triton_op.unsupported(q, attn_mask, dropout_p)
     if reason is not None:
-        warnings.warn(f'split_kernel="triton" cannot take {reason}; running '
-                      f'{auto_split_kernel(q.device.type)!r} instead')
+        if warn:
+            warnings.warn(f'split_kernel="triton" cannot take {reason}; running '
+                          f'{sdpa_split_kernel(q.device.type)!r} instead')
         return None
     B, N = q.shape[0], q.shape[2]
     eps = torch.finfo(v.dtype).eps if eps is None else eps  # F.rms_norm's default

@@ -1,0 +1,168 @@
+"""Where the Triton split kernel's dL/dλ error comes from: its arithmetic, row by row, against fp64 on its own inputs.
+
+dL/dλ = −Σ ρ2 over every row (sample, head, token) of the layer, ρ2 = dD·(P2V), with dD the gradient
+reaching D = (P1 − λ·P2)V through the sub-norm. A layer of the tests' kind (`tests/layers/test_kernels.py`:
+width `dim`, `heads` differential heads, N(0, 0.3) biases, the forward under autocast) gives q, k, v, λ,
+the sub-norm weight and dy exactly as the kernel's custom op receives them; then per row:
+
+    fp64       ρ2 in fp64 from those same 16-bit inputs (the maps, D and the sub-norm's backward)
+    kernel     the kernel's own ρ2 (its forward's D and log-sum-exps, its norm and dQ backward kernels)
+    two_calls  two_calls' arithmetic: SDPA's A1V, A2V in the dtype, their difference in the dtype, the
+               sub-norm's backward in fp32 (`kernels.sub_norm`), ρ2 = dD·A2V
+
+For each of kernel and two_calls: the error of dL/dλ, the root mean square of the per-row errors, their
+mean as a z-score (a rounding error that keeps its sign from row to row grows with the rows, not with
+their square root: |z| of a few and more says so), the share of the squared error in the worst 0.1 % of
+rows (a heavy tail), and the error of dL/dλ per head. The inputs' own rounding, common to every kernel,
+is not in these errors (the GPU test's reference is the fp32 layer: it is).
+
+    python -m diffzoo.bench.lambda_error --device cuda --tokens 4096 --batch 256 --dtype fp16 --out X.json
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
+
+
+def layer_inputs(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, device: torch.device,
+                 seed: int) -> Dict:
+    """q (B, 2h, N, d), k, v (B, h, N, 2d), λ, the sub-norm weight and dy (B, N, C), as the custom op gets them."""
+    from diffzoo.layers import DifferentialAttention
+    torch.manual_seed(0)
+    m = DifferentialAttention(dim, num_heads=heads, qkv_bias=True, lambda_init=0.8).to(device)
+    with torch.no_grad():  # the kernel tests' parameters, bf16-representable
+        for name, p in m.named_parameters():
+            std = 0.1 if name.startswith('lambda') else 0.3 if p.ndim == 1 else dim ** -0.5
+            p.normal_(0, std).copy_(p.to(torch.bfloat16).float())
+    torch.manual_seed(seed)
+    x = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16).float()
+    grad = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+        q, k, v = m._project(x)
+        lam = m.compute_lambda(x)
+        weight = m._sub_norm_weight(v.dtype, device)
+    dy = grad.to(dtype) @ m.proj.weight.to(dtype)  # (B, N, C): the op's backward, dy = grad·W_proj
+    return dict(q=q, k=k, v=v, lam=lam.float(), weight=weight, dy=dy, eps=m.sub_norm.eps, scale=m.scale)
+
+
+def _norm_backward(D: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """dD of y = RMSNorm(D)·w for the upstream gradient g, in D's dtype: rstd·(g·w − n·mean(g·w·n))."""
+    rstd = torch.rsqrt(D.square().mean(-1, keepdim=True) + eps)
+    n = D * rstd
+    gw = g * w
+    return rstd * (gw - n * (gw * n).mean(-1, keepdim=True))
+
+
+def reference_rows(a: Dict, chunk: int = 1) -> torch.Tensor:
+    """ρ2 per row (B, h, N) in fp64 from the inputs `a` (`layer_inputs`), `chunk` samples at a time."""
+    q, k, v = a['q'], a['k'], a['v']
+    B, h, N, dv = v.shape
+    out = []
+    for i in range(0, B, chunk):
+        qd, kd, vd = (t[i:i + chunk].double() for t in (q, k, v))
+        maps = torch.softmax(qd @ kd.transpose(-1, -2) * a['scale'], -1).unflatten(1, (h, 2))  # (b, h, 2, N, N)
+        o1, o2 = maps[:, :, 0] @ vd, maps[:, :, 1] @ vd  # (b, h, N, dv)
+        g = a['dy'][i:i + chunk].double().unflatten(-1, (h, dv)).transpose(1, 2)  # (b, h, N, dv)
+        dD = _norm_backward(o1 - a['lam'].double() * o2, g, a['weight'].double(), a['eps'])
+        out.append((dD * o2).sum(-1))
+        del maps, o1, o2
+    return torch.cat(out)
+
+
+def kernel_rows(a: Dict) -> torch.Tensor:
+    """The Triton kernel's ρ2 per row (B, h, N), fp32: its forward, then its norm and dQ backward kernels."""
+    from diffzoo.layers.kernels import split_triton
+    _, D, lse = split_triton.forward(a['q'], a['k'], a['v'], a['lam'], a['weight'], None, a['scale'], a['eps'], False)
+    dD, dD_lo, _, _ = split_triton.norm_backward(a['dy'], a['weight'], D, a['eps'], False)
+    _, delta = split_triton.dq_backward(a['q'], a['k'], a['v'], a['lam'], None, dD, lse, a['scale'], False,
+                                        dD_lo=dD_lo)
+    return delta[1:].sum(0)  # ρ2, plus ρ2_lo where there is one
+
+
+def two_calls_rows(a: Dict) -> torch.Tensor:
+    """two_calls' ρ2 per row (B, h, N): SDPA's outputs in the dtype, the sub-norm op's backward arithmetic."""
+    from diffzoo.layers.kernels import split_parts
+    (o1,), (o2,) = split_parts(a['q'], a['k'], a['v'], None, 0.0, False, a['scale'], 'two_calls')  # (B, N, h, dv)
+    diff = torch.addcmul(o1, o2, a['lam'], value=-1)  # in the dtype, as kernels.sub_norm forms it
+    g = a['dy'].unflatten(-1, o1.shape[-2:]).float()
+    dD = _norm_backward(diff.float(), g, a['weight'].float(), a['eps'])
+    return (dD * o2.float()).sum(-1).transpose(1, 2)
+
+
+def error_stats(rows: torch.Tensor, exact: torch.Tensor) -> Dict:
+    err = (rows.double() - exact).flatten(1)  # (B, h·N)
+    flat = err.flatten()
+    rms = flat.square().mean().sqrt().item()
+    top = max(1, flat.numel() // 1000)
+    worst = (flat.abs().topk(top).values.square().sum() / flat.square().sum()).item() if rms else 0.0
+    per_head = err.unflatten(1, (exact.shape[1], -1)).sum((0, 2))  # (h,)
+    return {'dlambda_error': -flat.sum().item(), 'row_rms': rms,
+            'mean_z': flat.mean().item() / (rms / math.sqrt(flat.numel())) if rms else 0.0,
+            'worst_0.1%_share': worst, 'per_head': [-e.item() for e in per_head]}
+
+
+def measure(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, device: torch.device, seed: int,
+            chunk: int = 1) -> Dict:
+    a = layer_inputs(batch, tokens, dim, heads, dtype, device, seed)
+    exact = reference_rows(a, chunk)
+    return {'seed': seed, 'dlambda': -exact.sum().item(), 'rows': exact.numel(),
+            'kernel': error_stats(kernel_rows(a), exact), 'two_calls': error_stats(two_calls_rows(a), exact)}
+
+
+def summary(draws, dtype: str) -> Dict:
+    def rms_of(key):
+        return {k: math.sqrt(sum(d[k][key] ** 2 for d in draws) / len(draws)) for k in ('kernel', 'two_calls')}
+    rms, row = rms_of('dlambda_error'), rms_of('row_rms')
+    return {'dtype': dtype, 'dlambda_error_rms': rms, 'row_error_rms': row,
+            'within_twice_two_calls': rms['kernel'] <= 2 * rms['two_calls'],
+            'mean_z': {k: [round(d[k]['mean_z'], 2) for d in draws] for k in ('kernel', 'two_calls')}}
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog='python -m diffzoo.bench.lambda_error', description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--device', default='cuda', help='cuda, or cpu under TRITON_INTERPRET=1 (small shapes)')
+    p.add_argument('--tokens', type=int, default=4096)
+    p.add_argument('--batch', type=int, default=256)
+    p.add_argument('--dim', type=int, default=768, help='layer width (default 768, ViT-B)')
+    p.add_argument('--heads', type=int, default=6, help='differential heads (default 6: q/k 64, v 128 wide)')
+    p.add_argument('--dtype', choices=tuple(DTYPES), default='fp16')
+    p.add_argument('--seeds', type=int, default=3, help='draws of the inputs (default 3, as the GPU test)')
+    p.add_argument('--chunk', type=int, default=1, help='samples per fp64 reference chunk (default 1)')
+    p.add_argument('--out', default=None, help='JSON of every draw and the summary')
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    from diffzoo.layers import kernels
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        reason = 'no CUDA device here (torch.cuda.is_available() is False); --device cpu runs the interpreter'
+    else:
+        reason = kernels.unsupported(torch.empty(0, device=device, dtype=DTYPES[a.dtype]), None, 0.0)
+    if reason is not None:
+        print(f'error: the Triton kernel cannot run here: {reason}', file=sys.stderr)
+        return 2
+    draws = []
+    for seed in range(a.seeds):
+        draws.append(measure(a.batch, a.tokens, a.dim, a.heads, DTYPES[a.dtype], device, 1000 * seed, a.chunk))
+        d = draws[-1]
+        line = '; '.join(f'{k} {d[k]["dlambda_error"]:+.3e} (rows rms {d[k]["row_rms"]:.2e}, z {d[k]["mean_z"]:+.1f})'
+                         for k in ('kernel', 'two_calls'))
+        print(f'draw {seed}: dL/dλ {d["dlambda"]:.4f} over {d["rows"]:,} rows; error {line}', flush=True)
+    result = {'tokens': a.tokens, 'batch': a.batch, 'dim': a.dim, 'heads': a.heads, 'device': a.device,
+              'draws': draws, 'summary': summary(draws, a.dtype)}
+    s = result['summary']
+    print(f'rms over {a.seeds} draws of the dL/dλ error against fp64 on the same inputs: kernel '
+          f'{s["dlambda_error_rms"]["kernel"]:.3e}, two_calls {s["dlambda_error_rms"]["two_calls"]:.3e}; per row '
+          f'{s["row_error_rms"]["kernel"]:.2e} and {s["row_error_rms"]["two_calls"]:.2e}')
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

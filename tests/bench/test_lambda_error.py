@@ -1,0 +1,34 @@
+"""`python -m diffzoo.bench.lambda_error`: the Triton kernel's dL/dλ row by row against fp64, under Triton's interpreter."""
+import pytest
+import torch
+
+from diffzoo.bench import lambda_error
+from diffzoo.layers import kernels
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not kernels.HAS_TRITON or (not torch.cuda.is_available() and not kernels.INTERPRETED),
+    reason='needs Triton, and a GPU or TRITON_INTERPRET=1 set before diffzoo is imported')]
+DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+
+
+def test_reference_rows_sum_to_autograd_s_dlambda_in_fp64():
+    """−Σ ρ2 over the rows is dL/dλ: autograd through D = A1V − λ·A2V and the sub-norm, fp64, same inputs."""
+    a = lambda_error.layer_inputs(2, 40, 128, 1, torch.float16, DEVICE, seed=1)
+    q, k, v = (t.double() for t in (a['q'], a['k'], a['v']))
+    lam = a['lam'].double().clone().requires_grad_(True)
+    maps = torch.softmax(q @ k.transpose(-1, -2) * a['scale'], -1)  # (B, 2, N, N)
+    D = (maps[:, 0:1] - lam * maps[:, 1:2]) @ v  # (B, 1, N, 2d)
+    y = torch.nn.functional.rms_norm(D.transpose(1, 2), [v.shape[-1]], a['weight'].double(), a['eps'])
+    (y.flatten(-2) * a['dy'].double()).sum().backward()
+    assert -lambda_error.reference_rows(a).sum().item() == pytest.approx(lam.grad.item(), rel=1e-9, abs=1e-9)
+
+
+def test_the_kernel_s_dlambda_rows_are_closer_to_fp64_than_two_calls_at_vit_b_head_widths():
+    """One differential head of ViT-B's widths (q/k 64, v 128), fp16, 300 tokens (the online-softmax path):
+    the kernel's per-row error in dL/dλ is below two_calls' (SDPA's outputs rounded to fp16 before the
+    difference), and so is its error of the sum."""
+    result = lambda_error.measure(2, 300, 128, 1, torch.float16, DEVICE, seed=0)
+    kernel, two_calls = result['kernel'], result['two_calls']
+    assert result['rows'] == 2 * 300
+    assert 0 < kernel['row_rms'] < two_calls['row_rms'] / 2, (kernel, two_calls)
+    assert abs(kernel['dlambda_error']) <= 2 * abs(two_calls['dlambda_error']) + 1e-3 * abs(result['dlambda'])
