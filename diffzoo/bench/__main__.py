@@ -29,13 +29,13 @@ time-boxed, into OUT/gpu_check.json (`--device cpu`: a dry run at tiny sizes; it
 """
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from diffzoo._startup import startup_imports
 
 SECTIONS = ('model', 'layer', 'profile', 'steps', 'data', 'train')
 FULL_MODELS = ['diffclip-b16', 'clip-b16-baseline', 'ViT-B-16', 'diffclip-b16-vision', 'diffclip-b16-dynamic']
@@ -199,14 +199,13 @@ def write(results: Dict, path: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')
     args = parser().parse_args(argv)
-    # heavy (torch, open_clip): imported after parsing so that --help answers at once; in the command's own
-    # process out of the garbage collector's full passes, which would walk them all during timed steps
-    with startup_imports(argv is None):
-        import open_clip  # noqa: F401
-        import torch
+    import open_clip  # noqa: F401
+    import torch
 
-        from . import accounting, attention, data, end_to_end, profile, report, step_profile, whole_model
-        from .measure import BenchError, device_slug, environment
+    from . import accounting, attention, data, end_to_end, profile, report, step_profile, whole_model
+    from .measure import BenchError, device_slug, environment
+    if argv is None:  # the command's own process: what the imports made stays out of the collector's full passes,
+        gc.freeze()   # which would otherwise walk it all inside timed steps (763 ms a pass on the 2-core CPU)
     try:
         cfg = resolve(args)
         device = torch.device(cfg['device'], cfg['device_index']) if cfg['device_index'] is not None \
