@@ -3,11 +3,11 @@
 one `open_clip_train.main.main` call, in the training process only (`import diffzoo` alone changes nothing in
 open_clip_train), and undone after it, by an error too. Nothing of torch or webdataset is changed; the rows:
 
-- `open_clip_train.main.torch`: torch as main sees it (`TorchForMain`), the same module but for two names, the
-  only name through which main does either: its `save` (checkpoints only, in that module) writes a file whole or
-  not at all, checking the disk's free space first (`diffzoo.train.saving`); its
+- `open_clip_train.main.torch`, the only name through which main saves checkpoints and wraps the model in DDP:
+  a view of torch (`TorchForMain`) whose `save` (checkpoints only, in that module) writes a file whole or not at
+  all, checking the disk's free space first (`diffzoo.train.saving`), and whose
   `nn.parallel.DistributedDataParallel` drops `device_ids=[device]` for a CPU module, which DDP refuses (gloo on
-  CPU then works, e.g. `torchrun --nproc_per_node 2` on a laptop).
+  CPU then works, e.g. `torchrun --nproc_per_node 2` on a laptop); every other name is torch's own.
 - `open_clip_train.main.train_one_epoch`: reseeds the trainer's generators from --seed, rank and
   epoch (`diffzoo.train.shuffle.reseed`); around each epoch, logs λ and loss
   (`diffzoo.train.metrics`) and, at its end, gathers what the data pipeline skipped from every
@@ -37,10 +37,10 @@ open_clip_train), and undone after it, by an error too. Nothing of torch or webd
 
 Around the table, for the run: the data pipeline counts into a temporary folder that data-loader workers find
 through the environment variable `DIFFZOO_DATA_EVENTS` (`_data_events_folder`); the root logger's handlers that
-open_clip_train's set-up adds (console, RUN_DIR/out.log) are closed and removed and its level put back, and
-torch's loggers, which that set-up lowers to INFO, get their levels back, so a second run in the same process
-(`diffzoo.train.launch.main(argv)` from Python) logs to its own out.log only (`_logging_restored`); torch's
-FutureWarning that `torch.distributed.nn.functional.all_gather` is deprecated (open_clip's loss under
+open_clip_train's set-up adds (console, RUN_DIR/out.log) are closed and removed and its level put back, and the
+loggers that set-up lowers to INFO get their levels back (torch's during the run too), so a second run in the
+same process (`diffzoo.train.launch.main(argv)` from Python) logs to its own out.log only (`_logging_restored`);
+torch's FutureWarning that `torch.distributed.nn.functional.all_gather` is deprecated (open_clip's loss under
 `--gather-with-grad` calls it every step) is not shown (`warnings.catch_warnings`, the filters as before after).
 """
 import contextlib
@@ -50,7 +50,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import open_clip_train.data
 import open_clip_train.main
@@ -239,15 +239,22 @@ def _data_events_folder() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _logger_levels() -> Dict[str, int]:
+    return {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+            if isinstance(logger, logging.Logger)}
+
+
 @contextlib.contextmanager
 def _logging_restored() -> Iterator[None]:
     """After the run: the root logger's handlers that open_clip_train's set-up added closed and removed, its level
-    back, torch's loggers at their own levels."""
-    handlers, level = list(logging.root.handlers), logging.root.level
+    and every logger's that set-up lowered back, torch's loggers made during the run at torch's levels."""
+    handlers, level, levels = list(logging.root.handlers), logging.root.level, _logger_levels()
     try:
         yield
     finally:
         _quiet_torch_loggers()
+        for name, logger_level in levels.items():
+            logging.getLogger(name).setLevel(logger_level)
         for handler in [h for h in logging.root.handlers if h not in handlers]:
             logging.root.removeHandler(handler)
             handler.close()

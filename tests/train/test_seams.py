@@ -73,12 +73,13 @@ def test_a_changed_open_clip_train_fails_loudly_and_changes_nothing(monkeypatch,
     assert _current() == before
 
 
-def _untouched():
-    """Every name a run's table replaces (all its rows), torch's DDP, the warning filters, the environment variable
-    and the root logger."""
+def _untouched(loggers=None):
+    """Every name a run's table replaces (all its rows), torch's DDP, the warning filters, the environment variable,
+    the root logger and the levels of `loggers` (the loggers there are now)."""
     names = {row.where: getattr(row.module, row.name) for row in seams.table('', 1.0, data_backend='device')}
+    loggers = loggers or [n for n, x in logging.root.manager.loggerDict.items() if isinstance(x, logging.Logger)]
     return (names, torch.nn.parallel.DistributedDataParallel, list(warnings.filters), os.environ.get(data_events.ENV),
-            list(logging.root.handlers), logging.root.level)
+            list(logging.root.handlers), logging.root.level, {name: logging.getLogger(name).level for name in loggers})
 
 
 def test_a_run_that_raises_leaves_open_clip_train_as_it_was_and_nothing_of_torch_is_changed():
@@ -88,7 +89,7 @@ def test_a_run_that_raises_leaves_open_clip_train_as_it_was_and_nothing_of_torch
             assert torch.nn.parallel.DistributedDataParallel is before[1]
             assert open_clip_train.main.torch.nn.parallel is not torch.nn.parallel
             raise KeyError('the run fails')
-    assert _untouched() == before
+    assert _untouched(before[-1]) == before
 
 
 @pytest.mark.parametrize('module, name, future, message', [
@@ -103,7 +104,7 @@ def test_the_whole_table_is_checked_before_any_name_is_replaced(monkeypatch, mod
     with pytest.raises(OpenClipChanged, match=message):
         with seams.installed(lambda_lr_scale=1.0):
             raise AssertionError('not reached')
-    assert _untouched() == before
+    assert _untouched(before[-1]) == before
 
 
 @pytest.mark.slow  # two trainings, in this process
@@ -114,10 +115,10 @@ def test_after_a_training_and_after_one_that_failed_open_clip_train_torch_and_th
     result = call(main, ['--recipe', 'diffclip-tiny', '--data_backend', 'device'] + argv, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / 'runs' / 'diffclip-tiny' / 'checkpoints' / 'epoch_1.pt').is_file()
-    assert _untouched() == before
+    assert _untouched(before[-1]) == before
     with pytest.raises(ValueError, match='lambda_lr: the model has no differential parameters'):  # in main's AdamW
         call(main, ['--recipe', 'clip-tiny-baseline'] + argv, cwd=tmp_path)
-    assert _untouched() == before
+    assert _untouched(before[-1]) == before
 
 
 def test_lambda_lr_puts_lambda_and_sub_norm_in_their_own_groups_under_the_schedule():
