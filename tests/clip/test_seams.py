@@ -90,3 +90,17 @@ def test_a_bare_weights_file_warns_once_naming_what_it_assumes(tmp_path):
                                               image_mean=IMAGENET[0], image_std=IMAGENET[1],
                                               image_interpolation='bilinear')
     assert not [w for w in again if 'no record' in str(w.message)]  # once per file; nothing assumed when all given
+
+
+def test_uninstall_puts_open_clip_s_own_back_and_install_applies_the_table_again():
+    wrapper = open_clip.model._build_text_tower
+    try:
+        seams.uninstall()
+        for row in seams.SEAMS:
+            assert not hasattr(getattr(row.module, row.name), '__diffzoo_original__'), row.where
+        assert open_clip.model._build_text_tower is getattr(wrapper, '__diffzoo_original__')
+        assert open_clip.list_pretrained_tags_by_model('diffclip-b16') == []
+    finally:
+        seams.install()
+    assert open_clip.coca_model._build_text_tower is open_clip.model._build_text_tower is not wrapper  # made again
+    assert open_clip.list_pretrained_tags_by_model('diffclip-b16') == ['cc3m', 'cc12m']
