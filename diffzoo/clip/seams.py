@@ -1,8 +1,9 @@
-"""Every place diffzoo reaches into open_clip, in one module. `install()` is idempotent.
+"""Every place diffzoo reaches into open_clip, in one module: the table `SEAMS` (`diffzoo.seam`), applied for
+the process by `install()` (idempotent; `import diffzoo` calls it) and undone by `uninstall()`.
 
 open_clip 3.3 offers public hooks for configs only (`add_model_config`). The rest are narrow
-wrappers around module-level functions, each checked before it is wrapped so that a change in
-open_clip's internals fails here, by name, instead of somewhere deep in a forward pass:
+wrappers around module-level functions and its pretrained registry, all checked before any is replaced,
+so that a change in open_clip's internals fails here, by name, instead of somewhere deep in a forward pass:
 
 - `open_clip.model._build_text_tower` (and CoCa's own reference to it): a `text_cfg` holding a
   `diffzoo` key ({"variant": …, "lambda_init": …}) builds `DiffTextTransformer` through open_clip's own
@@ -16,8 +17,9 @@ open_clip's internals fails here, by name, instead of somewhere deep in a forwar
   official DiffCLIP files need, and converts the official DiffCLIP layout to open_clip keys.
 - `open_clip.factory.load_checkpoint`: a converted model's checkpoint (layers saved with their conversion
   settings) converts those blocks of the model first, so it reloads under the plain model name;
-  a checkpoint for another architecture fails with the first missing/unexpected keys instead of torch's full list; the non-persistent buffers that a scripted
-  model's checkpoint (open_clip_train's `--torchscript`) also holds are not unexpected.
+  a checkpoint for another architecture fails with the first missing/unexpected keys instead of torch's full
+  list; the non-persistent buffers that a scripted model's checkpoint (open_clip_train's `--torchscript`) also
+  holds are not unexpected.
 - `open_clip.pretrained._PRETRAINED`: DiffCLIP's pretrained tags (`cc3m`, `cc12m`).
 - `open_clip.factory.create_model` (and the `open_clip.create_model` it is exported as): a
   checkpoint file gets the preprocessing it was trained with (`diffzoo.checkpoint.preprocess_record`:
@@ -28,7 +30,6 @@ open_clip's internals fails here, by name, instead of somewhere deep in a forwar
 import contextlib
 import contextvars
 import functools
-import inspect
 import os
 import threading
 import warnings
@@ -44,44 +45,34 @@ import torch
 from open_clip.model import CLIPTextCfg, set_model_preprocess_cfg
 from open_clip.transformer import TextTransformer
 
+from diffzoo import seam
 from diffzoo.checkpoint import (
     CheckpointError, first_keys, is_official_diffclip, official_diffclip_to_open_clip, preprocess_record,
     read_state_dict,
 )
 from diffzoo.differential import SETTINGS, differentialize, prepare_for
 from diffzoo.layers.pretrained import RECORD
+from diffzoo.seam import LibraryChanged, Seam
 from .pretrained import PRETRAINED
 from .text_tower import DiffTextTransformer
 
 TESTED_OPEN_CLIP = '3.3.x'
 DIFFZOO_KEY = 'diffzoo'
-_WRAPPED = '__diffzoo_original__'
 
 
-class OpenClipChanged(RuntimeError):
-    pass
+class OpenClipChanged(LibraryChanged):
+    library = f'open_clip {open_clip.__version__}'
+    tested = f'open_clip_torch {TESTED_OPEN_CLIP}: pip install "open_clip_torch>=3.3,<3.4"'
 
 
 def expect_function(module, name: str, params) -> Callable:
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        raise OpenClipChanged(
-            f'open_clip {open_clip.__version__} has no {module.__name__}.{name}; diffzoo is tested with '
-            f'open_clip_torch {TESTED_OPEN_CLIP}: pip install "open_clip_torch>=3.3,<3.4"')
-    original = getattr(fn, _WRAPPED, fn)
-    found = list(inspect.signature(original).parameters)[:len(params)]
-    if found != list(params):
-        raise OpenClipChanged(
-            f'open_clip {open_clip.__version__}: {module.__name__}.{name}{tuple(found)} no longer takes '
-            f'{tuple(params)}; diffzoo is tested with open_clip_torch {TESTED_OPEN_CLIP}')
-    return original
+    """open_clip's own `module.name`, a function taking `params` first (`OpenClipChanged` when it is not)."""
+    return Seam(module, name, None, '', tuple(params)).original(OpenClipChanged)
 
 
 def wrap_function(module, name: str, params, make_wrapper) -> None:
-    original = expect_function(module, name, params)
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _WRAPPED, original)
-    setattr(module, name, wrapper)
+    """`module.name` wrapped by `make_wrapper(original)` for the process, checked as a table's row is."""
+    seam.apply([Seam(module, name, seam.wrapping(make_wrapper), '', tuple(params))], OpenClipChanged)
 
 
 def _conversion(where: str, settings) -> dict:
@@ -273,28 +264,53 @@ def register_configs() -> None:
         open_clip.add_model_config(str(configs))
 
 
-def install() -> None:
-    """Register diffzoo's configs and tags with open_clip and install the seams (idempotent)."""
-    wrap_function(open_clip.model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'),
-          _text_tower_builder)
-    expect_function(open_clip.coca_model, '_build_text_tower', ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype'))
-    open_clip.coca_model._build_text_tower = open_clip.model._build_text_tower  # CoCa's own reference
-    wrap_function(open_clip.model, '_build_vision_tower', ('embed_dim', 'vision_cfg', 'quick_gelu', 'cast_dtype'),
-                  _vision_tower_builder)
-    expect_function(open_clip.coca_model, '_build_vision_tower',
-                    ('embed_dim', 'vision_cfg', 'quick_gelu', 'cast_dtype'))
-    open_clip.coca_model._build_vision_tower = open_clip.model._build_vision_tower
-    wrap_function(open_clip.factory, 'load_state_dict', ('checkpoint_path', 'device', 'weights_only'),
-          _state_dict_loader)
-    wrap_function(open_clip.factory, 'load_checkpoint', ('model', 'checkpoint_path', 'strict', 'weights_only'),
-          _checkpoint_loader)
-    wrap_function(open_clip.factory, 'create_model', ('model_name', 'pretrained'), _model_creator)
-    open_clip.create_model = open_clip.factory.create_model  # the package's own reference
-    registry = getattr(open_clip.pretrained, '_PRETRAINED', None)
-    if not isinstance(registry, dict):
-        raise OpenClipChanged(f'open_clip {open_clip.__version__} has no pretrained registry '
-                              f'(open_clip.pretrained._PRETRAINED); tested with {TESTED_OPEN_CLIP}')
+class _Registry(dict):
+    """open_clip's pretrained registry with DiffCLIP's tags, holding open_clip's own (`seam.ORIGINAL`)."""
+
+
+def _with_diffclip_tags(registry: dict) -> dict:
+    registered = _Registry({name: dict(tags) for name, tags in registry.items()})
     for name, tags in PRETRAINED.items():
-        registry.setdefault(name, {}).update(tags)
+        registered.setdefault(name, {}).update(tags)
+    return seam.standing_in(registered, registry)
+
+
+TEXT_TOWER = ('embed_dim', 'text_cfg', 'quick_gelu', 'cast_dtype')
+VISION_TOWER = ('embed_dim', 'vision_cfg', 'quick_gelu', 'cast_dtype')
+_text_tower, _vision_tower = seam.wrapping(_text_tower_builder), seam.wrapping(_vision_tower_builder)
+_create_model = seam.wrapping(_model_creator)
+SEAMS = (
+    Seam(open_clip.model, '_build_text_tower', _text_tower, 'open_clip has no hook for a text tower of its own: a '
+         '`text_cfg` with a `diffzoo` key builds the differential one', TEXT_TOWER),
+    Seam(open_clip.coca_model, '_build_text_tower', _text_tower, 'CoCa\'s own reference to that builder', TEXT_TOWER),
+    Seam(open_clip.model, '_build_vision_tower', _vision_tower, 'open_clip has no hook on a tower it builds: a '
+         '`vision_cfg` with a `diffzoo` key gets its tower converted (`diffzoo.differentialize`)', VISION_TOWER),
+    Seam(open_clip.coca_model, '_build_vision_tower', _vision_tower, 'CoCa\'s own reference to that builder',
+         VISION_TOWER),
+    Seam(open_clip.factory, 'load_state_dict', seam.wrapping(_state_dict_loader), 'open_clip reads its own '
+         'layout only and refuses official DiffCLIP pickles under weights_only: their globals allowed, keys mapped',
+         ('checkpoint_path', 'device', 'weights_only')),
+    Seam(open_clip.factory, 'load_checkpoint', seam.wrapping(_checkpoint_loader), 'a converted model\'s checkpoint '
+         'does not fit the plain model open_clip builds: its blocks are converted first; another architecture\'s '
+         'checkpoint is named in one line', ('model', 'checkpoint_path', 'strict', 'weights_only')),
+    Seam(open_clip.factory, 'create_model', _create_model, 'open_clip gives a checkpoint file its default '
+         'preprocessing: diffzoo gives the one it was trained with; `diffzoo=` conversions; official DiffCLIP '
+         'hf-hub repos (no open_clip config) read as their tags', ('model_name', 'pretrained')),
+    Seam(open_clip, 'create_model', _create_model, 'the package\'s own reference to that function',
+         ('model_name', 'pretrained')),
+    Seam(open_clip.pretrained, '_PRETRAINED', _with_diffclip_tags, 'open_clip has no public hook for pretrained '
+         'tags: DiffCLIP\'s `cc3m` and `cc12m` added', holds=lambda registry: isinstance(registry, dict),
+         what='the pretrained registry (a dict)'),
+)
+
+
+def install() -> None:
+    """Apply `SEAMS` for the process and register diffzoo's configs (idempotent): a changed open_clip fails here,
+    by name, before anything is replaced."""
+    seam.apply(SEAMS, OpenClipChanged, keep=True)
     register_configs()
 
+
+def uninstall() -> None:
+    """open_clip's own functions and registry back (the config folder stays registered: open_clip has no removal)."""
+    seam.restore(SEAMS)

@@ -1,4 +1,5 @@
-"""Every place diffzoo reaches into CLIP_benchmark, in one module. `install()` is idempotent.
+"""Every place diffzoo reaches into CLIP_benchmark, in one module: the table `SEAMS` (`diffzoo.seam`), applied for
+the process by `install()` (idempotent) and undone by `uninstall()`.
 
 - `clip_benchmark.metrics.zeroshot_classification.accuracy` and the linear probe's reference to it:
   CLIP_benchmark 1.6.2 turns a (1,) array into a float, which NumPy 2 refuses ("only
@@ -6,19 +7,19 @@
   top-k accuracies with `.item()`. Checked before it is replaced, so a changed CLIP_benchmark fails
   here by name. Installed on import of `diffzoo.eval.benchmark` and by `python -m diffzoo.clip_benchmark`.
 """
-import functools
-import inspect
-
 import clip_benchmark
 import clip_benchmark.metrics.linear_probe as linear_probe
 import clip_benchmark.metrics.zeroshot_classification as zeroshot_classification
 
+from diffzoo import seam
+from diffzoo.seam import LibraryChanged, Seam
+
 TESTED_CLIP_BENCHMARK = '1.6.x'
-_REPLACED = '__diffzoo_original__'
 
 
-class ClipBenchmarkChanged(RuntimeError):
-    pass
+class ClipBenchmarkChanged(LibraryChanged):
+    library = f'CLIP_benchmark {getattr(clip_benchmark, "__version__", "?")}'
+    tested = f'clip-benchmark {TESTED_CLIP_BENCHMARK}'
 
 
 def accuracy(output, target, topk=(1,)):
@@ -28,14 +29,20 @@ def accuracy(output, target, topk=(1,)):
     return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
 
 
+_accuracy = seam.wrapping(lambda original: accuracy)
+ACCURACY = ('output', 'target', 'topk')
+SEAMS = (
+    Seam(zeroshot_classification, 'accuracy', _accuracy, 'CLIP_benchmark turns a (1,) array into a float, which '
+         'NumPy 2 refuses: the same top-k accuracies with `.item()`', ACCURACY),
+    Seam(linear_probe, 'accuracy', _accuracy, 'the linear probe\'s own reference to that function', ACCURACY),
+)
+
+
 def install() -> None:
-    original = getattr(zeroshot_classification.accuracy, _REPLACED, zeroshot_classification.accuracy)
-    params = list(inspect.signature(original).parameters)
-    if params[:3] != ['output', 'target', 'topk']:
-        raise ClipBenchmarkChanged(
-            f'CLIP_benchmark {getattr(clip_benchmark, "__version__", "?")}: zeroshot_classification.accuracy'
-            f'{tuple(params)} no longer takes (output, target, topk); diffzoo is tested with clip-benchmark '
-            f'{TESTED_CLIP_BENCHMARK}')
-    replacement = functools.wraps(original)(accuracy)
-    setattr(replacement, _REPLACED, original)
-    zeroshot_classification.accuracy = linear_probe.accuracy = replacement
+    """Apply `SEAMS` for the process (idempotent); a changed CLIP_benchmark fails here, by name."""
+    seam.apply(SEAMS, ClipBenchmarkChanged, keep=True)
+
+
+def uninstall() -> None:
+    """CLIP_benchmark's own `accuracy` back."""
+    seam.restore(SEAMS)

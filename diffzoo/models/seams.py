@@ -1,4 +1,6 @@
-"""Every place diffzoo reaches into timm beyond `@register_model`, in one module. `install()` is idempotent.
+"""Every place diffzoo reaches into timm beyond `@register_model`, in one module: the table `SEAMS`
+(`diffzoo.seam`), applied for the process by `install()` (idempotent; `import diffzoo` calls it) and undone by
+`uninstall()`.
 
 - `timm.models._factory.load_checkpoint`, the function `timm.create_model(…, checkpoint_path=…)` calls:
   for a `vit_diff_*` model it passes timm's own `filter_fn` argument, `checkpoint_path_filter`, so
@@ -8,23 +10,24 @@
   `timm.models.load_checkpoint` called directly, keep timm's strict load.
 """
 import functools
-import inspect
 import warnings
 
 import timm
 import timm.models._factory
 import torch
 
+from diffzoo import seam
 from diffzoo.checkpoint import SAFE_GLOBALS
+from diffzoo.seam import LibraryChanged, Seam
 from .vit_diff import MODEL_NAMES, diffclip_filter_fn
 
 HEAD = 'head.'
 LOAD_CHECKPOINT = ('model', 'checkpoint_path', 'use_ema', 'device', 'strict', 'remap', 'filter_fn')
-_WRAPPED = '__diffzoo_original__'
 
 
-class TimmChanged(RuntimeError):
-    pass
+class TimmChanged(LibraryChanged):
+    library = f'timm {timm.__version__}'
+    tested = 'timm 1.0.26-1.0.31'
 
 
 def checkpoint_path_filter(state_dict, model, checkpoint_path: str = 'the checkpoint'):
@@ -56,16 +59,18 @@ def _checkpoint_loader(original):
     return load_checkpoint
 
 
+SEAMS = (
+    Seam(timm.models._factory, 'load_checkpoint', seam.wrapping(_checkpoint_loader), '`create_model(…, '
+         'checkpoint_path=)` loads strictly with no filter: a `vit_diff_*` model gets timm\'s own `filter_fn`, so '
+         'open_clip and official DiffCLIP files load and a head of another size is made new', LOAD_CHECKPOINT),
+)
+
+
 def install() -> None:
-    """Install the seams (idempotent); a timm whose `load_checkpoint` changed fails here, by name."""
-    current = getattr(timm.models._factory, 'load_checkpoint', None)
-    original = getattr(current, _WRAPPED, current)
-    found = tuple(inspect.signature(original).parameters)[:len(LOAD_CHECKPOINT)] if callable(original) else ()
-    if found != LOAD_CHECKPOINT:
-        raise TimmChanged(
-            f'timm {timm.__version__}: timm.models._factory.load_checkpoint{found} no longer takes '
-            f'{LOAD_CHECKPOINT}; diffzoo is tested with timm 1.0.26-1.0.31')
-    if current is original:
-        wrapper = functools.wraps(original)(_checkpoint_loader(original))
-        setattr(wrapper, _WRAPPED, original)
-        timm.models._factory.load_checkpoint = wrapper
+    """Apply `SEAMS` for the process (idempotent); a timm whose `load_checkpoint` changed fails here, by name."""
+    seam.apply(SEAMS, TimmChanged, keep=True)
+
+
+def uninstall() -> None:
+    """timm's own `load_checkpoint` back."""
+    seam.restore(SEAMS)

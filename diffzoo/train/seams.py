@@ -1,11 +1,13 @@
-"""Every place `python -m diffzoo.train` reaches into open_clip_train, in one module.
+"""Every place `python -m diffzoo.train` reaches into open_clip_train, in one module: `table(…)`
+(`diffzoo.seam`, its rows' reasons listed in docs/architecture.md), applied by `installed()` for the duration of
+one `open_clip_train.main.main` call, in the training process only (`import diffzoo` alone changes nothing in
+open_clip_train), and undone after it, by an error too. Nothing of torch or webdataset is changed; the rows:
 
-Installed by `installed()` for the duration of one `open_clip_train.main.main` call, in the
-training process only (`import diffzoo` alone changes nothing in open_clip_train):
-
-- `torch.nn.parallel.DistributedDataParallel` as open_clip_train.main sees it: open_clip wraps the
-  model with `device_ids=[device]`, which DDP refuses for a CPU module; the CPU case drops them
-  (gloo on CPU then works, e.g. `torchrun --nproc_per_node 2` on a laptop).
+- `open_clip_train.main.torch`, the only name through which main saves checkpoints and wraps the model in DDP:
+  a view of torch (`TorchForMain`) whose `save` (checkpoints only, in that module) writes a file whole or not at
+  all, checking the disk's free space first (`diffzoo.train.saving`), and whose
+  `nn.parallel.DistributedDataParallel` drops `device_ids=[device]` for a CPU module, which DDP refuses (gloo on
+  CPU then works, e.g. `torchrun --nproc_per_node 2` on a laptop); every other name is torch's own.
 - `open_clip_train.main.train_one_epoch`: reseeds the trainer's generators from --seed, rank and
   epoch (`diffzoo.train.shuffle.reseed`); around each epoch, logs λ and loss
   (`diffzoo.train.metrics`) and, at its end, gathers what the data pipeline skipped from every
@@ -27,33 +29,39 @@ training process only (`import diffzoo` alone changes nothing in open_clip_train
   `.get_latest_checkpoint`, its choice of that checkpoint: `diffzoo.train.resume` reads it with
   weights_only=True whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, locally or through fsspec, falls back to
   the newest intact `epoch_K.pt` beside an unreadable one and says which, and never picks a `tmp.pt`.
-- `open_clip_train.main.torch`: the same torch, but its `save` (checkpoints only, in that module) writes a
-  file whole or not at all, checking the disk's free space first (`diffzoo.train.saving`).
 - with a recipe's `lambda_lr`: `open_clip_train.main.create_model_and_transforms` and `.optim` and
   `open_clip_train.scheduler.assign_learning_rate`, so λ and the sub-norm train in their own AdamW groups
   at lambda_lr under the same schedule (`diffzoo.train.lambda_lr`).
 - `open_clip_train.main.setup_logging`: its console handler shows one line where open_clip_train logs the
   model's structure and every parameter (they stay in RUN_DIR/out.log).
-- torch's loggers, which open_clip_train's logging set-up lowers to INFO, get their levels back; the
-  root logger's handlers that its set-up adds (console, RUN_DIR/out.log) are closed and removed after
-  the run, so a second run in the same process (`diffzoo.train.launch.main(argv)` from Python) logs
-  to its own out.log only.
+
+Around the table, for the run: the data pipeline counts into a temporary folder that data-loader workers find
+through the environment variable `DIFFZOO_DATA_EVENTS` (`_data_events_folder`); the root logger's handlers that
+open_clip_train's set-up adds (console, RUN_DIR/out.log) are closed and removed and its level put back, and the
+loggers that set-up lowers to INFO get their levels back (torch's during the run too), so a second run in the
+same process (`diffzoo.train.launch.main(argv)` from Python) logs to its own out.log only (`_logging_restored`);
+torch's FutureWarning that `torch.distributed.nn.functional.all_gather` is deprecated (open_clip's loss under
+`--gather-with-grad` calls it every step) is not shown (`warnings.catch_warnings`, the filters as before after).
 """
 import contextlib
+import functools
 import logging
 import os
 import shutil
 import tempfile
 import warnings
-from typing import Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import open_clip_train.data
 import open_clip_train.main
 import open_clip_train.scheduler
 import torch
+import webdataset
 from torch.nn.parallel import DistributedDataParallel
 
-from diffzoo.clip.seams import expect_function
+from diffzoo import seam
+from diffzoo.clip.seams import OpenClipChanged
+from diffzoo.seam import ModuleView, Seam, constant, standing_in, wrapping
 from . import data_events, data_report, data_stages, device_data, lambda_lr
 from .metrics import LambdaLog, drop_records_after
 from .recipe import DATA_BACKENDS
@@ -140,89 +148,127 @@ def _epoch_wrapper(original, events_dir: str):
     return train_one_epoch
 
 
+class TorchForMain(TorchForCheckpoints):
+    """torch as open_clip_train.main sees it during a run: `save` writes checkpoints whole (`TorchForCheckpoints`),
+    `nn.parallel.DistributedDataParallel` is `CpuAwareDistributedDataParallel`; every other name is torch's."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        parallel = ModuleView(module.nn.parallel, DistributedDataParallel=CpuAwareDistributedDataParallel)
+        self.nn = ModuleView(module.nn, parallel=parallel)
+
+
+def table(events_dir: str, lambda_lr_scale: Optional[float] = None,
+          data_backend: str = 'open_clip') -> Tuple[Seam, ...]:
+    """The table for one run (module docstring); `events_dir`: where the data pipeline counts."""
+    data, main, scheduler = open_clip_train.data, open_clip_train.main, open_clip_train.scheduler
+    seeded = WebdatasetSeededShuffle(webdataset)  # open_clip_train.data's `wds`, as its row checks
+
+    def get_wds_dataset(original):
+        build = seeded.bind(original)
+        return device_data.wds_dataset_on_device(build, data) if data_backend == 'device' else build
+
+    def shared_epoch(_) -> bool:  # what seeded.bind reads from the DataInfo get_wds_dataset returns
+        return 'shared_epoch' in getattr(data.DataInfo, '__dataclass_fields__', {})
+    rows = [
+        Seam(data, 'filter_no_caption_or_no_image', constant(data_events.filter_no_caption_or_no_image),
+             'it drops a sample without caption or image uncounted: counted, and a blank caption dropped too',
+             ('sample',)),
+        Seam(data, 'log_and_continue', constant(data_events.log_and_continue),
+             'its handler of a sample or shard that fails only logs it: counted and named', ('exn',)),
+        Seam(data, 'tarfile_to_samples_nothrow', constant(data_events.tarfile_to_samples_nothrow),
+             'it passes over an empty or unreadable shard uncounted and keeps no sample\'s place in its shard: '
+             'both counted and kept', ('src', 'handler')),
+        Seam(data, 'wds', lambda wds: standing_in(data_stages.CountingWebdataset(seeded), wds),
+             'webdataset seeds its shuffle from the clock and no stage counts what is trained: a seeded shuffle, '
+             'counting stages, a worker\'s passes batched as one stream',
+             holds=lambda wds: wds is webdataset, what='the webdataset module'),
+        Seam(data, 'get_wds_dataset', wrapping(get_wds_dataset),
+             'its shuffles get no seed: the run\'s seed, rank and epoch handed to them (a resume replays the '
+             'order); with data_backend device, training batches decoded on the device',
+             ('args', 'preprocess_img', 'is_train', 'epoch'), shared_epoch, 'a builder of DataInfo(shared_epoch=…)'),
+        Seam(main, 'pt_load', constant(load_resume_checkpoint),
+             'it reads the checkpoint it resumes from with torch.load as the environment sets it, and a damaged '
+             'one ends the run: weights_only always, the newest intact epoch_K.pt instead',
+             ('file_path', 'map_location')),
+        Seam(main, 'get_latest_checkpoint', constant(latest_checkpoint),
+             'it picks the last `*.pt` by name, a `tmp.pt` left by a cut save too: `epoch_latest.pt` or the newest '
+             '`epoch_K.pt`', ('path', 'remote')),
+        Seam(main, 'setup_logging', wrapping(_quiet_console),
+             'its console shows the model\'s structure and every parameter: one line (the log file keeps them)',
+             ('log_file', 'level', 'include_host')),
+        Seam(main, 'train_one_epoch', wrapping(functools.partial(_epoch_wrapper, events_dir=events_dir)),
+             'no hook around an epoch: the trainer reseeded, λ and loss logged, the data skipped reported',
+             ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
+        Seam(main, 'torch', lambda module: standing_in(TorchForMain(module), module),
+             'main saves checkpoints with torch.save straight to their names (a cut save leaves a truncated file) '
+             'and gives a CPU model\'s DDP device_ids=[cpu], which DDP refuses, both through its own `torch`: a '
+             'view of torch that saves whole and drops those device_ids',
+             holds=lambda module: module is torch, what='torch'),
+    ]
+    if lambda_lr_scale is not None:
+        noted = set()  # the differential parameters of the model main creates, for its optimizer
+        rows += [
+            Seam(main, 'create_model_and_transforms', wrapping(functools.partial(lambda_lr.model_creator, noted=noted)),
+                 '(lambda_lr) the model\'s λ and sub-norm parameters noted for the optimizer',
+                 ('model_name', 'pretrained')),
+            Seam(main, 'optim',
+                 lambda optim: standing_in(lambda_lr.OptimWithLambdaGroups(optim, noted, lambda_lr_scale), optim),
+                 '(lambda_lr) its AdamW groups are by weight decay only: λ and the sub-norm in groups of their own',
+                 holds=lambda optim: optim is torch.optim, what='torch.optim'),
+            Seam(scheduler, 'assign_learning_rate', constant(lambda_lr.assign_learning_rate),
+                 '(lambda_lr) it sets one lr on every group: each group\'s lr_scale kept', ('optimizer', 'new_lr')),
+        ]
+    return tuple(rows)
+
+
 @contextlib.contextmanager
-def installed(lambda_lr_scale: Optional[float] = None, data_backend: str = 'open_clip'):
-    """Patch open_clip_train for one run and restore it afterwards; `lambda_lr_scale`: λ and the sub-norm
+def _data_events_folder() -> Iterator[str]:
+    """A temporary folder the data pipeline counts into (`diffzoo.train.data_events`), named to data-loader workers
+    by the environment variable they inherit; after the run the variable is as it was and the folder is gone."""
+    folder = tempfile.mkdtemp(prefix='diffzoo-data-')
+    previous = os.environ.get(data_events.ENV)
+    os.environ[data_events.ENV] = folder
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            os.environ.pop(data_events.ENV, None)
+        else:
+            os.environ[data_events.ENV] = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _logger_levels() -> Dict[str, int]:
+    return {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+            if isinstance(logger, logging.Logger)}
+
+
+@contextlib.contextmanager
+def _logging_restored() -> Iterator[None]:
+    """After the run: the root logger's handlers that open_clip_train's set-up added closed and removed, its level
+    and every logger's that set-up lowered back, torch's loggers made during the run at torch's levels."""
+    handlers, level, levels = list(logging.root.handlers), logging.root.level, _logger_levels()
+    try:
+        yield
+    finally:
+        _quiet_torch_loggers()
+        for name, logger_level in levels.items():
+            logging.getLogger(name).setLevel(logger_level)
+        for handler in [h for h in logging.root.handlers if h not in handlers]:
+            logging.root.removeHandler(handler)
+            handler.close()
+        logging.root.setLevel(level)
+
+
+@contextlib.contextmanager
+def installed(lambda_lr_scale: Optional[float] = None, data_backend: str = 'open_clip') -> Iterator[None]:
+    """open_clip_train with the table for one run, as it was afterwards; `lambda_lr_scale`: λ and the sub-norm
     train at this multiple of the schedule's lr (`diffzoo.train.lambda_lr`); `data_backend` 'device': images
     decoded and transformed in the training process, on its device (`diffzoo.train.device_data`)."""
     if data_backend not in DATA_BACKENDS:
         raise ValueError(f'data_backend {data_backend!r}: one of {", ".join(DATA_BACKENDS)}')
-    data_mod, main_mod, scheduler_mod = open_clip_train.data, open_clip_train.main, open_clip_train.scheduler
-    originals = {
-        (data_mod, 'filter_no_caption_or_no_image'): expect_function(data_mod, 'filter_no_caption_or_no_image',
-                                                                     ('sample',)),
-        (data_mod, 'log_and_continue'): expect_function(data_mod, 'log_and_continue', ('exn',)),
-        (data_mod, 'tarfile_to_samples_nothrow'): expect_function(data_mod, 'tarfile_to_samples_nothrow',
-                                                                  ('src', 'handler')),
-        (data_mod, 'get_wds_dataset'): expect_function(data_mod, 'get_wds_dataset',
-                                                       ('args', 'preprocess_img', 'is_train', 'epoch')),
-        (main_mod, 'pt_load'): expect_function(main_mod, 'pt_load', ('file_path', 'map_location')),
-        (main_mod, 'get_latest_checkpoint'): expect_function(main_mod, 'get_latest_checkpoint', ('path', 'remote')),
-        (main_mod, 'setup_logging'): expect_function(main_mod, 'setup_logging', ('log_file', 'level', 'include_host')),
-        (main_mod, 'train_one_epoch'): expect_function(
-            main_mod, 'train_one_epoch',
-            ('model', 'data', 'loss', 'epoch', 'optimizer', 'scaler', 'scheduler', 'dist_model', 'args')),
-    }
-    if lambda_lr_scale is not None:
-        originals[(scheduler_mod, 'assign_learning_rate')] = expect_function(
-            scheduler_mod, 'assign_learning_rate', ('optimizer', 'new_lr'))
-        originals[(main_mod, 'create_model_and_transforms')] = expect_function(
-            main_mod, 'create_model_and_transforms', ('model_name', 'pretrained'))
-    main_optim = main_mod.optim
-    if not callable(getattr(getattr(data_mod, 'wds', None), 'shuffle', None)):
-        raise RuntimeError('open_clip_train.data no longer uses webdataset as `wds` with a `shuffle` stage; '
-                           'diffzoo.train.seams needs updating for this open_clip_train version')
-    main_torch = getattr(main_mod, 'torch', None)
-    if not (main_torch is torch or isinstance(main_torch, TorchForCheckpoints)):  # (the latter: installed twice)
-        raise RuntimeError('open_clip_train.main no longer imports torch as `torch` (its checkpoints are saved '
-                           'through torch.save there); diffzoo.train.seams needs updating for this version')
-    if 'shared_epoch' not in getattr(data_mod.DataInfo, '__dataclass_fields__', {}):
-        raise RuntimeError('open_clip_train.data.DataInfo no longer carries `shared_epoch`; '
-                           'diffzoo.train.seams needs updating for this open_clip_train version')
-    webdataset_module = data_mod.wds
-    parallel = main_mod.torch.nn.parallel
-    ddp = parallel.DistributedDataParallel
-    events_dir = tempfile.mkdtemp(prefix='diffzoo-data-')
-    warnings.filterwarnings('ignore', message='torch.distributed.nn.functional.all_gather is deprecated')
-    previous_env = os.environ.get(data_events.ENV)
-    os.environ[data_events.ENV] = events_dir  # data-loader workers inherit it
-    root_handlers, root_level = list(logging.root.handlers), logging.root.level
-    try:
-        data_mod.filter_no_caption_or_no_image = data_events.filter_no_caption_or_no_image
-        data_mod.log_and_continue = data_events.log_and_continue
-        data_mod.tarfile_to_samples_nothrow = data_events.tarfile_to_samples_nothrow
-        seeded = WebdatasetSeededShuffle(webdataset_module)
-        data_mod.wds = data_stages.CountingWebdataset(seeded)
-        data_mod.get_wds_dataset = seeded.bind(originals[(data_mod, 'get_wds_dataset')])
-        if data_backend == 'device':
-            data_mod.get_wds_dataset = device_data.wds_dataset_on_device(data_mod.get_wds_dataset, data_mod)
-        main_mod.pt_load = load_resume_checkpoint
-        main_mod.get_latest_checkpoint = latest_checkpoint
-        main_mod.setup_logging = _quiet_console(originals[(main_mod, 'setup_logging')])
-        main_mod.train_one_epoch = _epoch_wrapper(originals[(main_mod, 'train_one_epoch')], events_dir)
-        parallel.DistributedDataParallel = CpuAwareDistributedDataParallel
-        main_mod.torch = TorchForCheckpoints(torch)
-        if lambda_lr_scale is not None:
-            noted = set()
-            main_mod.create_model_and_transforms = lambda_lr.model_creator(
-                originals[(main_mod, 'create_model_and_transforms')], noted)
-            main_mod.optim = lambda_lr.OptimWithLambdaGroups(main_optim, noted, lambda_lr_scale)
-            scheduler_mod.assign_learning_rate = lambda_lr.assign_learning_rate
-        yield
-    finally:
-        for (module, name), fn in originals.items():
-            setattr(module, name, fn)
-        parallel.DistributedDataParallel = ddp
-        main_mod.torch = main_torch
-        main_mod.optim = main_optim
-        data_mod.wds = webdataset_module
-        if previous_env is None:
-            os.environ.pop(data_events.ENV, None)
-        else:
-            os.environ[data_events.ENV] = previous_env
-        shutil.rmtree(events_dir, ignore_errors=True)
-        _quiet_torch_loggers()
-        for handler in [h for h in logging.root.handlers if h not in root_handlers]:
-            logging.root.removeHandler(handler)
-            handler.close()
-        logging.root.setLevel(root_level)
+    with _data_events_folder() as events_dir, _logging_restored(), warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.distributed.nn.functional.all_gather is deprecated')
+        with seam.patched(table(events_dir, lambda_lr_scale, data_backend), OpenClipChanged):
+            yield

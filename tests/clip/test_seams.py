@@ -175,3 +175,17 @@ def test_a_text_transformer_not_open_clips_own_fails_loudly(monkeypatch):
     monkeypatch.setattr(open_clip.model, 'TextTransformer', type('TextTransformer', (torch.nn.Module,), {}))
     with pytest.raises(seams.OpenClipChanged, match='open_clip.model.TextTransformer is not'):
         _built_from({}, True)
+
+
+def test_uninstall_puts_open_clip_s_own_back_and_install_applies_the_table_again():
+    wrapper = open_clip.model._build_text_tower
+    try:
+        seams.uninstall()
+        for row in seams.SEAMS:
+            assert not hasattr(getattr(row.module, row.name), '__diffzoo_original__'), row.where
+        assert open_clip.model._build_text_tower is getattr(wrapper, '__diffzoo_original__')
+        assert open_clip.list_pretrained_tags_by_model('diffclip-b16') == []
+    finally:
+        seams.install()
+    assert open_clip.coca_model._build_text_tower is open_clip.model._build_text_tower is not wrapper  # made again
+    assert open_clip.list_pretrained_tags_by_model('diffclip-b16') == ['cc3m', 'cc12m']

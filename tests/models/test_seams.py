@@ -24,3 +24,14 @@ def test_a_changed_load_checkpoint_fails_loudly(monkeypatch):
     with pytest.raises(seams.TimmChanged, match=r"load_checkpoint\('model', 'checkpoint_path', 'strict'\) no longer "
                                                 r"takes .*tested with timm"):
         seams.install()
+
+
+def test_uninstall_puts_timm_s_own_load_checkpoint_back():
+    wrapper = timm.models._factory.load_checkpoint
+    try:
+        seams.uninstall()
+        assert timm.models._factory.load_checkpoint is timm.models.load_checkpoint
+    finally:
+        seams.install()
+    assert getattr(timm.models._factory.load_checkpoint, '__diffzoo_original__') is timm.models.load_checkpoint
+    assert timm.models._factory.load_checkpoint is not wrapper  # the table applied again, from timm's own

@@ -1,14 +1,15 @@
 """Run under torchrun (gloo, CPU): is a DDP step of open_clip_train, as diffzoo launches it, the
 single-process step on the global batch? Rank 0 writes the relative gradient errors to argv[1].
 
-open_clip_train wraps the model as `DistributedDataParallel(model, device_ids=[device])` and, with
-the recipes' `--local-loss --gather-with-grad`, computes each rank's loss against features gathered
-from every rank. Both run here exactly so, inside `diffzoo.train.seams.installed()`.
+open_clip_train wraps the model as `torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])`
+through its own module's `torch` and, with the recipes' `--local-loss --gather-with-grad`, computes each rank's
+loss against features gathered from every rank. Both run here exactly so, inside `diffzoo.train.seams.installed()`.
 """
 import json
 import sys
 
 import open_clip
+import open_clip_train.main
 import torch
 import torch.distributed as dist
 
@@ -38,7 +39,7 @@ def main(out_path):
     model.zero_grad(set_to_none=True)
 
     with seams.installed():
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device('cpu')])
+        ddp = open_clip_train.main.torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device('cpu')])
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     clip_loss(ddp, images[mine], texts[mine], local_loss=True, gather_with_grad=True, rank=rank,
               world_size=world).backward()
