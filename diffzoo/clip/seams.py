@@ -124,25 +124,19 @@ def _text_tower_builder(original):
     return _build_text_tower
 
 
-_TEXT_TRANSFORMER_BOUND = threading.Lock()  # one differential text tower built at a time
+_TEXT_TOWER_BUILDS = threading.Lock()  # one differential text tower built at a time
 
 
 @contextlib.contextmanager
 def differential_text_transformer(**settings):
-    """`open_clip.model.TextTransformer` bound to `DiffTextTransformer` with `settings` (variant, lambda_init) while
-    one `_build_text_tower` call runs, and restored after. open_clip has no hook for its text tower's class;
-    so bound, its own builder maps the whole `CLIPTextCfg` (every field it reads, as it reads it) onto the
-    differential tower. A builder that no longer builds through that name fails here, by name."""
-    with _TEXT_TRANSFORMER_BOUND:
-        if getattr(open_clip.model, 'TextTransformer', None) is not TextTransformer:
-            raise OpenClipChanged(f'open_clip {open_clip.__version__}: open_clip.model.TextTransformer is not '
-                                  f'open_clip.transformer.TextTransformer; diffzoo is tested with open_clip_torch '
-                                  f'{TESTED_OPEN_CLIP}')
-        open_clip.model.TextTransformer = functools.partial(DiffTextTransformer, **settings)
-        try:
-            yield
-        finally:
-            open_clip.model.TextTransformer = TextTransformer
+    """open_clip's builder, while one `_build_text_tower` call runs, building `DiffTextTransformer` with `settings`
+    (variant, lambda_init) where it builds its `TextTransformer`: it then maps the whole `CLIPTextCfg` (every
+    field it reads, as it reads it) onto the differential tower."""
+    row = Seam(open_clip.model, 'TextTransformer', seam.constant(functools.partial(DiffTextTransformer, **settings)),
+               'no hook for its text tower\'s class: its builder reads every CLIPTextCfg field into this one',
+               holds=lambda original: original is TextTransformer, what='open_clip.transformer.TextTransformer')
+    with _TEXT_TOWER_BUILDS, seam.patched([row], OpenClipChanged):
+        yield
 
 
 def _state_dict_loader(original):

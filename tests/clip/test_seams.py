@@ -173,7 +173,7 @@ def test_a_custom_differential_text_tower_trains_with_grad_checkpointing():
 
 def test_a_text_transformer_not_open_clips_own_fails_loudly(monkeypatch):
     monkeypatch.setattr(open_clip.model, 'TextTransformer', type('TextTransformer', (torch.nn.Module,), {}))
-    with pytest.raises(seams.OpenClipChanged, match='open_clip.model.TextTransformer is not'):
+    with pytest.raises(seams.OpenClipChanged, match='open_clip.model.TextTransformer is no longer'):
         _built_from({}, True)
 
 
