@@ -28,9 +28,9 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .differential import PARAMETER_NAMES, _suffix, differential_state_dict, differentialize, find_decoder
+from .differential import PARAMETER_NAMES, _suffix, differential_state_dict, differentialize
 from .hf_config import SETTINGS_KEY, saved_settings
-from .parts import PROJECTION, model_parts
+from .parts import PROJECTION, find_decoder, model_parts
 from .plan import LoraSettings, apply_plan, lora_fine_tune
 
 EXTRA_WEIGHTS, EXTRA_CONFIG = 'diffzoo_extra.safetensors', 'diffzoo_extra.json'

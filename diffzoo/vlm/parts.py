@@ -1,18 +1,21 @@
 """The parts of a vision-language model that training and saving ask about: `model_parts(model) -> ModelParts`.
 
-    decoder_model          the transformers model that holds the decoder: what `differentialize` changes and
-                           LoRA wraps
-    vision                 the vision tower, when the model holds it apart (None: inside the decoder model)
-    projection             the modules between the two that live outside the decoder model, by name (saved
-                           beside an adapter): a `build_vlm` projector and eRAM-V's post-projection MLP
-    attach(decoder_model)  the parts with a peft wrapper of the decoder model (or its merged weights) in its place
-    differential()         λ and the sub-norm of the decoder's differential layers
-    layer_modules(names)   where LoRA goes: the decoder layers' modules of those names
+    decoder_model               the transformers model that holds the decoder: what `differentialize` changes and
+                                LoRA wraps
+    vision                      the vision tower, when the model holds it apart (None: inside the decoder model)
+    projection                  the modules between the two that live outside the decoder model, by name (saved
+                                beside an adapter): a `build_vlm` projector and eRAM-V's post-projection MLP
+    attach(decoder_model)       the parts with a peft wrapper of the decoder model (or its merged weights) in its place
+    differential()              λ and the sub-norm of the decoder's differential layers
+    layer_modules(names)        where LoRA goes: the decoder layers' modules of those names
 
-A `build_vlm` model (`VisionLanguageModel`) holds its tower, projector and language model apart. A transformers
-model (a PaliGemma checkpoint, a causal LM, or the peft model around either) is its own decoder model: its tower
-and projector are inside it and train or freeze with it. The answer is chosen once, by the model's class
-(`functools.singledispatch`), so no caller branches on the kind of model.
+and, for any transformers model, `find_decoder` (its decoder stack, the module holding `.layers`) and
+`differential_parameters` (the λ and sub-norm parameters `differentialize` added to it).
+
+A transformers model (a PaliGemma checkpoint, a causal LM, or the peft model around either) is its own decoder
+model: its tower and projector are inside it and train or freeze with it. A `build_vlm` model (`VisionLanguageModel`)
+holds its tower, projector and language model apart; `diffzoo.vlm.model`, which defines it, registers its parts. The
+answer is chosen once, by the model's class (`functools.singledispatch`), so no caller branches on the kind of model.
 """
 from dataclasses import dataclass, field
 from functools import singledispatch
@@ -20,10 +23,35 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.nn as nn
 
-from .differential import differential_parameters, find_decoder
-from .model import VisionLanguageModel
+from diffzoo.layers.lambdas import LAMBDA_VECTORS
 
 PROJECTION = ('projector', 'post_mlp')  # a build_vlm model's children between tower and language model
+
+
+def find_decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (the module holding `.layers` and its text config) of a transformers model."""
+    candidates = [model]
+    if hasattr(model, 'get_decoder'):
+        candidates.insert(0, model.get_decoder())
+    for name in ('model', 'language_model', 'base_model'):
+        sub = getattr(model, name, None)
+        if isinstance(sub, nn.Module):
+            candidates.append(sub)
+            if hasattr(sub, 'get_decoder'):
+                candidates.append(sub.get_decoder())
+    for c in candidates:
+        layers = getattr(c, 'layers', None)
+        if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(layers[0], 'self_attn'):
+            return c
+    raise ValueError(
+        f'{type(model).__name__}: no decoder with `.layers[i].self_attn` found; differentialize takes a '
+        f'transformers decoder model (e.g. PaliGemmaForConditionalGeneration, GemmaForCausalLM, LlamaForCausalLM)')
+
+
+def differential_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """λ and sub-norm parameters that `differentialize` added."""
+    return [p for m in model.modules() if hasattr(m, 'differential')
+            for p in (*(getattr(m, name) for name in LAMBDA_VECTORS), m.sub_norm.weight)]
 
 
 @dataclass(frozen=True)
@@ -60,9 +88,3 @@ class ModelParts:
 def model_parts(model: nn.Module) -> ModelParts:
     """A transformers model (PaliGemma, a causal LM, a peft model around one): its own decoder model."""
     return ModelParts(model, model)
-
-
-@model_parts.register
-def _(model: VisionLanguageModel) -> ModelParts:
-    projection = {name: module for name, module in model.named_children() if name in PROJECTION}
-    return ModelParts(model, model.language_model, model.vision, projection)

@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from diffzoo.train.vlm.stage import whole_tensor  # noqa: E402
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
-from diffzoo.vlm.differential import find_decoder  # noqa: E402
 from diffzoo.vlm.factory import load_vlm, prepare  # noqa: E402
 from diffzoo.vlm.recipe import check  # noqa: E402
+from diffzoo.vlm.parts import find_decoder  # noqa: E402
 from diffzoo.vlm.stages import copy_tensors  # noqa: E402
 
 
