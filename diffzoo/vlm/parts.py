@@ -7,7 +7,7 @@
                                 beside an adapter): a `build_vlm` projector and eRAM-V's post-projection MLP
     attach(decoder_model)       the parts with a peft wrapper of the decoder model (or its merged weights) in its place
     differential()              λ and the sub-norm of the decoder's differential layers
-    layer_modules(names)        where LoRA goes: the decoder layers' modules of those names
+    layer_module_pattern(names) where LoRA goes: a regular expression of the decoder layers' modules of those names
 
 and, for any transformers model, `find_decoder` (its decoder stack, the module holding `.layers`) and
 `differential_parameters` (the λ and sub-norm parameters `differentialize` added to it).
@@ -76,7 +76,7 @@ class ModelParts:
         among them."""
         return differential_parameters(self.decoder_model)
 
-    def layer_modules(self, names: Sequence[str]) -> str:
+    def layer_module_pattern(self, names: Sequence[str]) -> str:
         """A regular expression of the decoder layers' modules called `names` (q_proj, gate_proj, …), by their
         names in the decoder model: where LoRA goes."""
         path = {module: name for name, module in self.decoder_model.named_modules()}[find_decoder(self.decoder_model)]
