@@ -67,9 +67,8 @@ from diffzoo.layers.lambdas import LAMBDA_VECTORS
 from .attention import DIFF_EAGER, DIFF_SDPA, layer_lambda, register_attention
 from .hf_config import SETTINGS_KEY, mark_differential, saved_settings
 from .options import HEAD_PAIRINGS, MLPS, VARIANTS
-from .parts import find_decoder
+from .parts import PARAMETER_NAMES, find_decoder
 
-PARAMETER_NAMES = (*LAMBDA_VECTORS, 'sub_norm.weight')  # what differentialize adds, as state-dict key endings
 SUB_NORM_EPS = 1e-5  # unilm's and timm's DiffAttention sub-norm
 
 

@@ -9,8 +9,10 @@
     differential()              λ and the sub-norm of the decoder's differential layers
     layer_module_pattern(names) where LoRA goes: a regular expression of the decoder layers' modules of those names
 
-and, for any transformers model, `find_decoder` (its decoder stack, the module holding `.layers`) and
-`differential_parameters` (the λ and sub-norm parameters `differentialize` added to it).
+`find_decoder(model)` is a transformers model's decoder stack (the module holding `.layers`),
+`differential_parameters(model)` the λ and sub-norm parameters `differentialize` added to it (`PARAMETER_NAMES`: their
+state-dict key endings), and `trainable_parameters(model)` what trains, counted by part (LoRA adapters, λ and the
+sub-norm, the projector, the rest).
 
 A transformers model (a PaliGemma checkpoint, a causal LM, or the peft model around either) is its own decoder
 model: its tower and projector are inside it and train or freeze with it. A `build_vlm` model (`VisionLanguageModel`)
@@ -26,6 +28,8 @@ import torch.nn as nn
 from diffzoo.layers.lambdas import LAMBDA_VECTORS
 
 PROJECTION = ('projector', 'post_mlp')  # a build_vlm model's children between tower and language model
+PROJECTION_PREFIXES = tuple(f'{name}.' for name in PROJECTION)  # projector., post_mlp.
+PARAMETER_NAMES = (*LAMBDA_VECTORS, 'sub_norm.weight')  # what differentialize adds, as state-dict key endings
 
 
 def find_decoder(model: nn.Module) -> nn.Module:
@@ -52,6 +56,25 @@ def differential_parameters(model: nn.Module) -> List[nn.Parameter]:
     """λ and sub-norm parameters that `differentialize` added."""
     return [p for m in model.modules() if hasattr(m, 'differential')
             for p in (*(getattr(m, name) for name in LAMBDA_VECTORS), m.sub_norm.weight)]
+
+
+def trainable_parameters(model: nn.Module) -> Dict[str, int]:
+    """Counts of trainable parameters by kind: lora, differential, projector (with eRAM-V's post-MLP), other."""
+    counts = {'lora': 0, 'differential': 0, 'projector': 0, 'other': 0}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if 'lora_' in name:
+            kind = 'lora'
+        elif name.endswith(PARAMETER_NAMES):
+            kind = 'differential'
+        elif name.startswith(PROJECTION_PREFIXES):
+            kind = 'projector'
+        else:
+            kind = 'other'
+        counts[kind] += p.numel()
+    counts['total'] = sum(counts.values())
+    return counts
 
 
 @dataclass(frozen=True)
@@ -88,3 +111,4 @@ class ModelParts:
 def model_parts(model: nn.Module) -> ModelParts:
     """A transformers model (PaliGemma, a causal LM, a peft model around one): its own decoder model."""
     return ModelParts(model, model)
+
