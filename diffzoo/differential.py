@@ -46,6 +46,7 @@ from diffzoo.layers.diff_attention import check_options
 from diffzoo.layers.pretrained import (HEAD_PAIRINGS, RECORD, PretrainedDifferentialAttention, copy_modules,
                                        differential_heads, read_record)
 from diffzoo.layers.residual import DiffResidualAttentionBlock
+from diffzoo.vlm.parts import find_decoder
 
 SETTINGS = ('variant', 'lambda_init', 'blocks', 'head_pairing', 'lambda_proj_init')  # differentialize's keywords
 
@@ -197,7 +198,7 @@ def differentialize(model: nn.Module, variant: str = 'duplicate', lambda_init: U
     if _hf(model):
         if lambda_proj_init != 'unilm':
             raise ValueError('lambda_proj_init is v2\'s; transformers decoders take variant "duplicate" or "split"')
-        from diffzoo.vlm.differential import differentialize as hf_differentialize, find_decoder  # transformers only
+        from diffzoo.vlm.differential import differentialize as hf_differentialize  # transformers only
         if blocks is not None:
             blocks = block_indices(blocks, len(find_decoder(model).layers), f'{type(model).__name__}\'s decoder')
         return hf_differentialize(model, variant=variant, lambda_init=lambda_init, layers=blocks,

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA
-from diffzoo.vlm.differential import find_decoder
+from diffzoo.vlm.parts import find_decoder
 
 
 @contextmanager

@@ -19,9 +19,9 @@ from diffzoo._lazy import lazy_exports
 
 _LAZY = {  # name → submodule; imported on first use (PEP 562), so `diffzoo.vlm.recipe` and `.options`
     # load without torch or transformers (a command's --help)
-    'differential_parameters': 'differential', 'differentialize': 'differential', 'load_differential': 'differential',
+    'differential_parameters': 'parts', 'differentialize': 'differential', 'load_differential': 'differential',
     'VLM': 'factory', 'load_vlm': 'factory',
-    'add_lora': 'lora', 'load_adapter': 'lora', 'save_adapter': 'lora', 'trainable_parameters': 'lora',
+    'add_lora': 'lora', 'load_adapter': 'lora', 'save_adapter': 'lora', 'trainable_parameters': 'parts',
     'VisionLanguageModel': 'model', 'build_vlm': 'model', 'model_parts': 'parts',
     'TrainingPlan': 'plan', 'apply_plan': 'plan', 'training_plan': 'plan',
 }

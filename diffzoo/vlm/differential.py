@@ -49,10 +49,11 @@ gate becomes SiLU).
 The settings are stored on the decoder's config (`diffzoo_differential`), and the model's config
 saves as the `diffzoo_differential` model type (`diffzoo.vlm.hf_config`), so `save_pretrained` writes
 them with the weights and transformers' Auto classes (after `import diffzoo`) or
-`load_differential(path)` rebuild and reload the model.
+`load_differential(path)` rebuild and reload the model. The decoder stack is `diffzoo.vlm.parts.find_decoder`'s,
+and `diffzoo.vlm.parts.differential_parameters` lists what was added to it.
 """
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, Optional, Sequence, Union
 
 import safetensors
 import torch
@@ -66,8 +67,8 @@ from diffzoo.layers.lambdas import LAMBDA_VECTORS
 from .attention import DIFF_EAGER, DIFF_SDPA, layer_lambda, register_attention
 from .hf_config import SETTINGS_KEY, mark_differential, saved_settings
 from .options import HEAD_PAIRINGS, MLPS, VARIANTS
+from .parts import PARAMETER_NAMES, find_decoder
 
-PARAMETER_NAMES = (*LAMBDA_VECTORS, 'sub_norm.weight')  # what differentialize adds, as state-dict key endings
 SUB_NORM_EPS = 1e-5  # unilm's and timm's DiffAttention sub-norm
 
 
@@ -80,26 +81,6 @@ class DifferentialSpec:
     def __repr__(self):
         return (f'DifferentialSpec(variant={self.variant!r}, lambda_init={self.lambda_init:.4f}, '
                 f'head_pairing={self.head_pairing!r})')
-
-
-def find_decoder(model: nn.Module) -> nn.Module:
-    """The decoder stack (the module holding `.layers` and its text config) of a transformers model."""
-    candidates = [model]
-    if hasattr(model, 'get_decoder'):
-        candidates.insert(0, model.get_decoder())
-    for name in ('model', 'language_model', 'base_model'):
-        sub = getattr(model, name, None)
-        if isinstance(sub, nn.Module):
-            candidates.append(sub)
-            if hasattr(sub, 'get_decoder'):
-                candidates.append(sub.get_decoder())
-    for c in candidates:
-        layers = getattr(c, 'layers', None)
-        if isinstance(layers, nn.ModuleList) and len(layers) and hasattr(layers[0], 'self_attn'):
-            return c
-    raise ValueError(
-        f'{type(model).__name__}: no decoder with `.layers[i].self_attn` found; differentialize takes a '
-        f'transformers decoder model (e.g. PaliGemmaForConditionalGeneration, GemmaForCausalLM, LlamaForCausalLM)')
 
 
 def _check_attention(attn: nn.Module, variant: str, index: int) -> None:
@@ -193,12 +174,6 @@ def differentialize(
         config._attn_implementation = DIFF_EAGER if config._attn_implementation == 'eager' else DIFF_SDPA
     mark_differential(model)  # saved as the `diffzoo_differential` model type (diffzoo.vlm.hf_config)
     return model
-
-
-def differential_parameters(model: nn.Module) -> List[nn.Parameter]:
-    """λ and sub-norm parameters that `differentialize` added."""
-    return [p for m in model.modules() if hasattr(m, 'differential')
-            for p in (*(getattr(m, name) for name in LAMBDA_VECTORS), m.sub_norm.weight)]
 
 
 def differential_state_dict(model: nn.Module) -> dict:

@@ -74,11 +74,6 @@ class VLM:
         self.model = add_lora(self.model, **settings)
         return self
 
-    def apply_plan(self, plan: TrainingPlan) -> 'VLM':
-        """What `plan` trains made trainable, the rest frozen (`diffzoo.vlm.plan`); `model` becomes the trained one."""
-        self.model = apply_plan(self.model, plan)
-        return self
-
     def load_adapter(self, directory, trainable: bool = False) -> 'VLM':
         self.model = load_adapter(self.model, directory, trainable=trainable)
         return self
@@ -294,27 +289,21 @@ def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None]
     return vlm
 
 
-def prepare(vlm: VLM, recipe: Mapping) -> TrainingPlan:
-    """What a checked VLM recipe trains (`diffzoo.vlm.plan.training_plan`) made trainable in `vlm`, the rest frozen;
-    returns the plan."""
-    plan = training_plan(recipe)
-    vlm.apply_plan(plan)
-    return plan
-
-
 def trainable_vlm(recipe: Mapping, start: Optional[Path] = None) -> Tuple[VLM, TrainingPlan, Set[str]]:
     """The model a checked VLM recipe trains (`python -m diffzoo.train.vlm`): built and made differential as the
     recipe says, its random parts (a `build_vlm` projector, eRAM-V's post-projection MLP) drawn from its `seed`, a
-    finished stage's output loaded (`start`, its `stage/` folder: `diffzoo.vlm.stages`), then `prepare`d. Returns it,
-    the plan, and the names of what a stage holds besides what trains: the parameters `start` filled, and λ and the
-    sub-norm, which `differentialize` draws at random (kept even when frozen, so the next stage and evaluation see
-    the same), by their names once LoRA wrapped the language model."""
+    finished stage's output loaded (`start`, its `stage/` folder: `diffzoo.vlm.stages`), then what the recipe trains
+    made trainable and the rest frozen (`diffzoo.vlm.plan`: `model` becomes the trained one, a peft wrapper with LoRA).
+    Returns it, the plan, and the names of what a stage holds besides what trains: the parameters `start` filled, and
+    λ and the sub-norm, which `differentialize` draws at random (kept even when frozen, so the next stage and
+    evaluation see the same), by their names once LoRA wrapped the language model."""
     torch.manual_seed(recipe['seed'])
     vlm = built_vlm(recipe['model'], recipe['differential'])
     held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
-    plan = prepare(vlm, recipe)
+    plan = training_plan(recipe)
+    vlm.model = apply_plan(vlm.model, plan)
     held |= {id(p) for p in model_parts(vlm.model).differential()}
     return vlm, plan, {name for name, p in vlm.model.named_parameters() if id(p) in held}
 
 
-__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'built_vlm', 'load_vlm', 'prepare', 'trainable_vlm', 'vlm_from_recipe']
+__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'built_vlm', 'load_vlm', 'trainable_vlm', 'vlm_from_recipe']

@@ -28,14 +28,13 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .differential import PARAMETER_NAMES, _suffix, differential_state_dict, differentialize, find_decoder
+from .differential import _suffix, differential_state_dict, differentialize
 from .hf_config import SETTINGS_KEY, saved_settings
-from .parts import PROJECTION, model_parts
+from .parts import PARAMETER_NAMES, PROJECTION_PREFIXES, find_decoder, model_parts
 from .plan import LoraSettings, apply_plan, lora_fine_tune
 
 EXTRA_WEIGHTS, EXTRA_CONFIG = 'diffzoo_extra.safetensors', 'diffzoo_extra.json'
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'  # peft's
-PROJECTION_PREFIXES = tuple(f'{name}.' for name in PROJECTION)  # projector., post_mlp.
 
 
 def add_lora(model: nn.Module, r: int = 32, alpha: int = 64, dropout: float = 0.0, mlp: bool = False,
@@ -144,22 +143,3 @@ def _load_extra(owner: nn.Module, directory: Path, trainable: Optional[bool]) ->
     if missing:
         raise ValueError(f'{directory}: {len(missing)} saved tensors have no parameter in the model '
                          f'(e.g. {missing[0]}); is it the base model the adapter was trained on?')
-
-
-def trainable_parameters(model: nn.Module) -> Dict[str, int]:
-    """Counts of trainable parameters by kind: lora, differential, projector (with eRAM-V's post-MLP), other."""
-    counts = {'lora': 0, 'differential': 0, 'projector': 0, 'other': 0}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if 'lora_' in name:
-            kind = 'lora'
-        elif name.endswith(PARAMETER_NAMES):
-            kind = 'differential'
-        elif name.startswith(PROJECTION_PREFIXES):
-            kind = 'projector'
-        else:
-            kind = 'other'
-        counts[kind] += p.numel()
-    counts['total'] = sum(counts.values())
-    return counts

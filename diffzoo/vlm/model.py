@@ -21,6 +21,8 @@ explicit position ids, so any padding layout works and the differential kernels 
 `diffzoo.vlm.differentialize` see the same mask as the LM's own.
 
 Vision towers and which of their features (`select_layer`): `diffzoo.vlm.towers`.
+Its parts as training and saving see them (tower, projector and post-MLP, language model): registered here with
+`diffzoo.vlm.parts.model_parts`.
 
 Projector (`projector`, LLaVA-1.5's `mm_projector_type`): 'linear' (PaliGemma's one Linear, the
 default of `integration="full"`) or 'mlp2x_gelu' (LLaVA-1.5's Linear → GELU → Linear, the default of
@@ -34,10 +36,10 @@ import torch.nn as nn
 from transformers import DynamicCache
 
 from .attention import DIFF_EAGER, DIFF_SDPA, INJECTED, register_attention
-from .differential import find_decoder
 from .eramv import (ERAMV_DEFAULTS, InjectedFeatures, PostProjectionMLP, anchor_scores, check_tower,
                     default_inject_layers, module_indices, select_anchors)
 from .options import FINAL_NORM, INJECTED_QUERIES, INTEGRATIONS, SEQUENCE_MASKS
+from .parts import PROJECTION, ModelParts, find_decoder, model_parts
 from .towers import VisionTokens, build_vision_tokens
 
 GEMMA_FAMILY = ('gemma', 'gemma2', 'gemma3_text', 'gemma3')
@@ -287,6 +289,13 @@ class VisionLanguageModel(nn.Module):
             after = (result == eos_token_id).cumsum(1) > 0
             result = result.masked_fill(after, eos_token_id)
         return result
+
+
+@model_parts.register
+def _(model: VisionLanguageModel) -> ModelParts:
+    """Its tower, projector (and post-MLP) and language model, held apart (`diffzoo.vlm.parts`)."""
+    projection = {name: module for name, module in model.named_children() if name in PROJECTION}
+    return ModelParts(model, model.language_model, model.vision, projection)
 
 
 def build_vlm(vision: Union[str, nn.Module], language_model: nn.Module, integration: str = 'full',

@@ -82,7 +82,7 @@ def apply_plan(model: nn.Module, plan: TrainingPlan) -> nn.Module:
     model.requires_grad_(False)
     if plan.lora is not None:  # peft freezes the rest of what it wraps (frozen already), not its adapters
         lora = plan.lora
-        targets = parts.layer_modules(ATTENTION_TARGETS + (MLP_TARGETS if lora.mlp else ()))
+        targets = parts.layer_module_pattern(ATTENTION_TARGETS + (MLP_TARGETS if lora.mlp else ()))
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias='none',
                             target_modules=targets)
         parts = parts.attach(get_peft_model(parts.decoder_model, config))

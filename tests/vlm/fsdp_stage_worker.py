@@ -22,9 +22,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from diffzoo.train.vlm.stage import whole_tensor  # noqa: E402
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations  # noqa: E402
-from diffzoo.vlm.differential import find_decoder  # noqa: E402
-from diffzoo.vlm.factory import load_vlm, prepare  # noqa: E402
+from diffzoo.vlm.factory import load_vlm  # noqa: E402
 from diffzoo.vlm.recipe import check  # noqa: E402
+from diffzoo.vlm.parts import find_decoder  # noqa: E402
+from diffzoo.vlm.plan import apply_plan, training_plan  # noqa: E402
 from diffzoo.vlm.stages import copy_tensors  # noqa: E402
 
 
@@ -35,8 +36,7 @@ def train(recipe_path: str, out: str, steps: int, from_stage: str = None) -> Non
     recipe = check(yaml.safe_load(Path(recipe_path).read_text()))
     torch.manual_seed(recipe['seed'])
     vlm = load_vlm(recipe['model'], differential=recipe['differential'])
-    prepare(vlm, recipe)
-    model = vlm.model
+    model = apply_plan(vlm.model, training_plan(recipe))
     if world > 1:  # FSDP2 as the 7B recipes shard: each decoder layer, then the whole model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

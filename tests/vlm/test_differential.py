@@ -7,8 +7,9 @@ import torch
 import transformers
 
 from diffzoo.vlm.attention import DIFF_EAGER, DIFF_SDPA, diffzoo_eager_attention, diffzoo_sdpa_attention
-from diffzoo.vlm.differential import differential_parameters, differentialize, load_differential
+from diffzoo.vlm.differential import differentialize, load_differential
 from diffzoo.vlm.hf_config import SETTINGS_KEY
+from diffzoo.vlm.parts import differential_parameters
 from tests.vlm.models import paligemma_config, tiny_lm
 
 VOCAB = 64

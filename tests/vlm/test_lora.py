@@ -7,9 +7,10 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
-from diffzoo.vlm.differential import _suffix, differential_parameters, differential_state_dict, differentialize
+from diffzoo.vlm.differential import _suffix, differential_state_dict, differentialize
 from diffzoo.vlm.lora import (ADAPTER_WEIGHTS, EXTRA_CONFIG, EXTRA_WEIGHTS, add_lora, load_adapter, load_adapter_weights,
                               save_adapter)
+from diffzoo.vlm.parts import differential_parameters
 from tests.vlm.models import tiny_lm
 
 VOCAB = 64

@@ -19,7 +19,8 @@ from diffzoo.train.vlm.resume import checkpoint_problem
 from diffzoo.train.vlm.trainer import VLMTrainer
 from diffzoo.vlm import build_vlm, differentialize, load_adapter, load_vlm
 from diffzoo.vlm.data import PROMPT, VLMCollator, load_vqav2
-from diffzoo.vlm.lora import add_lora, save_adapter, trainable_parameters
+from diffzoo.vlm.lora import add_lora, save_adapter
+from diffzoo.vlm.parts import trainable_parameters
 from tests.factory import call
 from tests.vlm.models import write_vqav2_split
 

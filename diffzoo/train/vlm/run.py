@@ -27,7 +27,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.factory import VLM, trainable_vlm
-from diffzoo.vlm.lora import trainable_parameters
+from diffzoo.vlm.parts import trainable_parameters
 from diffzoo.vlm.plan import TrainingPlan
 
 from .inputs import check_settings
@@ -115,9 +115,10 @@ def setup_run(recipe: Dict, name: str, job: Job) -> RunSetup:
     max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
     checkpoint = resume_point(recipe, run_dir, args, weights=job.weights)
     vlm, plan, held = trainable_vlm(recipe, job.start)
+    trainable = trainable_parameters(vlm.model)
     collator = job.collator(vlm, recipe)
     setup = RunSetup(recipe, name, run_dir, args, samples_per_step, max_steps, checkpoint, vlm, plan, frozenset(held),
-                     collator, trainable_parameters(vlm.model))
+                     collator, trainable)
     if setup.rank == 0:
         start_run(setup, job.first_line(setup))
     return setup

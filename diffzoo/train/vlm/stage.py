@@ -4,8 +4,8 @@ LLaVA-1.5, TinyLLaVA (DiffCLIP §5.1) and eRAM-V train a `build_vlm` model in st
 with its own parts unfrozen: pre-training (the projector alone, on captions), eRAM-V's continued
 pre-training (vision tower and projector), instruction tuning (projector and language model). A stage
 recipe says what trains (`train:` — projector, vision, language_model: frozen | full | lora, differential,
-gradient_checkpointing; `diffzoo.vlm.plan` makes it the plan `diffzoo.vlm.factory.prepare` applies) and where it starts
-(`init_from:` an earlier stage's output); the data is a LLaVA-format conversation set
+gradient_checkpointing: the plan, `diffzoo.vlm.plan`, that `diffzoo.vlm.factory.trainable_vlm` applies) and where
+it starts (`init_from:` an earlier stage's output); the data is a LLaVA-format conversation set
 (`diffzoo.vlm.conversations`).
 
 What a stage holds — the parameters it trained and those it started from — goes to its checkpoints

@@ -14,8 +14,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diffzoo.train.metrics import drop_records_after
 from diffzoo.vlm.data import SkippedImages
-from diffzoo.vlm.differential import PARAMETER_NAMES, layer_lambdas
+from diffzoo.vlm.differential import layer_lambdas
 from diffzoo.vlm.lora import load_adapter_weights, save_adapter
+from diffzoo.vlm.parts import PARAMETER_NAMES
 
 from .resume import DATA_COUNTS, repair_log, writing
 
