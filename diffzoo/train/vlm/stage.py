@@ -22,7 +22,6 @@ A stage is one `diffzoo.train.vlm.run` job (`Stage`): the run and its loop are t
 `init_from`; `global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
 """
 import json
-import os
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
@@ -33,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
+from diffzoo.files import atomic_write, atomic_write_json
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
 from diffzoo.vlm.factory import VLM
@@ -181,10 +181,9 @@ def write_output(setup: RunSetup, trainer: StageTrainer) -> Path:
         with writing(directory, "the stage's output", directory.parent / 'checkpoints'):
             directory.mkdir(parents=True, exist_ok=True)
             (directory / STAGE_CONFIG).unlink(missing_ok=True)  # a rerun's: unfinished until written again
-            save_file(state, str(directory / f'{STAGE_WEIGHTS}.tmp'))
-            os.replace(directory / f'{STAGE_WEIGHTS}.tmp', directory / STAGE_WEIGHTS)
-            (directory / f'{STAGE_CONFIG}.tmp').write_text(json.dumps(config, indent=1) + '\n')
-            os.replace(directory / f'{STAGE_CONFIG}.tmp', directory / STAGE_CONFIG)
+            with atomic_write(directory / STAGE_WEIGHTS) as weights:
+                save_file(state, str(weights))
+            atomic_write_json(directory / STAGE_CONFIG, config)
     return directory
 
 
