@@ -30,12 +30,12 @@ time-boxed, into OUT/gpu_check.json (`--device cpu`: a dry run at tiny sizes; it
 import argparse
 import datetime
 import gc
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from diffzoo.files import atomic_write_json
 
 SECTIONS = ('model', 'layer', 'profile', 'steps', 'data', 'train')
 FULL_MODELS = ['diffclip-b16', 'clip-b16-baseline', 'ViT-B-16', 'diffclip-b16-vision', 'diffclip-b16-dynamic']
@@ -191,9 +191,7 @@ def default_out(device_slug: str, smoke: bool) -> Path:
 
 def write(results: Dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix('.json.tmp')
-    tmp.write_text(json.dumps(results, indent=1) + '\n')
-    os.replace(tmp, path)
+    atomic_write_json(path, results)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

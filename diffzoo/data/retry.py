@@ -1,10 +1,11 @@
 """`python -m diffzoo.data retry`: the URLs img2dataset failed to download, from its per-shard parquet files, as
 a new URL list (img2dataset's incremental mode never retries them)."""
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, List, Tuple
+
+from diffzoo.files import atomic_write
 
 from .shards import DataError
 
@@ -58,8 +59,7 @@ def write_retry(directory, out, exclude: Iterable[str] = ()) -> RetryReport:
     exclude = list(exclude)
     finished, unfinished = finished_parquets(directory)
     report = RetryReport(0, 0, 0, Counter(), [p.stem + '.tar' for p in unfinished])
-    tmp = Path(str(out) + '.tmp')
-    with open(tmp, 'w', encoding='utf-8') as f:
+    with atomic_write(out) as tmp, open(tmp, 'w', encoding='utf-8') as f:
         f.write('url\tcaption\n')
         for row in failed_urls(finished):
             report.failed += 1
@@ -71,5 +71,4 @@ def write_retry(directory, out, exclude: Iterable[str] = ()) -> RetryReport:
             caption = ' '.join(str(row.get('caption') or '').split())  # no tabs or newlines
             f.write(f"{row['url']}\t{caption}\n")
             report.written += 1
-    os.replace(tmp, out)
     return report

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from diffzoo.files import atomic_write_json
+
 
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp')
 TEXT_EXT = 'txt'
@@ -144,8 +146,7 @@ def write_sizes(directory, recount: bool = False) -> SizesReport:
                 raise DataError(f'{shard}: unreadable ({exc}); {_rerun_download(directory)}') from exc
             counted.append(shard.name)
     tmp = Path(directory) / f'{SIZES_FILE}.{socket.gethostname()}.{os.getpid()}.tmp'  # processes may race
-    tmp.write_text(json.dumps(sizes, indent=1) + '\n')
-    os.replace(tmp, Path(directory) / SIZES_FILE)
+    atomic_write_json(Path(directory) / SIZES_FILE, sizes, tmp)
     return SizesReport(sizes, counted)
 
 

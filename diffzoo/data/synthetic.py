@@ -16,7 +16,6 @@ depends only on (seed, split, i), so a corpus is the same on every machine and a
 change without changing its other samples.
 """
 import json
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from diffzoo.files import atomic_write, atomic_write_json
 
 from .llava_qa import POPE_SPLITS  # the benchmark's splits, which the POPE-style questions follow
 from .shards import DataError, write_sizes
@@ -156,15 +157,13 @@ def write_shard(directory, split: str, start: int, config: CorpusConfig) -> int:
 
     stop = min(getattr(config, split), start + config.per_shard)
     shard = Path(directory) / f'{start // config.per_shard:05d}.tar'
-    tmp = shard.with_suffix('.tmp')
-    with wds.TarWriter(str(tmp)) as writer:
+    with atomic_write(shard, shard.with_suffix('.tmp')) as tmp, wds.TarWriter(str(tmp)) as writer:
         for i in range(start, stop):
             image, description = make_scene(config.seed, split, i, config)
             buf = io.BytesIO()
             image.save(buf, 'JPEG', quality=92)
             writer.write({'__key__': f'{i:09d}', 'jpg': buf.getvalue(), 'txt': description['caption'],
                           'json': json.dumps(description).encode()})
-    os.replace(tmp, shard)
     return stop - start
 
 
@@ -206,9 +205,7 @@ def write_corpus(out_dir, config: CorpusConfig = CorpusConfig(), fresh: bool = F
         progress(f'synthetic corpus -> {out_dir} (seed {config.seed}, {config.image_size} px)')
     samples = {split: write_split(out_dir, split, config, progress) for split in SPLITS}
     manifest = {'config': asdict(config), 'samples': samples, 'classes': class_names()}
-    tmp = out_dir / (MANIFEST + '.tmp')
-    tmp.write_text(json.dumps(manifest, indent=1) + '\n')
-    os.replace(tmp, out_dir / MANIFEST)
+    atomic_write_json(out_dir / MANIFEST, manifest)
     return manifest
 
 

@@ -15,10 +15,11 @@ row of the card's columns with the URL where the card says; a first line that is
 before anything is written, and so is a list that leaves no row to download.
 """
 import csv
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
+
+from diffzoo.files import atomic_write
 
 from .shards import DataError
 
@@ -120,7 +121,6 @@ def _convert(tsv: Path, columns: List[str], header: bool, url_at: int, target: P
     schema = pa.schema([(name, pa.string()) for name in columns])
     undecodable, rows, batch = {}, 0, []
     report = UrlList(target, 'parquet', left_out_file=left_out_path)
-    tmp, tmp_left = target.with_suffix('.tmp'), left_out_path.with_suffix('.tmp')
     lines = _lines(tsv, undecodable)
     last = ['']  # the line the reader took last: a left-out record keeps its bytes
 
@@ -130,46 +130,45 @@ def _convert(tsv: Path, columns: List[str], header: bool, url_at: int, target: P
             yield line
 
     reader = csv.reader(remembered(), delimiter='\t', quoting=csv.QUOTE_NONE)
-    with pq.ParquetWriter(tmp, schema) as writer, open(tmp_left, 'wb') as left:
-        left.write((LEFT_OUT_HEADER + '\n').encode())
+    # the parquet file is put in place last: one newer than the list is a finished one
+    with (atomic_write(target, target.with_suffix('.tmp')) as tmp,
+          atomic_write(left_out_path, left_out_path.with_suffix('.tmp')) as tmp_left):
+        with pq.ParquetWriter(tmp, schema) as writer, open(tmp_left, 'wb') as left:
+            left.write((LEFT_OUT_HEADER + '\n').encode())
 
-        def leave_out(number: int, reason: str) -> None:
-            report.left_out += 1
-            if len(report.examples) < SHOWN:
-                report.examples.append((number, reason))
-            left.write(_left_out_record(number, reason, last[0]))
+            def leave_out(number: int, reason: str) -> None:
+                report.left_out += 1
+                if len(report.examples) < SHOWN:
+                    report.examples.append((number, reason))
+                left.write(_left_out_record(number, reason, last[0]))
 
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                break
-            except csv.Error as exc:  # a '\r' inside the line, or a field over csv's size limit
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as exc:  # a '\r' inside the line, or a field over csv's size limit
+                    rows += 1
+                    leave_out(reader.line_num, _csv_reason(exc))
+                    continue
+                number = reader.line_num
+                if header and number == 1:
+                    continue
                 rows += 1
-                leave_out(reader.line_num, _csv_reason(exc))
-                continue
-            number = reader.line_num
-            if header and number == 1:
-                continue
-            rows += 1
-            reason = undecodable.pop(number, None) or _reason(row, columns, url_at)
-            if reason:
-                leave_out(number, reason)
-                continue
-            batch.append(row)
-            if len(batch) == BATCH_ROWS:
+                reason = undecodable.pop(number, None) or _reason(row, columns, url_at)
+                if reason:
+                    leave_out(number, reason)
+                    continue
+                batch.append(row)
+                if len(batch) == BATCH_ROWS:
+                    writer.write_table(pa.table(list(map(list, zip(*batch))), schema=schema))
+                    batch = []
+            if batch:
                 writer.write_table(pa.table(list(map(list, zip(*batch))), schema=schema))
-                batch = []
-        if batch:
-            writer.write_table(pa.table(list(map(list, zip(*batch))), schema=schema))
-    report.rows = rows
-    if report.kept == 0:
-        tmp.unlink()
-        tmp_left.unlink()
-        shown = '; '.join(f'line {n}: {r}' for n, r in report.examples[:3])
-        raise DataError(f'{tsv}: none of its {rows} rows can be downloaded ({shown}); is this the right file?')
-    os.replace(tmp_left, left_out_path)
-    os.replace(tmp, target)  # last: a parquet file newer than the list is a finished one
+        report.rows = rows
+        if report.kept == 0:  # neither file is written
+            shown = '; '.join(f'line {n}: {r}' for n, r in report.examples[:3])
+            raise DataError(f'{tsv}: none of its {rows} rows can be downloaded ({shown}); is this the right file?')
     return report
 
 

@@ -1,11 +1,11 @@
 """Evaluation results: one row per (model, dataset, task, metric), a JSON file, a table, a plot against epoch."""
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from diffzoo import confidence
+from diffzoo.files import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,7 @@ def write_json(path, rows: Sequence[Row], settings: Dict) -> Path:
     """All rows so far, written atomically (a crash later loses nothing already measured)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + '.tmp')
-    tmp.write_text(json.dumps({'settings': settings, 'results': [asdict(r) for r in rows]}, indent=1) + '\n')
-    os.replace(tmp, path)
-    return path
+    return atomic_write_json(path, {'settings': settings, 'results': [asdict(r) for r in rows]})
 
 
 def read_json(path) -> List[Row]:

@@ -42,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DiffAttention, RmsNorm, use_fused_attn
 
+from diffzoo.classes import module_class
+
 from .kernels import (SPLIT_KERNELS, add_mask, duplicate_attention, explicit_output, split_attention,
                       v2_attention)
 from .lambdas import LAMBDA_VECTORS, LambdaInit, reparameterized_lambda, resolve_lambda_init
@@ -336,6 +338,4 @@ def _bound_class(variant: str, lambda_init: LambdaInit, lambda_proj_init: str) -
         kwargs.setdefault('lambda_proj_init', lambda_proj_init)
         DifferentialAttention.__init__(self, *args, **kwargs)
 
-    cls = type(name, (DifferentialAttention,), {'__init__': __init__, '__module__': __name__})
-    globals()[name] = cls
-    return cls
+    return module_class(__name__, name, (DifferentialAttention,), {'__init__': __init__})

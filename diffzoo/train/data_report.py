@@ -18,15 +18,14 @@ from open_clip_train.data import expand_urls, get_dataset_size
 
 from diffzoo.data.keys import repeats_across
 from diffzoo.data.shards import SIZES_FILE, DataError, read_sizes
+from diffzoo.files import atomic_write_text
 from .data_events import (DEVICE_COUNTS, DEVICE_PREFIX, EPOCH_FILE, MAX_EXAMPLES, REASONS, REPORT_FILE, SHARD_REASONS,
                           SHARDS_SUFFIX, mark, size, union)
 
 
 def start_epoch(directory, epoch: int) -> None:
     """Tell the data-loader processes which epoch their next pass belongs to (before the epoch's loader starts)."""
-    tmp = Path(directory) / f'{EPOCH_FILE}.tmp'
-    tmp.write_text(str(epoch))
-    os.replace(tmp, Path(directory) / EPOCH_FILE)
+    atomic_write_text(Path(directory) / EPOCH_FILE, str(epoch))
 
 
 def collect(directory, epoch: Optional[int] = None) -> Dict:

@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 import torch
 
+from diffzoo.files import atomic_write_text
 from diffzoo.layers import DifferentialAttention
 from diffzoo.train.lambda_log import LAMBDA_FILE
 
@@ -65,9 +66,7 @@ def drop_records_after(path, step: int, key: str = 'step') -> int:
         lines = f.read().splitlines()
     kept = [line for line in lines if json.loads(line)[key] <= step]
     if len(kept) < len(lines):
-        with open(path + '.tmp', 'w') as f:
-            f.write(''.join(line + '\n' for line in kept))
-        os.replace(path + '.tmp', path)
+        atomic_write_text(path, ''.join(line + '\n' for line in kept))
     return len(lines) - len(kept)
 
 

@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple
 import fsspec
 
 from diffzoo.checkpoint import CheckpointError, UnsafeCheckpointError, read_checkpoint
+from diffzoo.files import atomic_write
 
 LATEST = 'epoch_latest.pt'  # open_clip_train.main.LATEST_CHECKPOINT_NAME
 EPOCH = re.compile(r'epoch_(\d+)\.pt')
@@ -89,9 +90,8 @@ def restore_latest(folder: str) -> Optional[str]:
     try:
         os.link(newest, latest)
     except OSError:  # a filesystem without hard links: a copy, renamed into place whole
-        tmp = latest + '.restoring'
-        shutil.copyfile(newest, tmp)
-        os.replace(tmp, latest)
+        with atomic_write(latest, latest + '.restoring') as restoring:
+            shutil.copyfile(newest, restoring)
     cut = epochs[:epochs.index(whole[0])]  # the newer ones, not written whole
     return (f'{latest} is missing; resuming from {whole[0]}, the newest epoch checkpoint beside it written '
             f'whole' + (f' ({", ".join(cut)} {"was" if len(cut) == 1 else "were"} cut short)' if cut else '')

@@ -30,6 +30,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from diffzoo.checkpoint import RUN_CONFIG
+from diffzoo.files import atomic_write_text
 
 from .recipe import RecipeError, steps_per_epoch
 from .resume import latest_checkpoint
@@ -54,10 +55,8 @@ def _jsonable(args) -> Dict:
 
 
 def _write(path: str, record: Dict) -> None:
-    tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # other ranks read it now or not at all, never half written
+    # other ranks read it now or not at all, never half written
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True))
 
 
 def _schedule(s: Dict, num_samples: Optional[int]) -> Dict:

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from diffzoo.checkpoint import CheckpointError
+from diffzoo.files import atomic_write
 
 MB = 2 ** 20
 
@@ -80,19 +81,13 @@ def save_whole(obj: Any, path, *args, **kwargs) -> None:
     free = free_bytes(folder)
     if free < needed:
         raise NoSpaceError(no_space_message(folder, needed, free, os.path.basename(path)))
-    partial = path + '.partial'
     try:
-        with open(partial, 'wb') as f:
+        with atomic_write(path, path + '.partial') as partial, open(partial, 'wb') as f:
             torch.save(obj, f, *args, **kwargs)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, path)
     except (OSError, RuntimeError) as exc:  # torch's writer reports a full disk as a RuntimeError from its stream
         with_errno = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        try:
-            os.remove(partial)
-        except OSError:
-            pass
         if with_errno or free_bytes(folder) < needed:
             raise NoSpaceError(no_space_message(folder, needed, free_bytes(folder), os.path.basename(path))) from None
         raise

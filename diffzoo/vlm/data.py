@@ -70,10 +70,11 @@ def unreadable_why(exc: BaseException) -> str:
     return f'{type(exc).__name__}: {str(exc)[:200]}'
 
 
-def _load_images(samples: Sequence[VQASample], why: Optional[Dict[str, str]] = None
+def load_images(samples: Sequence[VQASample], why: Optional[Dict[str, str]] = None
                  ) -> Tuple[List[int], List[Image.Image], List[str]]:
     """(positions of the samples kept, their RGB images, sources of the dropped ones): an unreadable image
-    drops its sample, in training and at evaluation alike; `why` (when given) receives source → why."""
+    drops its sample, in training and at evaluation alike (the collators here, `diffzoo.eval.lmm`'s runner: any
+    sample with `load_image()` and `source`); `why` (when given) receives source → why."""
     kept, images, skipped = [], [], []
     for i, s in enumerate(samples):
         try:
@@ -255,7 +256,7 @@ class VLMCollator:
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
         tok, why = self.tokenizer, {}
-        kept, images, skipped = _load_images(samples, why)
+        kept, images, skipped = load_images(samples, why)
         samples = [samples[i] for i in kept]
         placeholder = skipped and not samples
         if placeholder:
@@ -295,7 +296,7 @@ class PaliGemmaCollator:
 
     def __call__(self, samples: Sequence[VQASample]) -> Dict[str, torch.Tensor]:
         image, why = getattr(self.processor, 'image_token', '<image>'), {}  # PaliGemma's prompts start with it
-        kept, images, skipped = _load_images(samples, why)
+        kept, images, skipped = load_images(samples, why)
         samples = [samples[i] for i in kept]
         placeholder = skipped and not samples
         if placeholder:

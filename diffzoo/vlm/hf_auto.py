@@ -16,6 +16,8 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from diffzoo.classes import module_class
+
 from .hf_config import (BASE_KEY, MODEL_TYPE, SETTINGS_KEY, DifferentialConfigMixin, differential_config_class,
                         saved_settings)
 
@@ -63,10 +65,7 @@ def differential_model_class(model_class: type, config_class: type) -> type:
         differentialize(self, **differential_settings(config))
 
     name = f'Differential{model_class.__name__}'
-    cls = type(name, (model_class,), {'__module__': __name__, '__qualname__': name, '__init__': __init__,
-                                      'config_class': config_class})
-    globals()[name] = cls  # so pickle finds it in this process
-    return cls
+    return module_class(__name__, name, (model_class,), {'__init__': __init__, 'config_class': config_class})
 
 
 def _auto_model_classes():

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
+from diffzoo.classes import module_class
+
 MODEL_TYPE = 'diffzoo_differential'
 BASE_KEY = 'diffzoo_base_model_type'
 SETTINGS_KEY = 'diffzoo_differential'  # differentialize's settings, on the decoder's (text) config
@@ -83,10 +85,7 @@ def differential_config_class(base: type) -> type:
     if issubclass(base, DifferentialConfigMixin):
         return base
     name = f'Differential{base.__name__}'
-    cls = type(name, (DifferentialConfigMixin, base),
-               {'__module__': __name__, '__qualname__': name, 'base_config_class': base})
-    globals()[name] = cls  # so pickle finds it in this process
-    return cls
+    return module_class(__name__, name, (DifferentialConfigMixin, base), {'base_config_class': base})
 
 
 def mark_differential(model) -> None:

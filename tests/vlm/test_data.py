@@ -9,7 +9,7 @@ import transformers
 from accelerate import skip_first_batches
 from PIL import Image
 
-from diffzoo.vlm.data import PaliGemmaCollator, SkippedImages, VLMCollator, VQASample, _load_images, load_vqav2
+from diffzoo.vlm.data import PaliGemmaCollator, SkippedImages, VLMCollator, VQASample, load_images, load_vqav2
 from tests.vlm.models import write_vqav2_split
 
 
@@ -145,7 +145,7 @@ def test_evaluation_answers_the_readable_questions_and_names_each_unreadable_fil
 
 def test_an_image_over_pils_decompression_bomb_limit_is_dropped_and_named(tmp_path, data, language_model_dir):
     """Image.DecompressionBombError is not an OSError: such an image is unreadable like any other, in training
-    batches and for the benchmark runner (`_load_images`), and PIL's limit stays as it was."""
+    batches and for the benchmark runner (`load_images`), and PIL's limit stays as it was."""
     limit = Image.MAX_IMAGE_PIXELS
     write_bomb(tmp_path / 'bomb.png')
     assert (tmp_path / 'bomb.png').stat().st_size < 100_000
@@ -153,7 +153,7 @@ def test_an_image_over_pils_decompression_bomb_limit_is_dropped_and_named(tmp_pa
                      image=str(tmp_path / 'bomb.png'))
     with pytest.raises(Image.DecompressionBombError):
         bomb.load_image()
-    kept, images, skipped = _load_images([data[0], bomb, data[1]])
+    kept, images, skipped = load_images([data[0], bomb, data[1]])
     assert kept == [0, 2] and len(images) == 2 and skipped == [bomb.image]
     tokenizer = transformers.AutoTokenizer.from_pretrained(language_model_dir)
     batch = VLMCollator(tokenizer, lambda im: torch.zeros(3, 64, 64))([data[0], bomb])

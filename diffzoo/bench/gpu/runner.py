@@ -12,7 +12,6 @@ seconds of its step stay for the commands after it. A command left with under `M
 skipped and recorded as such.
 """
 import datetime
-import json
 import math
 import os
 import shlex
@@ -23,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from diffzoo.files import atomic_write_json
 
 MIN_LIMIT = 5  # seconds: a command given less is skipped
 STATUSES = ('ok', 'failed', 'timed out', 'skipped', 'interrupted')
@@ -180,9 +181,7 @@ class Runner:
             self.report['status'] = status
         self.report.update(elapsed_s=round(time.monotonic() - self.t0, 1), steps=[asdict(r) for r in self.records],
                            results=self.results)
-        tmp = self.json_path.with_suffix('.json.tmp')
-        tmp.write_text(json.dumps(self.report, indent=1, default=str) + '\n')
-        os.replace(tmp, self.json_path)
+        atomic_write_json(self.json_path, self.report, default=str)
 
     def close(self, status: str) -> None:
         """End every command still running (an interrupted run) and write the final record."""

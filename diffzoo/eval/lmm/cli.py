@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from diffzoo.data.shards import DataError
+from diffzoo.files import atomic_write_json
 from diffzoo.recipes import RecipeError
 
 from .tasks import TASKS, LeftOut, Sample, rows_for_scoring
@@ -73,19 +74,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _folders(a) -> Dict[str, Path]:
+def _folders(args) -> Dict[str, Path]:
     given = {}
-    for item in a.data_for:
+    for item in args.data_for:
         task, sep, folder = item.partition('=')
         if not sep or task not in TASKS:
             raise DataError(f'--data-for {item!r}: expected TASK=DIR with TASK one of {", ".join(sorted(TASKS))}')
         given[task] = Path(folder)
     folders, missing = {}, []
-    for task in a.task:
+    for task in args.task:
         if task in given:
             folders[task] = given[task]
-        elif a.data:
-            folders[task] = Path(a.data) / TASKS[task].folder
+        elif args.data:
+            folders[task] = Path(args.data) / TASKS[task].folder
         else:
             raise DataError(f'--task {task}: no folder; give --data DIR (holding {TASKS[task].folder}/) or --data-for '
                             f'{task}=DIR')
@@ -116,43 +117,37 @@ def chosen_scorers(tasks: List[str], scoring: List[str]) -> Dict[str, str]:
     return chosen
 
 
-def _weight_files(a) -> List[Path]:
+def _weight_files(args) -> List[Path]:
     """The files of --stage (the run directory's stage/, or the folder itself) and --adapter; DataError naming what
     is missing, before any model is built."""
     from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, stage_problem  # torch: once data is found
     files = []
-    if a.stage:
-        folder = Path(a.stage) if (Path(a.stage) / STAGE_CONFIG).is_file() else Path(a.stage) / STAGE_DIR
+    if args.stage:
+        folder = Path(args.stage) if (Path(args.stage) / STAGE_CONFIG).is_file() else Path(args.stage) / STAGE_DIR
         files = [folder / STAGE_CONFIG, folder / STAGE_WEIGHTS]
         missing = [p.name for p in files if not p.is_file()]
         if missing:
-            lacks = f'no {" and no ".join(missing)} in {folder}' if Path(a.stage).is_dir() else 'no such folder'
-            raise DataError(f'--stage {a.stage}: {lacks} (a finished stage writes {STAGE_DIR}/{STAGE_CONFIG} and '
+            lacks = f'no {" and no ".join(missing)} in {folder}' if Path(args.stage).is_dir() else 'no such folder'
+            raise DataError(f'--stage {args.stage}: {lacks} (a finished stage writes {STAGE_DIR}/{STAGE_CONFIG} and '
                             f'{STAGE_WEIGHTS}); name the run directory of a finished stage')
         problem = stage_problem(folder)  # a stage that trained no step, weights cut short: what a chain refuses
         if problem:
-            raise DataError(f'--stage {a.stage}: {problem}')
-    if a.adapter:
-        if not Path(a.adapter).is_dir():
-            raise DataError(f'--adapter {a.adapter}: no such folder; name the adapter/ folder diffzoo.train.vlm wrote')
-        files += sorted(p for p in Path(a.adapter).iterdir() if p.is_file())
+            raise DataError(f'--stage {args.stage}: {problem}')
+    if args.adapter:
+        if not Path(args.adapter).is_dir():
+            raise DataError(f'--adapter {args.adapter}: no such folder; name the adapter/ folder diffzoo.train.vlm '
+                            f'wrote')
+        files += sorted(p for p in Path(args.adapter).iterdir() if p.is_file())
     return files
 
 
-def _answered_by(a, weights: List[Path], max_new_tokens: int) -> Dict:
+def _answered_by(args, weights: List[Path], max_new_tokens: int) -> Dict:
     """What a task's replies depend on: the model as named (and its recipe file's sha256), the size and time of
     the stage's and adapter's files, and the reply length."""
-    recipe = hashlib.sha256(Path(a.model).read_bytes()).hexdigest() if Path(a.model).is_file() else None
-    return {'model': a.model, 'recipe_sha256': recipe, 'stage': a.stage, 'adapter': a.adapter,
+    recipe = hashlib.sha256(Path(args.model).read_bytes()).hexdigest() if Path(args.model).is_file() else None
+    return {'model': args.model, 'recipe_sha256': recipe, 'stage': args.stage, 'adapter': args.adapter,
             'max_new_tokens': max_new_tokens,
             'files': {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns] for p in weights}}
-
-
-def _write_json(path: Path, value) -> None:
-    """Written whole or not at all (a run cut while writing keeps the last one)."""
-    partial = path.with_name(path.name + '.partial')
-    partial.write_text(json.dumps(value, indent=1) + '\n')
-    os.replace(partial, path)
 
 
 def _set_aside(path: Path) -> Path:
@@ -198,12 +193,12 @@ def answer(vlm, samples: List[Sample], batch_size: int, max_new_tokens: int, lab
     `predictions` (and flushed) as they are made; the samples left out (unreadable images)."""
     from tqdm import tqdm
 
-    from diffzoo.vlm.data import _load_images
+    from diffzoo.vlm.data import load_images  # torch: once the data is found
     replies, left_out = {}, []
     with tqdm(total=len(samples), desc=label, unit='q', file=sys.stdout, dynamic_ncols=True) as bar:
         for i in range(0, len(samples), batch_size):
             batch, why = samples[i:i + batch_size], {}
-            kept, images, _ = _load_images(batch, why)
+            kept, images, _ = load_images(batch, why)
             chunk = [batch[k] for k in kept]
             for s in [s for k, s in enumerate(batch) if k not in kept]:  # their images do not open
                 left_out.append(s)
@@ -228,31 +223,17 @@ def _left_out_lines(task: str, left_out: LeftOut) -> List[str]:
             for reason, n in left_out.counts().items()]
 
 
-def _summary(task: str, scores: Dict) -> List[str]:
-    """Table lines of one task's scores (percent)."""
-    if task == 'pope':
-        lines = [f'  {split:<12} acc {100 * r["accuracy"]:6.2f}  prec {100 * r["precision"]:6.2f}  '
-                 f'rec {100 * r["recall"]:6.2f}  F1 {100 * r["f1"]:6.2f}  yes {100 * r["yes_ratio"]:5.1f}%  '
-                 f'({r["questions"]} q)' for split, r in scores.items()]
-        return lines
-    if task == 'mme':
-        return [f'  perception {scores["perception"]:7.2f}   cognition {scores["cognition"]:7.2f}   '
-                f'({len(scores["subtasks"])} subtasks)']
-    extra = f', {scores["failed"]} without a letter' if 'failed' in scores else ''
-    return [f'  accuracy {100 * scores["accuracy"]:6.2f}  ({scores["questions"]} q{extra})']
-
-
-def _run_task(vlm, a, task: str, questions: List[Sample], left_out: LeftOut, scorer: str, by: Dict,
+def _run_task(vlm, args, task: str, questions: List[Sample], left_out: LeftOut, scorer: str, answerers: Dict,
               answered_by: Dict) -> Dict:
     """Answer one task's questions not answered before in OUT (module docstring), score them by `scorer`, and
-    return its results.json entry; `by` is OUT's record of what answered each task."""
-    out, spec = Path(a.out), TASKS[task]
+    return its results.json entry; `answerers` is OUT's record of what answered each task."""
+    out, spec = Path(args.out), TASKS[task]
     path = out / f'{task}_predictions.jsonl'
-    if path.exists() and by.get(task) != answered_by:
+    if path.exists() and answerers.get(task) != answered_by:
         print(f'{task}: {path} was written by another model, stage, adapter or reply length (or holds no record of '
               f'it in {out / ANSWERED_BY}); moved to {_set_aside(path)}, every question is asked anew', flush=True)
-    by[task] = answered_by
-    _write_json(out / ANSWERED_BY, by)  # before the first row it stands for
+    answerers[task] = answered_by
+    atomic_write_json(out / ANSWERED_BY, answerers)  # before the first row it stands for
     before = previous_replies(path, task)
     replies = {s.id: before[(s.id, s.prompt)] for s in questions if (s.id, s.prompt) in before}
     if before:
@@ -261,7 +242,7 @@ def _run_task(vlm, a, task: str, questions: List[Sample], left_out: LeftOut, sco
                  if len(before) > len(replies) else ''), flush=True)
     cut = _over_length(vlm, questions, task)
     with open(path, 'a') as predictions:
-        new, unreadable = answer(vlm, [s for s in questions if s.id not in replies], a.batch_size,
+        new, unreadable = answer(vlm, [s for s in questions if s.id not in replies], args.batch_size,
                                  answered_by['max_new_tokens'], task, predictions)
     for s in unreadable:
         left_out.add(UNREADABLE, str(s.image))
@@ -288,46 +269,46 @@ def _over_length(vlm, questions: List[Sample], label: str) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = parser()
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        scoring = chosen_scorers(a.task, a.scoring)
+        scoring = chosen_scorers(args.task, args.scoring)
     except ValueError as exc:
         p.error(str(exc))
     try:
-        folders = _folders(a)
+        folders = _folders(args)
         samples, left = {}, {}
         for task, folder in folders.items():
             questions, left[task] = TASKS[task].questions(folder)
-            samples[task] = questions[:a.limit]
+            samples[task] = questions[:args.limit]
             print(f'{task}: {len(samples[task])} questions from {folder}'
-                  + (f' (the first {a.limit} of {len(questions)})' if len(questions) > len(samples[task]) else ''),
+                  + (f' (the first {args.limit} of {len(questions)})' if len(questions) > len(samples[task]) else ''),
                   flush=True)
             print(''.join(line + '\n' for line in _left_out_lines(task, left[task])), end='', flush=True)
-        weights = _weight_files(a)
+        weights = _weight_files(args)
         from diffzoo.vlm.factory import vlm_from_recipe  # torch, transformers: once the data is found
-        vlm = vlm_from_recipe(a.model, a.adapter, a.device, stage=a.stage)
+        vlm = vlm_from_recipe(args.model, args.adapter, args.device, stage=args.stage)
     except (DataError, RecipeError) as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
-    out = Path(a.out)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        by = json.loads((out / ANSWERED_BY).read_text())
+        answerers = json.loads((out / ANSWERED_BY).read_text())
     except (OSError, ValueError):  # none yet, or unreadable: every predictions file there is set aside
-        by = {}
+        answerers = {}
     results, table = {}, []
     for task, questions in samples.items():
-        answered_by = _answered_by(a, weights, a.max_new_tokens or TASKS[task].max_new_tokens)
-        r = _run_task(vlm, a, task, questions, left[task], scoring[task], by, answered_by)
+        answered_by = _answered_by(args, weights, args.max_new_tokens or TASKS[task].max_new_tokens)
+        r = _run_task(vlm, args, task, questions, left[task], scoring[task], answerers, answered_by)
         results[task] = r = {**r, 'data': str(folders[task])}
-        _write_json(out / 'results.json', {'settings': dict(vars(a)), 'results': results})
+        atomic_write_json(out / 'results.json', {'settings': dict(vars(args)), 'results': results})
         counts = [f'{r["reused"]} of them reused'] if r['reused'] else []
         counts += [f'{n} left out: {reason}' for reason, n in r['left_out'].items()]
         if r['cut_to_max_length']['count']:
             counts.append(f'{r["cut_to_max_length"]["count"]} cut to {r["cut_to_max_length"]["max_length"]:,} '
                           f'positions')
         table += [f'{task} ({r["answered"]} answered' + ''.join(f', {c}' for c in counts)
-                  + f'; scored as {r["scoring"]})', *_summary(task, r['scores'])]
+                  + f'; scored as {r["scoring"]})', *TASKS[task].summary(r['scores'])]
     files = ', '.join(str(out / f'{task}_predictions.jsonl') for task in samples)
     print('\n' + '\n'.join(table) + f'\n\nresults: {out / "results.json"}\npredictions: {files}')
     return 0

@@ -1,4 +1,4 @@
-"""The benchmarks as local copies hold them: each task's reader, prompt and scoring.
+"""The benchmarks as local copies hold them: each task's reader, prompt, scoring and table lines.
 
 Each task reads the files its authors (or LLaVA-1.5's evaluation, which DiffCLIP and eRAM-V follow) publish,
 under the folder given for it:
@@ -59,6 +59,25 @@ MME_SUFFIX = ' Please answer yes or no.'
 POPE_SPLITS = llava_qa.POPE_SPLITS
 
 
+def accuracy_lines(scores: Dict) -> List[str]:
+    """The table line of an accuracy (percent), with the replies that gave no letter where the scorer counts them."""
+    extra = f', {scores["failed"]} without a letter' if 'failed' in scores else ''
+    return [f'  accuracy {100 * scores["accuracy"]:6.2f}  ({scores["questions"]} q{extra})']
+
+
+def pope_lines(scores: Dict) -> List[str]:
+    """POPE's table lines: per split, accuracy, precision, recall, F1 and the share of yes (percent)."""
+    return [f'  {split:<12} acc {100 * r["accuracy"]:6.2f}  prec {100 * r["precision"]:6.2f}  '
+            f'rec {100 * r["recall"]:6.2f}  F1 {100 * r["f1"]:6.2f}  yes {100 * r["yes_ratio"]:5.1f}%  '
+            f'({r["questions"]} q)' for split, r in scores.items()]
+
+
+def mme_lines(scores: Dict) -> List[str]:
+    """MME's table line: the perception and cognition totals."""
+    return [f'  perception {scores["perception"]:7.2f}   cognition {scores["cognition"]:7.2f}   '
+            f'({len(scores["subtasks"])} subtasks)']
+
+
 @dataclass
 class Task:
     name: str
@@ -67,6 +86,7 @@ class Task:
     expects: str  # the files the reader looks for, for the error that names a missing copy
     folder: str = ''  # the local copy's folder under --data: the task's name unless it shares another's
     benchmark: str = ''  # whose scorers score it (metrics.SCORERS): the task's name unless it asks another's questions
+    summary: Callable[[Dict], List[str]] = accuracy_lines  # its scores as the runner's table lines
 
     def __post_init__(self):
         self.folder = self.folder or self.name
@@ -271,8 +291,9 @@ def read_okvqa(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
 
 
 TASKS: Dict[str, Task] = {t.name: t for t in (
-    Task('pope', read_pope, 128, 'coco/coco_pope_{random,popular,adversarial}.json, val2014/'),
-    Task('mme', read_mme, 16, '<subtask>/… in the folder or in its MME_Benchmark_release_version/'),
+    Task('pope', read_pope, 128, 'coco/coco_pope_{random,popular,adversarial}.json, val2014/', summary=pope_lines),
+    Task('mme', read_mme, 16, '<subtask>/… in the folder or in its MME_Benchmark_release_version/',
+         summary=mme_lines),
     Task('scienceqa', read_scienceqa, 16, f'problems.json, pid_splits.json, images/test/; or '
                                           f'{SCIENCEQA_LLAVA_QUESTIONS}, images/test/'),
     Task('textvqa', read_textvqa, 16, 'TextVQA_0.5.1_val.json, train_images/'),

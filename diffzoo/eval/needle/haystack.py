@@ -1,6 +1,5 @@
 """MMNeedle haystacks: captions of an image folder, stitched N×N images, the sample sets and their manifest."""
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -8,6 +7,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from PIL import Image
+
+from diffzoo.files import atomic_write_json
 
 MANIFEST = 'haystacks.json'
 FORMAT = 'diffzoo-mmneedle-1'
@@ -325,10 +326,7 @@ def write(samples: Sequence[Sample], out, settings: Dict, log: Optional[Callable
                         'index': sample.truth.index, 'row': sample.truth.row, 'column': sample.truth.column,
                         'prompt': mmneedle_prompt(sample.m, sample.n, sample.needle)})
         progress(done)
-    tmp = manifest.with_name(MANIFEST + '.tmp')
-    tmp.write_text(json.dumps({'format': FORMAT, 'settings': settings, 'samples': entries}, indent=1) + '\n')
-    os.replace(tmp, manifest)
-    return manifest
+    return atomic_write_json(manifest, {'format': FORMAT, 'settings': settings, 'samples': entries})
 
 
 def read_haystacks(directory) -> List[Sample]:

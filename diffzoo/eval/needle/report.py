@@ -1,13 +1,13 @@
 """MMNeedle's report: the accuracy table, the per-cell heatmap and the results file."""
-import json
 import math
-import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
+
+from diffzoo.files import atomic_write_json
 
 RESULTS = 'needle_results.json'
 HEATMAP = 'needle_heatmap.png'
@@ -76,8 +76,4 @@ def write_report(result: Dict, out, title: Optional[str] = None) -> Tuple[Path, 
     """out/needle_results.json (every number, every answer) and out/needle_heatmap.png."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results = out / RESULTS
-    tmp = results.with_name(RESULTS + '.tmp')
-    tmp.write_text(json.dumps(result, indent=1) + '\n')
-    os.replace(tmp, results)
-    return results, plot_cells(result, out / HEATMAP, title)
+    return atomic_write_json(out / RESULTS, result), plot_cells(result, out / HEATMAP, title)

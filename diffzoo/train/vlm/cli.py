@@ -77,7 +77,7 @@ def _chain(argv: List[str]) -> int:
     if argv[:1] in (['-h'], ['--help']):
         print(CHAIN_HELP)
         return 0
-    split = next((i for i, a in enumerate(argv) if a.startswith('--')), len(argv))
+    split = next((i for i, arg in enumerate(argv) if arg.startswith('--')), len(argv))
     names, overrides = argv[:split], argv[split:]
     if not names:
         print('error: chain needs the stage recipes in order, e.g. chain llava-1.5-7b-pretrain llava-1.5-7b-finetune',

@@ -12,7 +12,6 @@ resumes from, its log when the stop cut a line short, and the error when a save 
 """
 import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -25,6 +24,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TR
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from diffzoo.files import atomic_write_text
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.lora import ADAPTER_WEIGHTS, EXTRA_CONFIG, EXTRA_WEIGHTS
 from diffzoo.vlm.recipe import RESUMABLE_CHANGES
@@ -142,9 +142,7 @@ def repair_log(path: Path) -> Optional[str]:
         except ValueError:
             dropped = lines.pop()
     if dropped is not None or not text.endswith('\n'):
-        with open(f'{path}.tmp', 'w') as f:
-            f.write(''.join(line + '\n' for line in lines))
-        os.replace(f'{path}.tmp', path)
+        atomic_write_text(path, ''.join(line + '\n' for line in lines))
     return dropped
 
 

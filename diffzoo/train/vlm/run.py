@@ -50,7 +50,7 @@ class RunSetup:
     checkpoint: Optional[Path]  # the one a rerun resumes from; None for a new run
     vlm: VLM  # the model it trains, its plan applied
     plan: TrainingPlan
-    held: FrozenSet[str]  # what a stage's output holds besides what trains (`trainable_vlm`)
+    kept_frozen: FrozenSet[str]  # what a stage's output holds besides what trains (`trainable_vlm`)
     collator: Callable  # the data's samples → the model's batches
     trainable: Dict[str, int]  # `trainable_parameters`
 
@@ -114,11 +114,11 @@ def setup_run(recipe: Dict, name: str, job: Job) -> RunSetup:
                                              accumulation=accumulation, world=world))
     max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
     checkpoint = resume_point(recipe, run_dir, args, weights=job.weights)
-    vlm, plan, held = trainable_vlm(recipe, job.start)
+    vlm, plan, kept_frozen = trainable_vlm(recipe, job.start)
     trainable = trainable_parameters(vlm.model)
     collator = job.collator(vlm, recipe)
-    setup = RunSetup(recipe, name, run_dir, args, samples_per_step, max_steps, checkpoint, vlm, plan, frozenset(held),
-                     collator, trainable)
+    setup = RunSetup(recipe, name, run_dir, args, samples_per_step, max_steps, checkpoint, vlm, plan,
+                     frozenset(kept_frozen), collator, trainable)
     if setup.rank == 0:
         start_run(setup, job.first_line(setup))
     return setup

@@ -22,7 +22,6 @@ A stage is one `diffzoo.train.vlm.run` job (`Stage`): the run and its loop are t
 `init_from`; `global_batch_size` sets the accumulation, `warmup_ratio` the warm-up, as LLaVA's scripts do.
 """
 import json
-import os
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
@@ -33,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
+from diffzoo.files import atomic_write, atomic_write_json
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.conversations import ConversationCollator, load_conversations
 from diffzoo.vlm.factory import VLM
@@ -54,26 +54,26 @@ def whole_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 class StageTrainer(VLMTrainer):
-    """`VLMTrainer` whose checkpoints hold what the stage holds (`held` names plus what trains); under FSDP its
+    """`VLMTrainer` whose checkpoints hold what the stage holds (`kept_frozen` names plus what trains); under FSDP its
     state is Trainer's gathered one. Its `EpochReport` (of `max_length` and `mismatch`, the data's) is one of its
     callbacks from the start."""
 
-    def __init__(self, *args, held: Set[str] = frozenset(), max_length: int, mismatch: str, **kwargs):
+    def __init__(self, *args, kept_frozen: Set[str] = frozenset(), max_length: int, mismatch: str, **kwargs):
         super().__init__(*args, **kwargs)
-        self.held = set(held)
-        self.lost: Dict[str, Set[str]] = {key: set() for key in LOST}  # conversation ids, each counted once
+        self.kept_frozen = set(kept_frozen)
+        self.collator_ids: Dict[str, Set[str]] = {key: set() for key in COLLATOR_LISTS}  # each counted once
         self.add_callback(EpochReport(self, max_length, mismatch))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        for key in LOST:
-            self.lost[key].update(inputs.pop(key, ()))
+        for key in COLLATOR_LISTS:
+            self.collator_ids[key].update(inputs.pop(key, ()))
         return super().training_step(model, inputs, num_items_in_batch)
 
     def kept(self) -> Dict[str, nn.Parameter]:
-        """The parameters the stage's output and checkpoints hold: what trains and what is held, by name."""
-        return {n: p for n, p in self.model.named_parameters() if p.requires_grad or n in self.held}
+        """The parameters the stage's output and checkpoints hold: what trains and `kept_frozen`, by name."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad or n in self.kept_frozen}
 
-    def held_state(self, state_dict: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
+    def kept_state(self, state_dict: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
         kept = self.kept()
         if state_dict is not None:  # FSDP: accelerate's full state dict, gathered on every rank
             return {n: state_dict[n].detach().cpu().contiguous() for n in kept}
@@ -83,38 +83,38 @@ class StageTrainer(VLMTrainer):
         if self.args.should_save:
             directory = Path(output_dir or self.args.output_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            save_file(self.held_state(state_dict), str(directory / STAGE_WEIGHTS))
+            save_file(self.kept_state(state_dict), str(directory / STAGE_WEIGHTS))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         copy_tensors(self.model, load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS)), resume_from_checkpoint,
                      '; resume with the recipe that wrote it')
 
     def data_counts(self) -> Dict:
-        skipped, lost = gathered(self)
-        return {'skipped_images': skipped.record(), **{key: sorted(ids) for key, ids in lost.items()}}
+        skipped, collator_ids = gathered(self)
+        return {'skipped_images': skipped.record(), **{key: sorted(ids) for key, ids in collator_ids.items()}}
 
     def restore_data_counts(self, checkpoint: Optional[Path]) -> Dict:
         counts = super().restore_data_counts(checkpoint)
-        self.lost = {key: set(counts.get(key, ())) for key in LOST}  # ids: the same on every process
+        self.collator_ids = {key: set(counts.get(key, ())) for key in COLLATOR_LISTS}  # the same on every process
         return counts
 
 
-LOST = ('cut_short', 'left_out_long', 'mismatched')  # the collator's lists of conversation ids (ConversationCollator)
+COLLATOR_LISTS = ('cut_short', 'left_out_long', 'mismatched')  # ConversationCollator's lists of conversation ids
 
 
 def gathered(trainer: StageTrainer):
-    """(unreadable images, {LOST key: conversation ids}) over every process (a collective under DDP: every rank
-    calls it)."""
-    parts = all_gathered((trainer.skipped_images, trainer.lost), trainer.args.world_size)
+    """(unreadable images, {COLLATOR_LISTS key: conversation ids}) over every process (a collective under DDP:
+    every rank calls it)."""
+    parts = all_gathered((trainer.skipped_images, trainer.collator_ids), trainer.args.world_size)
     return (parts[0][0].merge([p[0] for p in parts[1:]]),
-            {key: set().union(*(p[1][key] for p in parts)) for key in LOST})
+            {key: set().union(*(p[1][key] for p in parts)) for key in COLLATOR_LISTS})
 
 
-def lost_summary(lost: Dict[str, Set[str]], max_length: int, mismatch: str) -> str:
+def collator_summary(collator_ids: Dict[str, Set[str]], max_length: int, mismatch: str) -> str:
     """What the collator cut or left out, in words."""
-    mismatched = len(lost['mismatched'])
-    return (f'{len(lost["cut_short"])} conversation(s) cut to {max_length} tokens, {len(lost["left_out_long"])} left '
-            f'out after the cut, {mismatched} with a tokenization mismatch '
+    cut, left_out, mismatched = (len(collator_ids[key]) for key in ('cut_short', 'left_out_long', 'mismatched'))
+    return (f'{cut} conversation(s) cut to {max_length} tokens, {left_out} left out after the cut, {mismatched} with '
+            f'a tokenization mismatch '
             + ('(nothing of them scored, as the reference does)' if mismatch == 'mask' else '(scored: mismatch score)'))
 
 
@@ -127,16 +127,17 @@ class EpochReport(TrainerCallback):
 
     def __init__(self, trainer: StageTrainer, max_length: int, mismatch: str):
         self.trainer, self.max_length, self.mismatch = trainer, max_length, mismatch
-        self.last_lost = None  # what the last printed line counted
+        self.last_counted = None  # what the last printed line counted
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:  # the same on every rank: none enters the collective below
             return
-        skipped, lost = gathered(self.trainer)
-        counted = (len(skipped.files), skipped.samples_skipped, {key: len(ids) for key, ids in lost.items()})
-        if state.is_world_process_zero and counted != self.last_lost:
-            self.last_lost = counted
-            print(f'epoch {round(state.epoch)}: {lost_summary(lost, self.max_length, self.mismatch)}; '
+        skipped, collator_ids = gathered(self.trainer)
+        counted = (len(skipped.files), skipped.samples_skipped,
+                   {key: len(ids) for key, ids in collator_ids.items()})
+        if state.is_world_process_zero and counted != self.last_counted:
+            self.last_counted = counted
+            print(f'epoch {round(state.epoch)}: {collator_summary(collator_ids, self.max_length, self.mismatch)}; '
                   f'{skipped.summary()}', flush=True)
 
 
@@ -171,7 +172,7 @@ def write_output(setup: RunSetup, trainer: StageTrainer) -> Path:
                           f'next from nothing trained); give it max_steps or epochs above 0, and data for a step')
     model = trainer.model
     keep = {id(p) for p in trainer.kept().values()}
-    if setup.plan.lora is not None:  # the adapted weights become held
+    if setup.plan.lora is not None:  # the adapted weights are kept from now on
         model, adapted = merge_lora(setup.vlm.model)
         keep |= adapted
     state = {n: whole_tensor(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
@@ -181,10 +182,9 @@ def write_output(setup: RunSetup, trainer: StageTrainer) -> Path:
         with writing(directory, "the stage's output", directory.parent / 'checkpoints'):
             directory.mkdir(parents=True, exist_ok=True)
             (directory / STAGE_CONFIG).unlink(missing_ok=True)  # a rerun's: unfinished until written again
-            save_file(state, str(directory / f'{STAGE_WEIGHTS}.tmp'))
-            os.replace(directory / f'{STAGE_WEIGHTS}.tmp', directory / STAGE_WEIGHTS)
-            (directory / f'{STAGE_CONFIG}.tmp').write_text(json.dumps(config, indent=1) + '\n')
-            os.replace(directory / f'{STAGE_CONFIG}.tmp', directory / STAGE_CONFIG)
+            with atomic_write(directory / STAGE_WEIGHTS) as weights:
+                save_file(state, str(weights))
+            atomic_write_json(directory / STAGE_CONFIG, config)
     return directory
 
 
@@ -224,7 +224,7 @@ class Stage(Job):
         data = setup.recipe['data']
         trainer = StageTrainer(model=setup.vlm.model, args=setup.args, train_dataset=self.train_set,
                                data_collator=setup.collator, callbacks=callbacks, lambda_lr=setup.recipe['lambda_lr'],
-                               held=setup.held, max_length=data['max_length'], mismatch=data['mismatch'])
+                               kept_frozen=setup.kept_frozen, max_length=data['max_length'], mismatch=data['mismatch'])
         fsdp = setup.recipe['fsdp']
         if setup.rank == 0 and fsdp is not None:
             print(f'FSDP{fsdp["version"]}: ' + (f'the model sharded over {setup.world} processes' if
@@ -234,15 +234,15 @@ class Stage(Job):
 
     def finish(self, setup: RunSetup, trainer: StageTrainer, results: Dict) -> None:
         data, name, run_dir = setup.recipe['data'], setup.name, setup.run_dir
-        skipped, lost = gathered(trainer)
+        skipped, collator_ids = gathered(trainer)
         output = write_output(setup, trainer)
         if setup.world > 1:  # the next stage of a chain reads what rank 0 wrote
             dist.barrier()
         if setup.rank == 0:
-            report = {**self.problems.record(), 'cut_to_max_length': len(lost['cut_short']),
-                      'left_out_after_cut': len(lost['left_out_long']), 'cut_examples': sorted(lost['cut_short'])[:3],
-                      'tokenization_mismatch': len(lost['mismatched']), 'mismatch': data['mismatch'],
-                      'mismatch_examples': sorted(lost['mismatched'])[:3]}
+            cut, left_out, mismatched = (collator_ids[key] for key in ('cut_short', 'left_out_long', 'mismatched'))
+            report = {**self.problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(left_out),
+                      'cut_examples': sorted(cut)[:3], 'tokenization_mismatch': len(mismatched),
+                      'mismatch': data['mismatch'], 'mismatch_examples': sorted(mismatched)[:3]}
             with writing(run_dir / DATA_PROBLEMS, "the stage's records", run_dir / 'checkpoints'):
                 (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
                 (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
@@ -250,9 +250,10 @@ class Stage(Job):
             results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
                            data_problems=report, stage=str(output))
             write_results(run_dir, results, log)
+            collated = collator_summary(collator_ids, data['max_length'], data['mismatch'])
             print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → '
-                  f'{results["final_loss"]:.4f}; {lost_summary(lost, data["max_length"], data["mismatch"])}; '
-                  f'{skipped.summary()}\n  {output}\n  {run_dir / "results.json"}', flush=True)
+                  f'{results["final_loss"]:.4f}; {collated}; {skipped.summary()}\n  {output}\n  '
+                  f'{run_dir / "results.json"}', flush=True)
 
 
 def run_stage(recipe: Dict, name: str) -> Dict:

@@ -52,10 +52,10 @@ class VLMTrainer(Trainer):
             groups = [{'params': [p for n, p in trainable if not n.endswith(PARAMETER_NAMES)]},
                       {'params': [p for n, p in trainable if n.endswith(PARAMETER_NAMES)],
                        'lr': self.lambda_lr or self.args.learning_rate}]
-            a = self.args
-            self.optimizer = torch.optim.AdamW([g for g in groups if g['params']], lr=a.learning_rate,
-                                               betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                                               weight_decay=a.weight_decay)
+            args = self.args
+            self.optimizer = torch.optim.AdamW([g for g in groups if g['params']], lr=args.learning_rate,
+                                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                               weight_decay=args.weight_decay)
         return self.optimizer
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
