@@ -187,6 +187,10 @@ def epoch_record(epoch: int, per_rank: List[Dict], sizes: Optional[Dict[str, int
     }
 
 
+# why an epoch trains samples again: open_clip_train rounds its samples up to whole batches for every worker
+REPEATS_WHY = ', to fill the whole batches open_clip_train makes of each data-loader worker\'s share'
+
+
 def _repeats(n: int) -> str:
     return f'{n:,} repeat' + ('s' if n != 1 else '')
 
@@ -196,7 +200,8 @@ def summary(record: Dict) -> str:
     shards = [sorted(os.path.basename(s) for s in r['shards']) for r in record['ranks']]
     lines = [f'epoch {record["epoch"]} data: {record["samples_trained"]:,} samples trained '
              f'({record["samples_distinct"]:,} distinct, {_repeats(record["samples_repeated"])}: trained again in the '
-             f'same epoch), from {len(set().union(*map(set, shards)))} shards read by {len(record["ranks"])} process(es)']
+             f'same epoch{REPEATS_WHY if record["samples_repeated"] else ""}), from '
+             f'{len(set().union(*map(set, shards)))} shards read by {len(record["ranks"])} process(es)']
     if len(shards) > 1:
         for rank, names in enumerate(shards):
             lines.append(f'  rank {rank}: ' + ' '.join(names[:12]) + (' …' if len(names) > 12 else ''))

@@ -49,7 +49,8 @@ def test_a_wrapped_epoch_counts_distinct_samples_and_calls_the_rest_repeats(tmp_
             ('no_caption', '000000001'), ('undecodable_image', '000010000'), ('no_caption', '000020003')]
     text = data_report.summary(record)
     assert text.startswith('epoch 2 data: 20 samples trained (9 distinct, 11 repeats: trained again in the same '
-                           'epoch), from 3 shards read by 1 process(es)')
+                           'epoch, to fill the whole batches open_clip_train makes of each data-loader worker\'s '
+                           'share), from 3 shards read by 1 process(es)')
     assert '  skipped 2 without caption, met 5 times (3 repeats) (00000.tar/000000001, 00002.tar/000020003)' in text
     assert '  skipped 1 undecodable image, met 2 times (1 repeat) (00001.tar/000010000)' in text
     assert 'not trained' not in text
@@ -184,7 +185,8 @@ def test_a_sizes_json_four_times_too_large_trains_each_sample_four_times_and_say
         assert record['samples_read'] == 32 and record['samples_readable'] == 8  # the last batch's samples too
         assert record['skipped'] == {}
     log = (run_dir / 'out.log').read_text()
-    assert 'epoch 2 data: 32 samples trained (8 distinct, 24 repeats: trained again in the same epoch)' in log
+    assert ('epoch 2 data: 32 samples trained (8 distinct, 24 repeats: trained again in the same epoch, '
+            'to fill the whole batches open_clip_train makes of each data-loader worker\'s share)' in log)
     warning = ('shards/sizes.json says 32 samples, the shards hold 8 (8 readable): each sample is trained ~4× per '
                'epoch (24 repeats in epoch 1); fix sizes.json with `python -m diffzoo.data sizes shards --recount` '
                'or pass --train-num-samples 8')

@@ -39,7 +39,8 @@ def test_one_jpeg_cut_in_half_leaves_every_other_sample_trained_once_on_both_bac
         record, log = _train(tmp_path, backend, 8)
         assert [record[k] for k in KEYS] == [32, 31, 1, 31, 0, True, {'undecodable_image': 1}], backend
         assert [(reason, key) for reason, _, key in record['examples']] == [('undecodable_image', '000010005')]
-        assert 'epoch 1 data: 32 samples trained (31 distinct, 1 repeat: trained again in the same epoch)' in log
+        assert ('epoch 1 data: 32 samples trained (31 distinct, 1 repeat: trained again in the same epoch, '
+            'to fill the whole batches open_clip_train makes of each data-loader worker\'s share)' in log)
         assert 'not trained' not in log and '--recount' not in log and 'each sample is trained' not in log
 
 

@@ -51,7 +51,8 @@ def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
     examples = {(reason, key) for reason, _, key in report['examples']}
     assert ('undecodable_image', '000000003') in examples and ('no_caption', '000010005') in examples
     log = (run_dir / 'out.log').read_text()
-    assert 'epoch 1 data: 48 samples trained (40 distinct, 8 repeats: trained again in the same epoch)' in log
+    assert ('epoch 1 data: 48 samples trained (40 distinct, 8 repeats: trained again in the same epoch, '
+            'to fill the whole batches open_clip_train makes of each data-loader worker\'s share)' in log)
     reported = {line.strip().split(' (')[0].split(',')[0].split(' ', 2)[2]: line for line in log.splitlines()
                 if line.startswith('  skipped ')}
     assert reported.keys() == {'undecodable image', 'without caption', 'empty shard', 'unreadable shard'}
