@@ -22,8 +22,9 @@ hold every set's folder. A sample whose image file is missing or that has no ans
 set; so is, counted per set under its reason, one the JSON could not hold safely: an image path that would leave
 `image_root` (an absolute path outside it, or a `..` component: the rule `diffzoo.data.shards.hostile_name`
 applies to shards), a question or answer that is not a string, or a record not in its set's layout (a field
-missing or of another type). A missing annotation file stops the command, naming it, and so does a file that is
-not JSON, naming what is wrong and where.
+missing or of another type), and a VQAv2 or OK-VQA annotation whose question_id names no question. A missing
+annotation file stops the command, naming it, and so does a file that is not JSON, naming what is wrong and where,
+or not in its set's layout (a list where the set publishes an object, no "questions" list).
 """
 import json
 from collections import Counter, defaultdict
@@ -66,17 +67,39 @@ def _json(path: Path):
         raise DataError(f'{path}: not UTF-8 text (byte {exc.start:,}: {exc.reason}); {fix}') from exc
 
 
+def _published(path: Path, kind: type, key: Optional[str] = None):
+    """`path`'s JSON (its `key` field) when it is a `kind` (dict or list), as the set publishes it; else the file is
+    named (a file of another layout would otherwise stop the command at the first record, unnamed)."""
+    data = _json(path)
+    if key is not None:
+        data = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(data, kind):
+        what = f'a JSON object with a "{key}" list' if key is not None else 'a JSON ' + ('object' if kind is dict
+                                                                                         else 'list')
+        raise DataError(f'{path}: not {what}, as the set publishes it; use the set\'s published annotation file')
+    return data
+
+
+class Unmatched(ValueError):
+    """A record whose fields are in the layout but that names nothing its set holds; the message is why."""
+
+
 @contextmanager
-def _record(left_out: Optional[Counter]):
-    """A record its reader cannot read (a field missing or of another type) is left out and counted in
-    `left_out` under why; without `left_out` (a benchmark's reader) the error goes on."""
+def _record(left_out: Optional[Counter], of: str = ''):
+    """A record its reader cannot read (a field missing or of another type, `Unmatched`) is left out and counted
+    in `left_out` under why (`of`: which file's records, where a set has two); without `left_out` (a reader called
+    on its own) the error goes on."""
     try:
         yield
+    except Unmatched as exc:
+        if left_out is None:
+            raise
+        left_out[str(exc)] += 1
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         if left_out is None:
             raise
         missing = f'no {exc.args[0]!r} field' if isinstance(exc, KeyError) and exc.args else 'a field of another type'
-        left_out[f'not in the set\'s layout ({missing})'] += 1
+        left_out[f'not in the set\'s layout ({of}{missing})'] += 1
 
 
 def first_file(*paths: Path) -> Path:
@@ -91,12 +114,15 @@ def _most_frequent(answers: List[str]) -> str:
 
 def _coco(root: Path, split: str, questions: str, annotations: str, consensus: bool,
           left_out: Optional[Counter] = None) -> Iterator[QA]:
-    qs = {q['question_id']: q for q in _json(root / questions)['questions']}
-    for a in _json(root / annotations)['annotations']:
+    qs = {}
+    for q in _published(root / questions, list, 'questions'):
+        with _record(left_out, 'a question: '):  # counted apart from the annotations: no id ties it to one
+            qs[q['question_id']] = q
+    for a in _published(root / annotations, list, 'annotations'):
         with _record(left_out):
             q = qs.get(a['question_id'])
             if q is None:
-                continue
+                raise Unmatched(f'question_id not in {questions}')
             humans = tuple(x['answer'] for x in a['answers'])
             answer = a['multiple_choice_answer'] if consensus else _most_frequent(list(humans))
             image = root / f'{split}2014' / f'COCO_{split}2014_{a["image_id"]:012d}.jpg'
@@ -114,14 +140,15 @@ def okvqa(root: Path, split: str, left_out: Optional[Counter] = None) -> Iterato
 
 
 def vizwiz(root: Path, split: str, left_out: Optional[Counter] = None) -> Iterator[QA]:
-    for i, r in enumerate(_json(first_file(root / 'Annotations' / f'{split}.json', root / f'{split}.json'))):
+    for i, r in enumerate(_published(first_file(root / 'Annotations' / f'{split}.json', root / f'{split}.json'),
+                                     list)):
         with _record(left_out):
             yield QA(r.get('image', str(i)), root / split / r['image'], r['question'],
                      _most_frequent([a['answer'] for a in r.get('answers', [])]))
 
 
 def gqa(root: Path, split: str, left_out: Optional[Counter] = None) -> Iterator[QA]:
-    for qid, r in _json(root / f'{split}_balanced_questions.json').items():
+    for qid, r in _published(root / f'{split}_balanced_questions.json', dict).items():
         with _record(left_out):
             yield QA(qid, root / 'images' / f'{r["imageId"]}.jpg', r['question'], r['answer'])
 
@@ -132,7 +159,7 @@ OCRVQA_SPLITS = {'train': 1, 'val': 2, 'test': 3}
 def ocrvqa(root: Path, split: str, left_out: Optional[Counter] = None) -> Iterator[QA]:
     if split not in OCRVQA_SPLITS:
         raise DataError(f'ocrvqa split {split!r}: one of {", ".join(OCRVQA_SPLITS)}')
-    for book, r in _json(root / 'dataset.json').items():
+    for book, r in _published(root / 'dataset.json', dict).items():
         with _record(left_out):  # a cover's questions: left out together
             if r.get('split') != OCRVQA_SPLITS[split]:
                 continue
@@ -143,7 +170,7 @@ def ocrvqa(root: Path, split: str, left_out: Optional[Counter] = None) -> Iterat
 
 
 def docvqa(root: Path, split: str, left_out: Optional[Counter] = None) -> Iterator[QA]:
-    for r in _json(first_file(root / f'{split}_v1.0_withQT.json', root / f'{split}_v1.0.json'))['data']:
+    for r in _published(first_file(root / f'{split}_v1.0_withQT.json', root / f'{split}_v1.0.json'), list, 'data'):
         with _record(left_out):
             yield QA(str(r['questionId']), root / r['image'], r['question'], (r.get('answers') or [''])[0])
 
@@ -154,7 +181,7 @@ def chartqa(root: Path, split: str, left_out: Optional[Counter] = None) -> Itera
         _json(files[0])  # names the file
     for f in files:
         if f.is_file():
-            for i, r in enumerate(_json(f)):
+            for i, r in enumerate(_published(f, list)):
                 with _record(left_out):
                     yield QA(f'{f.stem}-{i}', root / split / 'png' / r['imgname'], r['query'], str(r['label']))
 

@@ -160,3 +160,37 @@ def test_an_annotation_file_that_is_not_json_is_named_with_where(tmp_path):
     done = call(main, ['llava-qa', tmp_path / 'qa.json', '--image-root', root, '--gqa', root / 'gqa'], tmp_path)
     assert done.returncode == 2 and 'train_balanced_questions.json: not UTF-8 text (byte 7' in done.stderr
     assert not (tmp_path / 'qa.json').exists()
+
+
+def test_coco_records_without_their_question_id_are_left_out_and_counted_and_a_file_of_another_layout_named(tmp_path):
+    """OK-VQA and VQAv2 as hostile copies hold them: a question record without `question_id` (left out, counted once
+    as a question), an annotation whose question_id names no question (left out, counted; it was skipped unnamed),
+    an annotation without `question_id`; the other questions are converted. A questions file without its
+    "questions" list, or a GQA file that is a list, stops the command naming the file (not a KeyError)."""
+    root = tmp_path / 'data'
+    o = root / 'okvqa'
+    _write(o / 'OpenEnded_mscoco_train2014_questions.json', {'questions': [
+        {'image_id': 3, 'question_id': 30, 'question': 'what sport?'},
+        {'image_id': 3, 'question': 'an id lost?'}]})
+    _write(o / 'mscoco_train2014_annotations.json', {'annotations': [
+        {'image_id': 3, 'question_id': 30, 'answers': [{'answer': 'golf'}]},
+        {'image_id': 3, 'question_id': 31, 'answers': [{'answer': 'tennis'}]},
+        {'image_id': 3, 'answers': [{'answer': 'polo'}]}]})
+    _image(o / 'train2014' / 'COCO_train2014_000000000003.jpg')
+    done = call(main, ['llava-qa', tmp_path / 'qa.json', '--image-root', root, '--okvqa', o], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [r['id'] for r in json.loads((tmp_path / 'qa.json').read_text())] == ['okvqa-30']
+    out = done.stdout + done.stderr
+    assert "okvqa: 1 left out: not in the set's layout (a question: no 'question_id' field)" in out
+    assert "okvqa: 1 left out: not in the set's layout (no 'question_id' field)" in out
+    assert 'okvqa: 1 left out: question_id not in OpenEnded_mscoco_train2014_questions.json' in out
+
+    _write(o / 'OpenEnded_mscoco_train2014_questions.json', [{'image_id': 3, 'question_id': 30, 'question': 'q'}])
+    done = call(main, ['llava-qa', tmp_path / 'qa2.json', '--image-root', root, '--okvqa', o], tmp_path)
+    assert done.returncode == 2
+    assert ('OpenEnded_mscoco_train2014_questions.json: not a JSON object with a "questions" list, as the set '
+            'publishes it' in done.stderr), done.stderr
+    assert 'Traceback' not in done.stderr and not (tmp_path / 'qa2.json').exists()
+    _write(root / 'gqa' / 'train_balanced_questions.json', [{'imageId': '1', 'question': 'q', 'answer': 'a'}])
+    done = call(main, ['llava-qa', tmp_path / 'qa3.json', '--image-root', root, '--gqa', root / 'gqa'], tmp_path)
+    assert done.returncode == 2 and 'train_balanced_questions.json: not a JSON object, as the set' in done.stderr
