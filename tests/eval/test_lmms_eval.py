@@ -64,6 +64,28 @@ def test_it_answers_lmms_evals_requests_as_diffzoo_eval_lmm_does(tmp_path):
         model.loglikelihood(requests)
 
 
+def test_a_prompt_longer_than_the_model_is_cut_answered_and_counted_as_diffzoo_eval_lmm_counts_it(tmp_path, capsys):
+    """A POPE question of a few thousand characters through lmms-eval's request path: cut to the model's
+    max_length as LLaVA's model cuts it and answered (as before), now counted in `cut_documents` with its positions
+    and named in the batch's closing line; the short questions are not."""
+    model = DiffzooLMM.create_from_arg_string(f'recipe={_tiny_recipe(tmp_path)},batch_size=2', {})
+    model.vlm.max_length = 256  # a recipe's data.max_length; the tiny LM states 2,048
+    long_question = 'Is there a red circle in the image? ' + 'Look closely at every corner. ' * 200
+    docs = [{'question_id': str(i), 'question': q, 'answer': 'yes', 'image': Image.new('RGB', (48, 32), 'red'),
+             'category': 'random'} for i, q in enumerate(('Is there a red circle?', long_question, 'Any blue?'))]
+    model.task_dict = {'pope': {'test': docs}}
+    gen_kwargs = {'max_new_tokens': 2, 'temperature': 0, 'do_sample': False, 'until': ['\n\n']}
+    requests = [Instance('generate_until', (pope_utils.pope_doc_to_text(doc, {'pre_prompt': '', 'post_prompt': POST}),
+                                            gen_kwargs, pope_utils.pope_doc_to_visual, i, 'pope', 'test'), idx=0,
+                         metadata={'task': 'pope', 'doc_id': i, 'repeats': 1}) for i, doc in enumerate(docs)]
+    replies = model.generate_until(requests)
+    assert len(replies) == 3
+    positions = model.vlm.prompt_positions(requests[1].args[0])  # lmms-eval's prompt for it
+    assert positions > 256 and model.cut_documents == {'pope': [(1, positions)]}
+    assert (f"diffzoo: 1 pope prompt(s) longer than the model's 256 positions, cut to them as LLaVA's model cuts a "
+            f"prompt, then answered (the first: document 1, {positions:,} positions)") in capsys.readouterr().err
+
+
 def test_lmms_evals_pope_and_mme_scoring_agree_with_ours_on_the_same_replies():
     rows = _pope_rows()
     docs = [{'question_id': str(i), 'answer': r['label']} for i, r in enumerate(rows)]

@@ -9,13 +9,16 @@ images; `generate_until` answers greedily in batches through the model's own pro
 (`diffzoo.vlm.factory.vlm_from_recipe`), cut at the task's `until` strings. Log-likelihood requests (multiple
 choice by likelihood) and multi-round generation are refused by name. A document that brings no image or more than
 one (diffzoo's VLMs read one) gets an empty reply, which its task scores as wrong: the first of each task is named
-in a warning, and each batch of requests ends with a line counting them (`skipped_documents` holds their ids).
+in a warning, and each batch of requests ends with a line counting them (`skipped_documents` holds their ids). A
+prompt longer than the model's `max_length` positions (its image's and text's) is cut to them as LLaVA's model cuts
+it, then answered, as `python -m diffzoo.eval.lmm` answers it: counted the same way (`cut_documents`, with each
+one's positions) and named in the batch's closing line.
 
 lmms-eval catches any error of a run, logs it and exits 0 (unless --verbosity DEBUG), so a model that cannot be
 built (a wrong recipe, stage or batch size) ends the process here instead: the error on stderr, exit status 2.
 """
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
@@ -41,6 +44,7 @@ class DiffzooLMM(lmms):
                  **_):
         super().__init__()
         self.skipped_documents: Dict[str, List] = {}  # task → ids of its documents without exactly one image
+        self.cut_documents: Dict[str, List[Tuple]] = {}  # task → (id, positions) of its prompts cut to max_length
         # torch, transformers: when lmms-eval builds this model, not whenever it loads the plugins' entry points
         from diffzoo.vlm.factory import vlm_from_recipe
         try:
@@ -68,6 +72,7 @@ class DiffzooLMM(lmms):
 
     def generate_until(self, requests: List[Instance]) -> List[str]:
         replies, before = [], {task: len(ids) for task, ids in self.skipped_documents.items()}
+        cut_before = {task: len(cut) for task, cut in self.cut_documents.items()}
         for i in tqdm(range(0, len(requests), self.batch_size_per_gpu), desc='diffzoo', disable=not requests):
             chunk = requests[i:i + self.batch_size_per_gpu]
             prompts, images, settings = [], [], []  # settings: None for a document left unanswered
@@ -78,6 +83,9 @@ class DiffzooLMM(lmms):
                     self._skip(task, doc_id, len(visuals))
                     settings.append(None)
                     continue
+                limit = self.vlm.max_length  # None: a language model that states no maximum
+                if limit is not None and (positions := self.vlm.prompt_positions(context)) > limit:
+                    self.cut_documents.setdefault(task, []).append((doc_id, positions))
                 prompts.append(context)
                 images.append(visuals[0].convert('RGB'))
                 settings.append(gen_kwargs)
@@ -89,6 +97,12 @@ class DiffzooLMM(lmms):
             if len(ids) > before.get(task, 0):
                 print(f'diffzoo: {len(ids) - before.get(task, 0)} {task} document(s) without exactly one image got an '
                       f'empty reply (the first: document {ids[before.get(task, 0)]})', file=sys.stderr, flush=True)
+        for task, cut in self.cut_documents.items():
+            if len(cut) > cut_before.get(task, 0):
+                doc_id, positions = cut[cut_before.get(task, 0)]
+                print(f'diffzoo: {len(cut) - cut_before.get(task, 0)} {task} prompt(s) longer than the model\'s '
+                      f'{self.vlm.max_length:,} positions, cut to them as LLaVA\'s model cuts a prompt, then answered '
+                      f'(the first: document {doc_id}, {positions:,} positions)', file=sys.stderr, flush=True)
         return replies
 
     def loglikelihood(self, requests):
