@@ -178,3 +178,12 @@ def pytest_collection_modifyitems(items):
         first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
         return first, name not in has_slow, order[item.nodeid]
     items.sort(key=rank)
+
+
+@pytest.fixture(scope='session')
+def commands():
+    """`python -m diffzoo.X …` for short commands, each a process forked after `import diffzoo` (tests/commands.py)."""
+    from tests.commands import Commands
+    server = Commands()
+    yield server
+    server.close()

@@ -21,17 +21,6 @@ HEAVY_AT_IMPORT = {
                               '(choices from clip_benchmark.models); clip_benchmark.cli imports its datasets and models '
                               'at its top, so only a copy of that parser could answer without them',
 }
-# runs `python -m MODULE --help`, then lists the heavy libraries it imported
-PROBE = ('import runpy, sys\n'
-         'sys.argv = [sys.argv[1], "--help"]\n'
-         'try:\n'
-         '    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)\n'
-         'except SystemExit as exc:\n'
-         '    code = exc.code\n'
-         'else:\n'
-         '    code = 0\n'
-         f'print("HEAVY", sorted(h for h in {HEAVY!r} if h in sys.modules))\n'
-         'sys.exit(code)\n')
 
 
 def _module(entry_point: str) -> str:
@@ -45,14 +34,12 @@ def test_the_scripts_known_to_import_a_heavy_library_are_scripts():
 
 @pytest.mark.slow
 @pytest.mark.parametrize('script', [name for name in SCRIPTS if name not in HEAVY_AT_IMPORT])
-def test_help_imports_no_heavy_library(script):
+def test_help_imports_no_heavy_library(script, commands):
     module = _module(SCRIPTS[script])
-    done = subprocess.run([sys.executable, '-c', PROBE, module], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    done = commands.run(module, ['--help'], watch=HEAVY)  # a process of its own, forked after `import diffzoo`
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith('usage: '), done.stdout[:500]
-    heavy = done.stdout.rsplit('HEAVY ', 1)[1].strip()
-    assert heavy == '[]', f'python -m {module} --help imported {heavy}'
+    assert done.imported == [], f'python -m {module} --help imported {done.imported}'
 
 
 @pytest.mark.slow
@@ -125,9 +112,8 @@ def test_public_names():
     ('diffzoo.convert', ['official-diffclip', 'x'], 'required: dst'),
     ('diffzoo.train.vlm', [], '--recipe is required'),
 ])
-def test_usage_errors_go_to_stderr_with_exit_2(module, argv, message):
-    done = subprocess.run([sys.executable, '-m', module, *argv], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+def test_usage_errors_go_to_stderr_with_exit_2(module, argv, message, commands):
+    done = commands.run(module, argv)
     assert done.returncode == 2 and done.stdout == ''
     assert done.stderr.startswith('usage: ') and message in done.stderr, done.stderr[-2000:]
 

@@ -177,7 +177,7 @@ IN_PROCESS = {'diffzoo.clip_benchmark'}
 
 @pytest.mark.slow
 @pytest.mark.parametrize('module', NAMED)
-def test_every_command_named_answers_help(module, tmp_path, monkeypatch, capsys):
+def test_every_command_named_answers_help(module, tmp_path, monkeypatch, capsys, commands):
     if module in IN_PROCESS:
         import importlib
         monkeypatch.setattr(sys, 'argv', [module, '--help'])
@@ -186,15 +186,18 @@ def test_every_command_named_answers_help(module, tmp_path, monkeypatch, capsys)
         out = capsys.readouterr().out
         assert done.value.code in (0, None) and out.startswith('usage: '), out[:300]
         return
-    done = _run([sys.executable, '-m', module, '--help'], tmp_path)
+    done = commands.run(module, ['--help'], tmp_path)
     assert done.returncode == 0 and done.stdout.startswith('usage: '), (done.stdout[:300], done.stderr[-2000:])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('command', list(RUN))
-def test_shell_command_runs(command, tmp_path):
+def test_shell_command_runs(command, tmp_path, commands):
     argv = command.split()
-    done = _run([sys.executable, *argv[1:]] if argv[0] == 'python' else argv, tmp_path)
+    if argv[:3] == ['python', '-m', argv[2]] and argv[2].startswith('diffzoo'):
+        done = commands.run(argv[2], argv[3:], tmp_path)
+    else:
+        done = _run([sys.executable, *argv[1:]] if argv[0] == 'python' else argv, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert RUN[command] in done.stdout, done.stdout[-2000:]
 
@@ -245,14 +248,14 @@ def _recipe_key(module: str, flag: str) -> bool:
 
 
 @pytest.mark.slow
-def test_every_documented_flag_is_taken_by_its_command(tmp_path):
+def test_every_documented_flag_is_taken_by_its_command(tmp_path, commands):
     """A flag the pages give a command is in that command's --help (or is a recipe key of the trainers):
     renaming or dropping a documented flag fails here."""
     missing = []
     for (module, sub), flags in sorted(_documented_flags().items(), key=str):
-        done = _run([sys.executable, '-m', module, *([sub] if sub else []), '--help'], tmp_path)
+        done = commands.run(module, [*([sub] if sub else []), '--help'], tmp_path)
         if done.returncode and sub:  # a positional that is not a subcommand with a help of its own (chain A B)
-            done = _run([sys.executable, '-m', module, '--help'], tmp_path)
+            done = commands.run(module, ['--help'], tmp_path)
         assert done.returncode == 0, (module, sub, done.stderr[-1500:])
         missing += [f'{module}{" " + sub if sub else ""} {f}' for f in sorted(flags)
                     if not re.search(re.escape(f) + r'\b', done.stdout) and not _recipe_key(module, f)]

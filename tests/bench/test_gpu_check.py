@@ -19,8 +19,8 @@ def records(out):
     return report, {r['name']: r for r in report['steps']}
 
 
-def test_help_names_every_step_and_the_dry_run():
-    done = subprocess.run([sys.executable, '-m', 'diffzoo.bench.gpu', '--help'], capture_output=True, text=True)
+def test_help_names_every_step_and_the_dry_run(commands):
+    done = commands.run('diffzoo.bench.gpu', ['--help'])
     assert done.returncode == 0
     assert all(f'\n  {step} ' in done.stdout for step in steps.STEPS) and '--device cpu' in done.stdout
 
