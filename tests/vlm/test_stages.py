@@ -268,7 +268,8 @@ def test_a_finished_stage_loads_and_answers_in_its_format_with_the_image_at_its_
 
 def test_each_epoch_ends_with_what_the_data_lost_each_conversation_counted_once(chain):
     root, runs = chain
-    assert 'epoch 1: 0 conversation(s) cut to 128 tokens, 0 left out after the cut' in runs['stage1'].stdout
+    assert ('epoch 1: 0 conversation(s) cut to 128 positions (image and text), 0 left out after the cut'
+            in runs['stage1'].stdout)
     # 8 steps of 8 over 32 captions: two epochs, the second's counts given once, by the stage's closing line
     assert 'epoch 2: ' not in runs['stage1'].stdout
     assert 'stage1: 8 steps, loss' in runs['stage1'].stdout
@@ -277,8 +278,9 @@ def test_each_epoch_ends_with_what_the_data_lost_each_conversation_counted_once(
                       '--max_steps', '8'], root)
     assert cut.returncode == 0, cut.stderr[-2000:]
     # every caption is longer than 3 tokens beside the image: all 32 cut in epoch 1, still 32 (not 64) after epoch 2
-    assert f'epoch 1: 32 conversation(s) cut to {limit} tokens' in cut.stdout
-    assert cut.stdout.count(f'32 conversation(s) cut to {limit} tokens') == 2  # epoch 1, then the run (not epoch 2)
+    assert f'epoch 1: 32 conversation(s) cut to {limit} positions (image and text)' in cut.stdout
+    # epoch 1, then the run (not epoch 2)
+    assert cut.stdout.count(f'32 conversation(s) cut to {limit} positions (image and text)') == 2
     problems = json.loads((root / 'cut' / 'stage1' / 'data_problems.json').read_text())
     assert problems['cut_to_max_length'] == 32 and problems['left_out_after_cut'] == 0
 

@@ -113,8 +113,8 @@ def gathered(trainer: StageTrainer):
 def collator_summary(collator_ids: Dict[str, Set[str]], max_length: int, mismatch: str) -> str:
     """What the collator cut or left out, in words."""
     cut, left_out, mismatched = (len(collator_ids[key]) for key in ('cut_short', 'left_out_long', 'mismatched'))
-    return (f'{cut} conversation(s) cut to {max_length} tokens, {left_out} left out after the cut, {mismatched} with '
-            f'a tokenization mismatch '
+    return (f'{cut} conversation(s) cut to {max_length} positions (image and text), {left_out} left out after the '
+            f'cut, {mismatched} with a tokenization mismatch '
             + ('(nothing of them scored, as the reference does)' if mismatch == 'mask' else '(scored: mismatch score)'))
 
 
