@@ -235,6 +235,21 @@ def test_unreadable_images_are_skipped_named_once_and_the_rest_trains(assets, la
     assert json.loads((run / 'results.json').read_text())['steps'] == 8
 
 
+def test_fine_tuning_trains_the_last_partial_batch_of_an_epoch(assets, language_model_dir, tmp_path):
+    """10 VQAv2 questions at batch 4, one epoch (no max_steps): 3 steps of 4, 4 and 2, every question trained, as
+    LLaVA's and TinyLLaVA's trainers keep the last batch (before: 2 steps, 8 trained, 2 dropped uncounted)."""
+    root = tmp_path / 'vqav2'
+    write_vqav2_split(root, 'train', 5, seed=0)  # 10 questions, 2 per image
+    write_vqav2_split(root, 'val', 1, seed=1)
+    recipe = _recipe(assets, language_model_dir, tmp_path / 'runs', max_steps=None, epochs=1, log_every=1,
+                     save_every=8, data={'root': str(root), 'split': 'train', 'val_split': 'val'})
+    out = _train(recipe).stdout
+    run = tmp_path / 'runs' / 'tiny-vqa'
+    assert json.loads((run / 'results.json').read_text())['steps'] == 3
+    assert json.loads((run / 'skipped_images.json').read_text())['samples_trained'] == 10
+    assert 'tiny-vqa: 10 samples trained' in out
+
+
 def test_a_batch_without_a_readable_image_takes_a_step_with_no_gradient(assets, language_model_dir, tmp_path):
     vlm = load_vlm({'type': 'build_vlm', 'vision': 'diffclip-tiny', 'language_model': str(language_model_dir)},
                    differential={'variant': 'split', 'lambda_init': 0.8})
