@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+import webdataset
 from PIL import Image
 from torchvision.transforms import InterpolationMode, Normalize, RandomResizedCrop
 
+from diffzoo import seam
+from diffzoo.clip.seams import OpenClipChanged
 from diffzoo.data.shards import IMAGE_EXTS
 from diffzoo.recipes import RecipeError
 from . import data_stages
@@ -207,19 +210,21 @@ class DeviceWebdataset:
 
 def wds_dataset_on_device(build, data_module):
     """`build` (open_clip_train.data.get_wds_dataset, as diffzoo.train.seams has wrapped it) building training
-    pipelines for this backend: `data_module.wds` is `DeviceWebdataset` while it builds, with the settings of
-    the image transform open_clip passes, which becomes `kept_encoded`; the DataInfo's loader a `DeviceLoader`."""
+    pipelines for this backend: `data_module.wds` is `DeviceWebdataset` while it builds (a seam row applied for the
+    build), with the settings of the image transform open_clip passes, which becomes `kept_encoded`; the DataInfo's
+    loader a `DeviceLoader`."""
     @functools.wraps(build)  # its signature too, which train.seams checks
     def get_wds_dataset(args, preprocess_img, is_train, *rest, **kwargs):
         if not is_train:
             return build(args, preprocess_img, is_train, *rest, **kwargs)
         transform = TrainTransform.of(preprocess_img)
-        module = data_module.wds
-        data_module.wds = DeviceWebdataset(module, transform)
-        try:
+        built_with = data_module.wds  # the run's (train.seams' row: counting, seeded shuffles) is kept beneath
+        row = seam.Seam(data_module, 'wds', lambda _: DeviceWebdataset(built_with, transform),
+                        'its training pipeline decodes and transforms each image in the worker: while this one is '
+                        'built, the decode reads headers and the batches keep the images encoded',
+                        holds=lambda original: original is webdataset, what='the webdataset module')
+        with seam.patched([row], OpenClipChanged):
             info = build(args, kept_encoded, is_train, *rest, **kwargs)
-        finally:
-            data_module.wds = module
         info.dataloader = DeviceLoader(info.dataloader, transform, args.batch_size, torch.device(args.device))
         return info
     return get_wds_dataset
