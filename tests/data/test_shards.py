@@ -4,7 +4,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tarfile
 
 import pyarrow as pa
@@ -17,7 +16,7 @@ from diffzoo.data.check import check_dataset
 from diffzoo.data.retry import write_retry
 from diffzoo.data.shards import DataError, list_shards, write_sizes
 from tests.data.tars import rename_samples
-from tests.factory import run, write_shards
+from tests.factory import write_shards
 
 
 def test_sizes_from_img2dataset_stats(tmp_path):
@@ -176,7 +175,7 @@ def test_check_counts_each_sample_that_repeats_a_key_once(tmp_path, capsys):
             'sample') in out
 
 
-def test_check_flags_members_named_to_leave_the_directory_and_nothing_extracts_them(tmp_path):
+def test_check_flags_members_named_to_leave_the_directory_and_nothing_extracts_them(tmp_path, commands):
     """A real `python -m diffzoo.data check` process, run two levels below the shards' parent, and webdataset's own
     reader (as training reads shards) over a shard whose members are named '../../escaped.*' and '<abs>/absolute.*':
     both read them in memory, nothing is written where the names point, and check names the shard and members."""
@@ -185,7 +184,7 @@ def test_check_flags_members_named_to_leave_the_directory_and_nothing_extracts_t
     rename_samples(tmp_path / 'shards' / '00001.tar', {'000010000': '../../escaped', '000010002': str(absolute)})
     cwd = tmp_path / 'a' / 'b'
     cwd.mkdir(parents=True)
-    result = run([sys.executable, '-m', 'diffzoo.data', 'check', str(tmp_path / 'shards'), '--workers', '1'], cwd=cwd)
+    result = commands.run('diffzoo.data', ['check', tmp_path / 'shards', '--workers', '1'], cwd)
     assert result.returncode == 1, result.stdout + result.stderr
     assert re.search(r'members named to leave the dir +6\n', result.stdout)
     assert ("00001.tar: 6 members named to leave the directory they would be extracted into: '../../escaped.jpg' "

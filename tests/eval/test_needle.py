@@ -1,7 +1,5 @@
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -294,16 +292,12 @@ def test_hand_made_answers_give_known_accuracies(corpus, tmp_path):
         score_answers(samples, answers)
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, '-m', 'diffzoo.eval.needle', *map(str, args)], capture_output=True,
-                          text=True, cwd=Path(__file__).resolve().parents[2])
-
-
-def test_cli_builds_a_coco_set_and_scores_answers(corpus, tmp_path):
+def test_cli_builds_a_coco_set_and_scores_answers(corpus, tmp_path, commands):
     source, captions = corpus
     out = tmp_path / 'set'
-    done = _run('build', '--source', source, '--out', out, '--m', 2, '--n', 2, '--size', SIZE, '--samples', 10,
-                '--seed', 7)  # captions found in ../annotations/captions_val2014.json
+    # a real `python -m diffzoo.eval.needle` process; the captions found in ../annotations/captions_val2014.json
+    done = commands.run('diffzoo.eval.needle', ['build', '--source', source, '--out', out, '--m', 2, '--n', 2,
+                                                '--size', SIZE, '--samples', 10, '--seed', 7])
     assert done.returncode == 0, done.stderr
     assert 'build: 10/10 samples stitched' in done.stdout and str(out / 'haystacks.json') in done.stdout
     manifest = json.loads((out / 'haystacks.json').read_text())
@@ -314,7 +308,8 @@ def test_cli_builds_a_coco_set_and_scores_answers(corpus, tmp_path):
         for s in manifest['samples']:
             truth = '-1' if s['index'] == -1 else f"{s['index']}, {s['row']}, {s['column']}"
             f.write(json.dumps({'id': s['id'], 'answer': truth}) + '\n')
-    done = _run('score', '--haystacks', out, '--answers', tmp_path / 'answers.jsonl', '--out', tmp_path / 'scores')
+    done = commands.run('diffzoo.eval.needle', ['score', '--haystacks', out, '--answers', tmp_path / 'answers.jsonl',
+                                                '--out', tmp_path / 'scores'])
     assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / 'scores' / 'needle_results.json').read_text())
     assert result['metrics'] == dict.fromkeys(result['metrics'], 1.0) and result['counts']['samples'] == 10

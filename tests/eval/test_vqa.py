@@ -1,8 +1,6 @@
 """VQA accuracy against values worked out by hand from the official vqaEval.py rules, with each reply processed
 first as LLaVA's convert_vqav2_for_submission.py does (EvalAIAnswerProcessor) under the default scoring."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -137,13 +135,12 @@ def test_percentages_round_halves_away_from_zero_as_python2():
     assert evaluate(predictions, annotations)['overall'] == 0.13
 
 
-def test_cli_prints_a_table_and_writes_json(annotations, tmp_path):
+def test_cli_prints_a_table_and_writes_json(annotations, tmp_path, commands):
     (tmp_path / 'results.json').write_text(json.dumps(PREDICTIONS))
     (tmp_path / 'annotations.json').write_text(json.dumps(annotations))
     out = tmp_path / 'out' / 'accuracy.json'
-    run = subprocess.run([sys.executable, '-m', 'diffzoo.eval.vqa', '--predictions', str(tmp_path / 'results.json'),
-                          '--annotations', str(tmp_path / 'annotations.json'), '--output', str(out)],
-                         capture_output=True, text=True, timeout=120)
+    run = commands.run('diffzoo.eval.vqa', ['--predictions', tmp_path / 'results.json',
+                                            '--annotations', tmp_path / 'annotations.json', '--output', out])
     assert run.returncode == 0, run.stderr
     written = json.loads(out.read_text())
     assert written['overall'] == 58.0 and written['perAnswerType']['number'] == 30.0
