@@ -35,6 +35,7 @@ def test_bad_steps_and_limits_are_refused_by_name(tmp_path, capsys):
     assert not (tmp_path / 'gpu_check.json').exists()
 
 
+@pytest.mark.slow  # real processes
 @pytest.mark.skipif(torch.cuda.is_available(), reason='tunes for real where CUDA is there')
 def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     """--device cuda without a GPU: tune fails by name; the tests step, from an installed package (no tests/ folder
@@ -58,6 +59,7 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     assert 'tests/kernel-tests' in table and 'failed or timed out: tune/tune, tests/lambda-error\n' in table
 
 
+@pytest.mark.slow  # real processes
 def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget_leaves_no_time(tmp_path):
     """A 12 s budget: tune (a 5 s box) and compile (what is left, about 7 s) are ended while they run and recorded
     as timed out; bench's two commands find no time left and are skipped. The run prints its plan first."""
@@ -98,6 +100,7 @@ sys.meta_path.insert(0, Absent())
 '''
 
 
+@pytest.mark.slow  # real processes
 def test_the_gpu_tests_collect_without_the_eval_and_llava_packages(tmp_path):
     """The tests step's `pytest -m gpu tests` on a machine with the core and train packages alone: every module
     collects (those that need the missing packages skip), and the kernel tests are there."""
@@ -150,6 +153,7 @@ def test_the_b16_runs_start_with_the_moonshot_pair_and_its_ratio_is_read_from_th
     assert result['notes'][f'2-train-{recipes[0]}@defaults'].startswith('8 steps on cuda:0, 1506.0 images/s/gpu')
 
 
+@pytest.mark.slow  # real processes
 def test_the_dispatch_task_says_which_rows_of_auto_s_table_the_kernel_tests_support(tmp_path):
     """From the kernel tests' JUnit XML: bf16 passing at every bench shape supports its row to 4096 tokens; fp16
     failing at 4096 tokens (batch 256) supports its row to 577 tokens and no further."""

@@ -73,6 +73,7 @@ print(Sample('1', sys.argv[1], 'q').load_image().size)
 '''
 
 
+@pytest.mark.slow  # real processes
 def test_a_jpeg_over_pils_limit_decodes_in_a_process_that_could_not_hold_it_whole(tmp_path):
     """10,000 × 10,000 grey pixels: 100 MB decoded, 300 MB in RGB, 1.2 MB as a file. A process allowed 250 MB of
     address space beyond what its imports mapped decodes it at 1/2 per side; PIL's own decode runs out of memory

@@ -114,6 +114,7 @@ def test_recipes_are_listed(capsys):
     assert all(name in out for name in recipe_names('vlm'))
 
 
+@pytest.mark.slow  # real processes
 def test_console_script_lists_the_recipes():
     import subprocess
     import sys

@@ -106,6 +106,7 @@ def _limited(size):
     return limit
 
 
+@pytest.mark.slow  # real processes
 def test_a_save_that_fails_names_the_disk_and_the_rerun_goes_on_from_the_last_complete_checkpoint(stage1, tmp_path):
     """A checkpoint that cannot be written (here a process limited in file size, as a full disk fails) ends the
     run with exit 2 naming the checkpoint, the disk's free space and where a rerun resumes (torch said
