@@ -42,6 +42,16 @@ def _tiny_recipe(tmp_path) -> Path:
     return tmp_path / 'model.yaml'
 
 
+def _pope_requests(model, docs, max_new_tokens: int):
+    """lmms-eval's generate_until requests for `docs` of its pope task (its prompt, greedy settings, visuals), the
+    documents given to `model` as lmms-eval gives them."""
+    model.task_dict = {'pope': {'test': docs}}
+    gen_kwargs = {'max_new_tokens': max_new_tokens, 'temperature': 0, 'do_sample': False, 'until': ['\n\n']}
+    return [Instance('generate_until', (pope_utils.pope_doc_to_text(doc, {'pre_prompt': '', 'post_prompt': POST}),
+                                        gen_kwargs, pope_utils.pope_doc_to_visual, i, 'pope', 'test'), idx=0,
+                     metadata={'task': 'pope', 'doc_id': i, 'repeats': 1}) for i, doc in enumerate(docs)]
+
+
 def test_the_model_is_registered_with_lmms_eval():
     assert get_model('diffzoo') is DiffzooLMM
 
@@ -53,11 +63,7 @@ def test_it_answers_lmms_evals_requests_as_diffzoo_eval_lmm_does(tmp_path):
     assert model.batch_size_per_gpu == 2
     docs = [{'question_id': str(i), 'question': f'Is there a {c} circle in the image?', 'answer': 'yes' if i else 'no',
              'image': Image.new('RGB', (48, 32), c), 'category': 'random'} for i, c in enumerate(('red', 'blue', 'green'))]
-    model.task_dict = {'pope': {'test': docs}}
-    gen_kwargs = {'max_new_tokens': 3, 'temperature': 0, 'do_sample': False, 'until': ['\n\n']}
-    requests = [Instance('generate_until', (pope_utils.pope_doc_to_text(doc, {'pre_prompt': '', 'post_prompt': POST}),
-                                            gen_kwargs, pope_utils.pope_doc_to_visual, i, 'pope', 'test'), idx=0,
-                         metadata={'task': 'pope', 'doc_id': i, 'repeats': 1}) for i, doc in enumerate(docs)]
+    requests = _pope_requests(model, docs, max_new_tokens=3)
     replies = model.generate_until(requests)
     assert replies == model.vlm.answer([d['image'] for d in docs], [d['question'] + POST for d in docs], 3)
     with pytest.raises(NotImplementedError, match='generate_until'):
@@ -73,11 +79,7 @@ def test_a_prompt_longer_than_the_model_is_cut_answered_and_counted_as_diffzoo_e
     long_question = 'Is there a red circle in the image? ' + 'Look closely at every corner. ' * 200
     docs = [{'question_id': str(i), 'question': q, 'answer': 'yes', 'image': Image.new('RGB', (48, 32), 'red'),
              'category': 'random'} for i, q in enumerate(('Is there a red circle?', long_question, 'Any blue?'))]
-    model.task_dict = {'pope': {'test': docs}}
-    gen_kwargs = {'max_new_tokens': 2, 'temperature': 0, 'do_sample': False, 'until': ['\n\n']}
-    requests = [Instance('generate_until', (pope_utils.pope_doc_to_text(doc, {'pre_prompt': '', 'post_prompt': POST}),
-                                            gen_kwargs, pope_utils.pope_doc_to_visual, i, 'pope', 'test'), idx=0,
-                         metadata={'task': 'pope', 'doc_id': i, 'repeats': 1}) for i, doc in enumerate(docs)]
+    requests = _pope_requests(model, docs, max_new_tokens=2)
     replies = model.generate_until(requests)
     assert len(replies) == 3
     positions = model.vlm.prompt_positions(requests[1].args[0])  # lmms-eval's prompt for it
