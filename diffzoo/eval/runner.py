@@ -12,7 +12,7 @@ from diffzoo.data.shards import DataError
 
 from . import benchmark, suite
 from .models import ModelSpec, load, parse_model, run_checkpoints
-from .options import MMVP, SYNTHETIC, EvalError, FewShotConfig
+from .options import EvalError, FewShotConfig
 from .results import Row, plot_vs_epoch, table, write_json
 
 ERRORS = (EvalError, CheckpointError, DataError)  # bad inputs: `main` prints the message and exits 2
@@ -73,33 +73,32 @@ def run(args) -> int:
         raise EvalError('nothing to evaluate: pass --model NAME[,PRETRAINED] or --run-dir RUN')
     config = FewShotConfig(args.fewshot_way, args.fewshot_shot, args.fewshot_query, args.fewshot_episodes,
                             args.seed, args.fewshot_classifier)
+    suites = [suite.suite_for(dataset) for dataset in dict.fromkeys(args.dataset)]  # an unknown one refused here
+    suite.check_tasks(suites, args.task)
     plan = []
-    for dataset in dict.fromkeys(args.dataset):
-        if dataset not in (SYNTHETIC, MMVP):
-            benchmark.check_known(dataset)
-    suite.check_tasks(list(dict.fromkeys(args.dataset)), args.task)
-    for dataset in dict.fromkeys(args.dataset):
-        root = benchmark.dataset_root(args.dataset_root, dataset)
-        tasks = suite.tasks_for(dataset, args.task)
-        suite.check_dataset(dataset, root, tasks)
-        plan.append((dataset, root, tasks, suite.counted(dataset, root)))
+    for kind in suites:
+        root = benchmark.dataset_root(args.dataset_root, kind.dataset)
+        tasks = kind.tasks(args.task)
+        kind.check(root, tasks)
+        plan.append((kind, root, tasks, kind.counted(root)))
     device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     amp = device.startswith('cuda') and not args.no_amp
     output = default_output(args)
     settings = dict(vars(args), device=device, amp=amp, output=str(output), clip_benchmark=_version('clip-benchmark'),
                     open_clip=_version('open_clip_torch'))
 
+    how = suite.RunSettings(device, amp, args.batch_size, args.workers, config, args.lp_epochs, args.lp_lr)
     rows: List[Row] = []
     for i, spec in enumerate(specs, 1):
         print(f'[{i}/{len(specs)}] {spec.label}: loading {spec.name}'
               + (f' from {spec.pretrained}' if spec.pretrained else ' (random init)'), flush=True)
         loaded = load(spec, device, args.force_image_size, args.seed)
-        for dataset, root, tasks, counts in plan:
+        for kind, root, tasks, counts in plan:
+            dataset = kind.dataset
             for task in tasks:
                 start = time.time()
                 print(f'  {dataset}: {task} …', flush=True)
-                results = suite.run(loaded, dataset, root, task, device, amp, args.batch_size, args.workers, config,
-                                    args.lp_epochs, args.lp_lr, progress=print)
+                results = kind.run(loaded, root, task, how, progress=print)
                 for task_name, metrics in results.items():
                     rows += [Row(spec.name, spec.pretrained, loaded.checkpoint_sha256, dataset, task_name, metric,
                                  value, spec.label, spec.epoch, *counts.get(metric, (None, None)))
@@ -109,7 +108,7 @@ def run(args) -> int:
                 write_json(output, rows, settings)
         del loaded
     print()
-    print(table(rows, '; '.join(suite.TRIALS[d] for d, _, _, counts in plan if counts)))
+    print(table(rows, '; '.join(kind.trials for kind, _, _, counts in plan if counts)))
     print(f'\nresults: {output}')
     if args.every_checkpoint:
         plot = plot_vs_epoch(rows, output.with_name(output.stem + '_vs_epoch.png'))

@@ -26,6 +26,16 @@ def test_dummy_zero_shot_for_each_model(tmp_path):
     assert all(r.value in (0.0, 100.0) for r in rows)  # one image, two classes (no top-5 of 2 classes)
 
 
+def test_dummy_at_another_image_size_is_refused_naming_the_fix(tmp_path, capsys):
+    """CLIP_benchmark's dummy images are 224 × 224 whatever the transform: a 64-pixel model is told so, not sent a
+    traceback from its patch embedding."""
+    out = tmp_path / 'r.json'
+    assert main(['--model', 'diffclip-tiny', '--dataset', 'dummy', '--workers', '0', '--output', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: --dataset dummy: CLIP_benchmark gives 224 × 224 images') and 'Traceback' not in err
+    assert 'diffclip-tiny takes 64 × 64; add --force-image-size 224' in err and not out.exists()
+
+
 def test_accuracy_matches_hand_count_where_clip_benchmarks_fails_on_numpy2():
     logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.3], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
     target = torch.tensor([1, 2, 2, 1])
