@@ -208,6 +208,9 @@ def pad_to_square(image: Image.Image, colour: Tuple[int, ...]) -> Image.Image:
     return square
 
 
+CONVERSATION_ID_LISTS = ('cut_short', 'left_out_long', 'mismatched')  # a batch's lists of conversation ids (below)
+
+
 class ConversationCollator:
     """Conversations → a `VisionLanguageModel` batch: pixel_values, input_ids, attention_mask, image_at
     (B,), labels (the assistant's tokens; -100 elsewhere), right padding. `skipped_images` as

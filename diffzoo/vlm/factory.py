@@ -23,7 +23,7 @@ place for a training run: the model a recipe trains, an earlier stage's output l
 trains made trainable (`diffzoo.vlm.plan`).
 """
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -289,21 +289,30 @@ def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None]
     return vlm
 
 
-def trainable_vlm(recipe: Mapping, start: Optional[Path] = None) -> Tuple[VLM, TrainingPlan, Set[str]]:
+class TrainableVLM(NamedTuple):
+    """What `trainable_vlm` returns: the model, the plan applied to it, and `held_names`, the parameters a stage's
+    output holds besides what trains."""
+    vlm: VLM
+    plan: TrainingPlan
+    held_names: FrozenSet[str]
+
+
+def trainable_vlm(recipe: Mapping, start: Optional[Path] = None) -> TrainableVLM:
     """The model a checked VLM recipe trains (`python -m diffzoo.train.vlm`): built and made differential as the
     recipe says, its random parts (a `build_vlm` projector, eRAM-V's post-projection MLP) drawn from its `seed`, a
     finished stage's output loaded (`start`, its `stage/` folder: `diffzoo.vlm.stages`), then what the recipe trains
     made trainable and the rest frozen (`diffzoo.vlm.plan`: `model` becomes the trained one, a peft wrapper with LoRA).
     Returns it, the plan, and the names of what a stage holds besides what trains: the parameters `start` filled, and
-    λ and the sub-norm, which `differentialize` draws at random (kept even when frozen, so the next stage and
+    λ and the sub-norm, which `differentialize` draws at random (held even when frozen, so the next stage and
     evaluation see the same), by their names once LoRA wrapped the language model."""
     torch.manual_seed(recipe['seed'])
     vlm = built_vlm(recipe['model'], recipe['differential'])
-    held = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
+    held_ids = load_stage(vlm.model, start, model_spec(recipe)) if start is not None else set()
     plan = training_plan(recipe)
     vlm.model = apply_plan(vlm.model, plan)
-    held |= {id(p) for p in model_parts(vlm.model).differential()}
-    return vlm, plan, {name for name, p in vlm.model.named_parameters() if id(p) in held}
+    held_ids |= {id(p) for p in model_parts(vlm.model).differential()}
+    return TrainableVLM(vlm, plan, frozenset(name for name, p in vlm.model.named_parameters() if id(p) in held_ids))
 
 
-__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'built_vlm', 'load_vlm', 'trainable_vlm', 'vlm_from_recipe']
+__all__ = ['VLM', 'BuiltVLM', 'PaliGemmaVLM', 'TrainableVLM', 'built_vlm', 'load_vlm', 'trainable_vlm',
+           'vlm_from_recipe']

@@ -12,7 +12,8 @@ bf16 autocast, progress bars, tensorboard / wandb, checkpoints with optimizer, s
 state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `diffzoo.train.vlm.trainer`):
 
 - λ and the sub-norm train at `lambda_lr` (their own parameter group; default `lr`);
-- a checkpoint holds what trains, as `save_adapter` writes it (adapter, λ/sub-norm, projector);
+- a checkpoint holds what trains: fine-tuning's as `save_adapter` writes it (adapter, λ/sub-norm, projector,
+  `finetune.FineTuneTrainer`), a stage's what the stage holds (`stage_model.safetensors`, `stage.StageTrainer`);
 - every log line carries λ of each differential layer (`lambda/layer_<i>`, also to tensorboard/wandb);
 - a rerun resumes from the newest complete checkpoint (`last_complete_checkpoint`: a run killed while
   saving leaves a partial `checkpoint-<step>`, which is named, set aside as `incomplete-checkpoint-<step>`
@@ -34,7 +35,8 @@ Run directory `<output>/<recipe name>`: `recipe.json` (the settings), `log.jsonl
 logged step), `checkpoints/checkpoint-<step>/`, `tensorboard/`, at the end `adapter/`,
 `results.json` (VQA accuracy on the validation subset, trainable-parameter counts),
 `skipped_images.json` (unreadable image files; samples trained and left out in this run),
-`val_answers.json` and `loss.png`.
+`val_answers.json` and `loss.png`. A stage writes, in place of `adapter/` and `val_answers.json`, `stage/` (the
+stage's output, which the next stage's `init_from` names) and `data_problems.json` (the conversations left out or cut).
 """
 import argparse
 import sys

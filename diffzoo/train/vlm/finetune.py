@@ -1,20 +1,32 @@
 """Differential PaliGemma's LoRA fine-tuning on VQAv2 (a recipe of `train: null`), one `diffzoo.train.vlm.run`
-job: it reads the training and validation questions, trains with `VLMTrainer` and, at the end, answers the
+job: it reads the training and validation questions, trains with `FineTuneTrainer` and, at the end, answers the
 validation questions on every process (each its share), scores them with the official VQA accuracy
 (`diffzoo.eval.vqa`) and writes the adapter, `skipped_images.json` and `val_answers.json`."""
 import json
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from transformers import TrainerCallback
 
 from diffzoo.eval.vqa import accuracy, answer_questions, gather_answers, left_out
 from diffzoo.vlm.data import load_vqav2
 from diffzoo.vlm.factory import VLM
-from diffzoo.vlm.lora import save_adapter
+from diffzoo.vlm.lora import load_adapter_weights, save_adapter
 
 from .resume import writing
 from .run import SKIPPED_IMAGES, Job, RunSetup, run, run_log, write_results
-from .trainer import VLMTrainer, all_gathered
+from .trainer import VLMTrainer
+
+
+class FineTuneTrainer(VLMTrainer):
+    """`VLMTrainer` whose checkpoints hold what trains, as `save_adapter` writes it: the adapter, λ and the sub-norm,
+    a trained projector."""
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        if self.args.should_save:
+            save_adapter(self.model, output_dir or self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_adapter_weights(self.model, resume_from_checkpoint)
 
 
 class FineTuning(Job):
@@ -36,16 +48,15 @@ class FineTuning(Job):
     def first_line(self, setup: RunSetup) -> str:
         return f'{setup.name}: {len(self.train_set)} training questions, {setup.schedule}; trainable {setup.trainable}'
 
-    def trainer(self, setup: RunSetup, callbacks: List[TrainerCallback]) -> VLMTrainer:
-        return VLMTrainer(model=setup.vlm.model, args=setup.args, train_dataset=self.train_set,
-                          data_collator=setup.collator, callbacks=callbacks, lambda_lr=setup.recipe['lambda_lr'])
+    def trainer(self, setup: RunSetup, callbacks: List[TrainerCallback]) -> FineTuneTrainer:
+        return FineTuneTrainer(model=setup.vlm.model, args=setup.args, train_dataset=self.train_set,
+                               data_collator=setup.collator, callbacks=callbacks, lambda_lr=setup.recipe['lambda_lr'])
 
-    def finish(self, setup: RunSetup, trainer: VLMTrainer, results: Dict) -> None:
+    def finish(self, setup: RunSetup, trainer: FineTuneTrainer, results: Dict) -> None:
         recipe, name, run_dir, rank, world, vlm = (setup.recipe, setup.name, setup.run_dir, setup.rank, setup.world,
                                                    setup.vlm)
         val_set = self.val_set
-        parts = all_gathered(trainer.skipped_images, world)
-        skipped = parts[0].merge(parts[1:])
+        skipped = trainer.gathered_skipped_images()
         if val_set:
             if rank == 0:
                 print(f'evaluating on {len(val_set)} validation questions ({world} process(es))', flush=True)

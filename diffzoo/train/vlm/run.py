@@ -1,6 +1,7 @@
 """One run of `python -m diffzoo.train.vlm`, LoRA fine-tuning or a LLaVA-style stage: set up once, then run.
 
-    setup_run(recipe, name, job) -> RunSetup   the recipe's settings checked (`inputs.check_settings`), its data
+    setup_run(recipe, name, job) -> RunSetup   the recipe's settings checked (`inputs.check_settings`), the
+                                               output it starts from (a stage's `init_from`), its data
                                                read, the TrainingArguments, the steps, the checkpoint a rerun
                                                resumes from (`resume.resume_point`), the model it trains with its
                                                plan applied (`diffzoo.vlm.factory.trainable_vlm`), and on rank 0
@@ -8,9 +9,9 @@
     run(recipe, name, job) -> results          that setup, then the job's Trainer with its callbacks, the training,
                                                and the job's end: its outputs, then results.json and loss.png
 
-Fine-tuning and a stage differ only in what they read, how their samples become batches (a stage's checked against
-the model), the Trainer they train with and what they write at the end: a `Job` says it (`finetune.FineTuning`,
-`stage.Stage`).
+Fine-tuning and a stage differ only in where their model starts, what they read, how their samples become batches
+(a stage's checked against the model), the Trainer they train with and what they write at the end: a `Job` says it
+(`finetune.FineTuning`, `stage.Stage`).
 """
 import contextlib
 import json
@@ -48,9 +49,10 @@ class RunSetup:
     samples_per_step: int  # batch × accumulation × processes
     max_steps: int
     checkpoint: Optional[Path]  # the one a rerun resumes from; None for a new run
+    start: Optional[Path]  # an earlier stage's output the model starts from (`Job.starts_from`)
     vlm: VLM  # the model it trains, its plan applied
     plan: TrainingPlan
-    kept_frozen: FrozenSet[str]  # what a stage's output holds besides what trains (`trainable_vlm`)
+    held_names: FrozenSet[str]  # what a stage's output holds besides what trains (`trainable_vlm`)
     collator: Callable  # the data's samples → the model's batches
     trainable: Dict[str, int]  # `trainable_parameters`
 
@@ -73,8 +75,12 @@ class Job:
     """What one kind of run reads, checks, trains with and writes (module docstring). An instance serves one run and
     keeps what it read for the run's end."""
     weights: Optional[str] = None  # a checkpoint's model file (`resume.checkpoint_problem`); None: an adapter's
-    start: Optional[Path] = None  # an earlier stage's output the model starts from (`trainable_vlm`)
     no_step = ''  # the error for data of no step; its fields: samples, samples_per_step, batch, accumulation, world
+
+    def starts_from(self, recipe: Dict) -> Optional[Path]:
+        """The earlier run's output the model starts from (`trainable_vlm`), checked before the data is read; None:
+        the recipe's model as built."""
+        return None
 
     def read(self, recipe: Dict) -> int:
         """Read the training data (a missing file is named here); returns how many samples it holds."""
@@ -103,6 +109,7 @@ def setup_run(recipe: Dict, name: str, job: Job) -> RunSetup:
     """The run's setup (module docstring)."""
     check_settings(recipe)
     run_dir = Path(recipe['output']) / name
+    start = job.starts_from(recipe)
     samples = job.read(recipe)
     cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
     args = training_arguments(recipe, run_dir, cuda)
@@ -114,11 +121,10 @@ def setup_run(recipe: Dict, name: str, job: Job) -> RunSetup:
                                              accumulation=accumulation, world=world))
     max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
     checkpoint = resume_point(recipe, run_dir, args, weights=job.weights)
-    vlm, plan, kept_frozen = trainable_vlm(recipe, job.start)
-    trainable = trainable_parameters(vlm.model)
+    vlm, plan, held_names = trainable_vlm(recipe, start)
     collator = job.collator(vlm, recipe)
-    setup = RunSetup(recipe, name, run_dir, args, samples_per_step, max_steps, checkpoint, vlm, plan,
-                     frozenset(kept_frozen), collator, trainable)
+    setup = RunSetup(recipe, name, run_dir, args, samples_per_step, max_steps, checkpoint, start, vlm, plan,
+                     held_names, collator, trainable_parameters(vlm.model))
     if setup.rank == 0:
         start_run(setup, job.first_line(setup))
     return setup

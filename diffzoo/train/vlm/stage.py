@@ -23,7 +23,7 @@ A stage is one `diffzoo.train.vlm.run` job (`Stage`): the run and its loop are t
 """
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,8 @@ from transformers import TrainerCallback
 
 from diffzoo.files import atomic_write, atomic_write_json
 from diffzoo.recipes import RecipeError
-from diffzoo.vlm.conversations import ConversationCollator, load_conversations
+from diffzoo.vlm.conversations import CONVERSATION_ID_LISTS, ConversationCollator, Problems, load_conversations
+from diffzoo.vlm.data import SkippedImages
 from diffzoo.vlm.factory import VLM
 from diffzoo.vlm.lora import merge_lora
 from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, model_spec, stage_output
@@ -54,68 +55,74 @@ def whole_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 class StageTrainer(VLMTrainer):
-    """`VLMTrainer` whose checkpoints hold what the stage holds (`kept_frozen` names plus what trains); under FSDP its
-    state is Trainer's gathered one. Its `EpochReport` (of `max_length` and `mismatch`, the data's) is one of its
-    callbacks from the start."""
+    """`VLMTrainer` whose checkpoints hold what the stage holds: what trains, and the parameters `held_names` names
+    (`trainable_vlm`); under FSDP its state is Trainer's gathered one. It keeps the ids of the conversations the
+    collator cut or left out (`CONVERSATION_ID_LISTS`), and its `EpochReport` (of `max_length` and `mismatch`, the
+    data's) is one of its callbacks from the start."""
 
-    def __init__(self, *args, kept_frozen: Set[str] = frozenset(), max_length: int, mismatch: str, **kwargs):
+    def __init__(self, *args, held_names: FrozenSet[str] = frozenset(), max_length: int, mismatch: str, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kept_frozen = set(kept_frozen)
-        self.collator_ids: Dict[str, Set[str]] = {key: set() for key in COLLATOR_LISTS}  # each counted once
+        self.held_names = held_names
+        self.conversation_ids: Dict[str, Set[str]] = {key: set() for key in CONVERSATION_ID_LISTS}  # each once
         self.add_callback(EpochReport(self, max_length, mismatch))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        for key in COLLATOR_LISTS:
-            self.collator_ids[key].update(inputs.pop(key, ()))
+        for key in CONVERSATION_ID_LISTS:
+            self.conversation_ids[key].update(inputs.pop(key, ()))
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def kept(self) -> Dict[str, nn.Parameter]:
-        """The parameters the stage's output and checkpoints hold: what trains and `kept_frozen`, by name."""
-        return {n: p for n, p in self.model.named_parameters() if p.requires_grad or n in self.kept_frozen}
+    def held_parameters(self) -> Dict[str, nn.Parameter]:
+        """The parameters the stage's output and checkpoints hold: what trains and `held_names`, by name."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad or n in self.held_names}
 
-    def kept_state(self, state_dict: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
-        kept = self.kept()
+    def held_state_dict(self, state_dict: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
+        held = self.held_parameters()
         if state_dict is not None:  # FSDP: accelerate's full state dict, gathered on every rank
-            return {n: state_dict[n].detach().cpu().contiguous() for n in kept}
-        return {n: whole_tensor(p) for n, p in kept.items()}
+            return {n: state_dict[n].detach().cpu().contiguous() for n in held}
+        return {n: whole_tensor(p) for n, p in held.items()}
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
         if self.args.should_save:
             directory = Path(output_dir or self.args.output_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            save_file(self.kept_state(state_dict), str(directory / STAGE_WEIGHTS))
+            save_file(self.held_state_dict(state_dict), str(directory / STAGE_WEIGHTS))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         copy_tensors(self.model, load_file(str(Path(resume_from_checkpoint) / STAGE_WEIGHTS)), resume_from_checkpoint,
                      '; resume with the recipe that wrote it')
 
+    def gathered_data_losses(self) -> Tuple[SkippedImages, Dict[str, Set[str]]]:
+        """(unreadable images, {CONVERSATION_ID_LISTS key: conversation ids}) over every process (one collective
+        under DDP: every rank calls it)."""
+        parts = all_gathered((self.skipped_images, self.conversation_ids), self.args.world_size)
+        return (parts[0][0].merge([p[0] for p in parts[1:]]),
+                {key: set().union(*(p[1][key] for p in parts)) for key in CONVERSATION_ID_LISTS})
+
     def data_counts(self) -> Dict:
-        skipped, collator_ids = gathered(self)
-        return {'skipped_images': skipped.record(), **{key: sorted(ids) for key, ids in collator_ids.items()}}
+        skipped, conversation_ids = self.gathered_data_losses()
+        return {'skipped_images': skipped.record(), **{key: sorted(ids) for key, ids in conversation_ids.items()}}
 
     def restore_data_counts(self, checkpoint: Optional[Path]) -> Dict:
         counts = super().restore_data_counts(checkpoint)
-        self.collator_ids = {key: set(counts.get(key, ())) for key in COLLATOR_LISTS}  # the same on every process
+        self.conversation_ids = {key: set(counts.get(key, ())) for key in CONVERSATION_ID_LISTS}  # alike on each rank
         return counts
 
 
-COLLATOR_LISTS = ('cut_short', 'left_out_long', 'mismatched')  # ConversationCollator's lists of conversation ids
-
-
-def gathered(trainer: StageTrainer):
-    """(unreadable images, {COLLATOR_LISTS key: conversation ids}) over every process (a collective under DDP:
-    every rank calls it)."""
-    parts = all_gathered((trainer.skipped_images, trainer.collator_ids), trainer.args.world_size)
-    return (parts[0][0].merge([p[0] for p in parts[1:]]),
-            {key: set().union(*(p[1][key] for p in parts)) for key in COLLATOR_LISTS})
-
-
-def collator_summary(collator_ids: Dict[str, Set[str]], max_length: int, mismatch: str) -> str:
+def collator_summary(conversation_ids: Dict[str, Set[str]], max_length: int, mismatch: str) -> str:
     """What the collator cut or left out, in words."""
-    cut, left_out, mismatched = (len(collator_ids[key]) for key in ('cut_short', 'left_out_long', 'mismatched'))
+    cut, left_out, mismatched = (len(conversation_ids[key]) for key in CONVERSATION_ID_LISTS)
     return (f'{cut} conversation(s) cut to {max_length} positions (image and text), {left_out} left out after the '
             f'cut, {mismatched} with a tokenization mismatch '
             + ('(nothing of them scored, as the reference does)' if mismatch == 'mask' else '(scored: mismatch score)'))
+
+
+def data_problems_report(problems: Problems, conversation_ids: Dict[str, Set[str]], mismatch: str) -> Dict:
+    """`data_problems.json`: what reading the conversations left out (`Problems`), then what the collator cut or
+    left out, with a few ids of each."""
+    cut, left_out, mismatched = (conversation_ids[key] for key in CONVERSATION_ID_LISTS)
+    return {**problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(left_out),
+            'cut_examples': sorted(cut)[:3], 'tokenization_mismatch': len(mismatched), 'mismatch': mismatch,
+            'mismatch_examples': sorted(mismatched)[:3]}
 
 
 class EpochReport(TrainerCallback):
@@ -132,12 +139,12 @@ class EpochReport(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:  # the same on every rank: none enters the collective below
             return
-        skipped, collator_ids = gathered(self.trainer)
+        skipped, conversation_ids = self.trainer.gathered_data_losses()
         counted = (len(skipped.files), skipped.samples_skipped,
-                   {key: len(ids) for key, ids in collator_ids.items()})
+                   {key: len(ids) for key, ids in conversation_ids.items()})
         if state.is_world_process_zero and counted != self.last_counted:
             self.last_counted = counted
-            print(f'epoch {round(state.epoch)}: {collator_summary(collator_ids, self.max_length, self.mismatch)}; '
+            print(f'epoch {round(state.epoch)}: {collator_summary(conversation_ids, self.max_length, self.mismatch)}; '
                   f'{skipped.summary()}', flush=True)
 
 
@@ -171,11 +178,11 @@ def write_output(setup: RunSetup, trainer: StageTrainer) -> Path:
         raise RecipeError(f'{name} trained no step, so {directory} is not written (a stage of 0 steps would start the '
                           f'next from nothing trained); give it max_steps or epochs above 0, and data for a step')
     model = trainer.model
-    keep = {id(p) for p in trainer.kept().values()}
-    if setup.plan.lora is not None:  # the adapted weights are kept from now on
-        model, adapted = merge_lora(setup.vlm.model)
-        keep |= adapted
-    state = {n: whole_tensor(p) for n, p in model.named_parameters() if id(p) in keep}  # LoRA's own: merged, gone
+    held_ids = {id(p) for p in trainer.held_parameters().values()}
+    if setup.plan.lora is not None:  # never under FSDP (inputs.check_settings); merged in place, held from now on
+        model, adapted = merge_lora(model)
+        held_ids |= adapted
+    state = {n: whole_tensor(p) for n, p in model.named_parameters() if id(p) in held_ids}  # LoRA's own: merged, gone
     if setup.rank == 0:
         config = {'stage': name, 'steps': trainer.state.global_step, 'spec': model_spec(setup.recipe),
                   'tensors': sorted(state)}
@@ -195,10 +202,12 @@ class Stage(Job):
     no_step = ('{samples} conversations make no optimizer step of {samples_per_step} samples ({batch} × '
                '{accumulation} × {world} processes); lower the batch or add data')
 
+    def starts_from(self, recipe: Dict) -> Optional[Path]:
+        """`init_from`, a finished stage's output (a missing or unfinished one is named here)."""
+        return stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
+
     def read(self, recipe: Dict) -> int:
         data = recipe['data']
-        self.start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
-        # a missing path stops here
         self.train_set, self.problems = load_conversations(data['json'], data['image_folder'], data['format'])
         return len(self.train_set)
 
@@ -218,13 +227,13 @@ class Stage(Job):
 
     def first_line(self, setup: RunSetup) -> str:
         return (f'{setup.name}: {len(self.train_set)} conversations ({self.problems.summary()}), {setup.schedule}; '
-                f'trainable {setup.trainable}' + (f'; starts from {self.start}' if self.start else ''))
+                f'trainable {setup.trainable}' + (f'; starts from {setup.start}' if setup.start else ''))
 
     def trainer(self, setup: RunSetup, callbacks: List[TrainerCallback]) -> StageTrainer:
         data = setup.recipe['data']
         trainer = StageTrainer(model=setup.vlm.model, args=setup.args, train_dataset=self.train_set,
                                data_collator=setup.collator, callbacks=callbacks, lambda_lr=setup.recipe['lambda_lr'],
-                               kept_frozen=setup.kept_frozen, max_length=data['max_length'], mismatch=data['mismatch'])
+                               held_names=setup.held_names, max_length=data['max_length'], mismatch=data['mismatch'])
         fsdp = setup.recipe['fsdp']
         if setup.rank == 0 and fsdp is not None:
             print(f'FSDP{fsdp["version"]}: ' + (f'the model sharded over {setup.world} processes' if
@@ -234,15 +243,12 @@ class Stage(Job):
 
     def finish(self, setup: RunSetup, trainer: StageTrainer, results: Dict) -> None:
         data, name, run_dir = setup.recipe['data'], setup.name, setup.run_dir
-        skipped, collator_ids = gathered(trainer)
+        skipped, conversation_ids = trainer.gathered_data_losses()
         output = write_output(setup, trainer)
         if setup.world > 1:  # the next stage of a chain reads what rank 0 wrote
             dist.barrier()
         if setup.rank == 0:
-            cut, left_out, mismatched = (collator_ids[key] for key in ('cut_short', 'left_out_long', 'mismatched'))
-            report = {**self.problems.record(), 'cut_to_max_length': len(cut), 'left_out_after_cut': len(left_out),
-                      'cut_examples': sorted(cut)[:3], 'tokenization_mismatch': len(mismatched),
-                      'mismatch': data['mismatch'], 'mismatch_examples': sorted(mismatched)[:3]}
+            report = data_problems_report(self.problems, conversation_ids, data['mismatch'])
             with writing(run_dir / DATA_PROBLEMS, "the stage's records", run_dir / 'checkpoints'):
                 (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
                 (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
@@ -250,7 +256,7 @@ class Stage(Job):
             results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
                            data_problems=report, stage=str(output))
             write_results(run_dir, results, log)
-            collated = collator_summary(collator_ids, data['max_length'], data['mismatch'])
+            collated = collator_summary(conversation_ids, data['max_length'], data['mismatch'])
             print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → '
                   f'{results["final_loss"]:.4f}; {collated}; {skipped.summary()}\n  {output}\n  '
                   f'{run_dir / "results.json"}', flush=True)

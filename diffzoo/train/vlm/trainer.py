@@ -1,6 +1,7 @@
-"""transformers' `Trainer` as `python -m diffzoo.train.vlm` trains with it: `VLMTrainer`, with diffzoo's additions
-(`diffzoo.train.vlm.cli`'s docstring lists them), and `RunLog`, its log and progress lines. A run's setup and its
-end are `diffzoo.train.vlm.run`; the choice of checkpoint to resume from, and what a stopped run left,
+"""transformers' `Trainer` as `python -m diffzoo.train.vlm` trains with it: `VLMTrainer`, with what both kinds of
+run add (`diffzoo.train.vlm.cli`'s docstring lists them), and `RunLog`, its log and progress lines. What a checkpoint
+holds is each kind's: `finetune.FineTuneTrainer` (the adapter), `stage.StageTrainer` (what the stage holds). A run's
+setup and its end are `diffzoo.train.vlm.run`; the choice of checkpoint to resume from, and what a stopped run left,
 `diffzoo.train.vlm.resume`."""
 import json
 import time
@@ -15,7 +16,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from diffzoo.train.metrics import drop_records_after
 from diffzoo.vlm.data import SkippedImages
 from diffzoo.vlm.differential import layer_lambdas
-from diffzoo.vlm.lora import load_adapter_weights, save_adapter
 from diffzoo.vlm.parts import PARAMETER_NAMES
 
 from .resume import DATA_COUNTS, repair_log, writing
@@ -24,7 +24,8 @@ PROGRESS_EVERY = 10  # seconds between a run's progress lines on the console; lo
 
 
 class VLMTrainer(Trainer):
-    """`Trainer` with λ/sub-norm at their own learning rate, adapter-only checkpoints and λ in the logs."""
+    """`Trainer` with λ/sub-norm at their own learning rate, λ in the logs, the data's losses counted and kept in
+    each checkpoint, and no step past `max_steps` on a rerun."""
 
     def __init__(self, *args, lambda_lr: Optional[float] = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,13 +59,6 @@ class VLMTrainer(Trainer):
                                                weight_decay=args.weight_decay)
         return self.optimizer
 
-    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
-        if self.args.should_save:
-            save_adapter(self.model, output_dir or self.args.output_dir)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        load_adapter_weights(self.model, resume_from_checkpoint)
-
     def _run_epoch(self, *args, **kwargs) -> None:
         """Trainer's epoch, none once `max_steps` are done: a finished run rerun from a checkpoint in mid-epoch
         would otherwise take one more step (Trainer checks the count only after a step) and rewrite its output."""
@@ -84,10 +78,14 @@ class VLMTrainer(Trainer):
                 (folder / DATA_COUNTS).write_text(json.dumps(counts) + '\n')
             super()._save_checkpoint(model, trial)
 
+    def gathered_skipped_images(self) -> SkippedImages:
+        """The unreadable images over every process (a collective under DDP: every rank calls it)."""
+        parts = all_gathered(self.skipped_images, self.args.world_size)
+        return parts[0].merge(parts[1:])
+
     def data_counts(self) -> Dict:
         """What the data lost so far over every process, as a checkpoint keeps it (a collective under DDP)."""
-        parts = all_gathered(self.skipped_images, self.args.world_size)
-        return {'skipped_images': parts[0].merge(parts[1:]).record()}
+        return {'skipped_images': self.gathered_skipped_images().record()}
 
     def restore_data_counts(self, checkpoint: Optional[Path]) -> Dict:
         """Take up the counts `checkpoint` kept, so a resumed run's records cover the whole run (a rerun of a
