@@ -60,11 +60,18 @@ class UnsafeCheckpointError(CheckpointError):
 
 def run_settings(run_dir) -> Dict:
     """A training run's open_clip_train arguments: diffzoo-run.json, else params.txt ('key: value' lines);
-    {} when it has neither."""
+    {} when it has neither. A diffzoo-run.json that is not a JSON object is a CheckpointError naming it."""
     run_dir = pathlib.Path(run_dir)
-    if (run_dir / RUN_CONFIG).is_file():
-        with open(run_dir / RUN_CONFIG) as f:
-            return json.load(f)
+    path = run_dir / RUN_CONFIG
+    if path.is_file():
+        fix = 'the object of run settings python -m diffzoo.train writes; delete it to read the run\'s params.txt'
+        try:
+            settings = json.loads(path.read_bytes())
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise CheckpointError(f'{path}: not JSON ({exc}), not {fix}') from None
+        if not isinstance(settings, dict):
+            raise CheckpointError(f'{path}: a JSON {type(settings).__name__}, not {fix}')
+        return settings
     settings = {}
     if (run_dir / PARAMS_TXT).is_file():
         for line in (run_dir / PARAMS_TXT).read_text().splitlines():

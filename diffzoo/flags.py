@@ -1,6 +1,8 @@
-"""`--key value` pairs from a command line, read as YAML values (recipe overrides, img2dataset flags)."""
+"""`--key value` pairs from a command line, read as YAML values (recipe overrides, img2dataset flags), and the
+argparse type of a whole-number flag (`at_least`)."""
+import argparse
 import re
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import yaml
 
@@ -13,6 +15,15 @@ YamlLoader.add_implicit_resolver(
     'tag:yaml.org,2002:float',
     re.compile(r'^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$'),
     list('-+0123456789.'))
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number, `minimum` or more (argparse names the flag in its error)."""
+    def whole_number(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f'{text!r}: a whole number, {minimum} or more')
+        return int(text)
+    return whole_number
 
 
 def yaml_value(text: str):

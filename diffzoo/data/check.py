@@ -204,6 +204,11 @@ class DatasetReport:
         if self.sizes is None:
             out.append(f'no {SIZES_FILE}: run python -m diffzoo.data sizes {self.directory}')
             return out
+        gone = sorted(set(self.sizes) - {s.name for s in self.shards})
+        if gone:
+            out.append(f'{SIZES_FILE} lists {len(gone)} shards that are not in {self.directory} ({_shown(gone)}; '
+                       f'{sum(self.sizes[name] for name in gone):,} samples): deleted or moved, their samples are in '
+                       f'no epoch or evaluation; put them back, or {fix} to count the shards that are there')
         wrong = self.sizes_disagreements()
         if wrong['absent']:
             out.append(f'{SIZES_FILE} has no entry for {len(wrong["absent"])} shards '

@@ -33,6 +33,8 @@ import argparse
 import sys
 from typing import List, Optional
 
+from diffzoo.flags import at_least
+
 from .options import CLASSIFIERS, TASKS, FewShotConfig
 
 
@@ -45,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument('--run-dir', metavar='RUN', help='a training run directory (runs/NAME) that names its model')
     m.add_argument('--every-checkpoint', action='store_true',
                    help='every epoch_K.pt of a training run (--run-dir, --model NAME,RUN), not the newest')
-    m.add_argument('--force-image-size', type=int, metavar='PX', help="open_clip's force_image_size")
+    m.add_argument('--force-image-size', type=at_least(1), metavar='PX', help="open_clip's force_image_size")
     d = p.add_argument_group('datasets')
     d.add_argument('--dataset', action='append', default=[], metavar='NAME', help='repeat for several')
     d.add_argument('--dataset-root', metavar='DIR', help="the dataset's folder, or a template with {dataset}")
@@ -54,9 +56,9 @@ def parser() -> argparse.ArgumentParser:
     r = p.add_argument_group('running')
     r.add_argument('--device', default=None, help='default: cuda when available, else cpu')
     r.add_argument('--no-amp', action='store_true', help='no mixed precision on CUDA (never used on CPU)')
-    r.add_argument('--batch-size', type=int, default=64)
-    r.add_argument('--workers', type=int, default=4, help='data-loading processes')
-    r.add_argument('--seed', type=int, default=0, help='random-init weights, few-shot episodes, linear probe')
+    r.add_argument('--batch-size', type=at_least(1), default=64)
+    r.add_argument('--workers', type=at_least(0), default=4, help='data-loading processes')
+    r.add_argument('--seed', type=at_least(0), default=0, help='random-init weights, few-shot episodes, linear probe')
     f = p.add_argument_group('few-shot (see diffzoo/eval/fewshot.py) and linear probe')
     defaults = FewShotConfig()
     f.add_argument('--fewshot-way', type=int, default=defaults.way)
@@ -64,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument('--fewshot-query', type=int, default=defaults.query, help='query images per class')
     f.add_argument('--fewshot-episodes', type=int, default=defaults.episodes)
     f.add_argument('--fewshot-classifier', default=defaults.classifier, choices=CLASSIFIERS)
-    f.add_argument('--lp-epochs', type=int, default=10, help="CLIP_benchmark's linear-probe epochs")
+    f.add_argument('--lp-epochs', type=at_least(1), default=10, help="CLIP_benchmark's linear-probe epochs")
     f.add_argument('--lp-lr', type=float, default=0.1, help="CLIP_benchmark's linear-probe learning rate")
     o = p.add_argument_group('output')
     o.add_argument('--output', metavar='JSON', help='default: RUN/eval/results.json, else ./eval-results.json')

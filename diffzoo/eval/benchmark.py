@@ -95,7 +95,11 @@ def dataset_root(template: Optional[str], dataset: str) -> Union[Path, str, None
     if template is None:
         return None
     name = short_name(dataset)
-    root = template.format(dataset=name, dataset_cleaned=name.replace('/', '-'))
+    try:
+        root = template.format(dataset=name, dataset_cleaned=name.replace('/', '-'))
+    except (KeyError, IndexError, ValueError) as exc:  # an unknown field, a positional one, a lone brace
+        raise EvalError(f'--dataset-root {template}: not a template of {{dataset}} and {{dataset_cleaned}} '
+                        f'({type(exc).__name__}: {exc}); write a literal brace as {{{{ or }}}}') from None
     return root if is_url(root) else Path(root)
 
 

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -41,6 +42,31 @@ class ModelSpec:
             return f'{self.name} (random)'
         shown = os.path.basename(self.pretrained) if os.path.isfile(self.pretrained) else self.pretrained
         return f'{self.name},{shown}'
+
+    @property
+    def long_label(self) -> str:
+        """The column header where another model has the same `label`: the run or the file as given."""
+        if self.epoch is not None:
+            return f'{Path(self.pretrained).parent.parent} epoch {self.epoch}'
+        return f'{self.name},{self.pretrained}' if self.pretrained else self.label
+
+
+def column_labels(specs: List['ModelSpec']) -> List[str]:
+    """Each model's column in the table: its `label`, or its `long_label` where another model shares that label
+    (two files named `epoch_1.pt`) and for every checkpoint of a run where there are several runs (`runs/a epoch 2`),
+    so no column holds two models. The same weights asked for twice are refused."""
+    for i, spec in enumerate(specs):
+        if spec in specs[:i]:
+            raise EvalError(f'{spec.long_label} is asked for twice (by --model and --run-dir, or twice by one); ask '
+                            f'for each model once')
+    shared = Counter(spec.label for spec in specs)
+    several_runs = len({Path(spec.pretrained).parent for spec in specs if spec.epoch is not None}) > 1
+    labels = [spec.long_label if shared[spec.label] > 1 or (several_runs and spec.epoch is not None) else spec.label
+              for spec in specs]
+    if len(set(labels)) < len(labels):
+        clash = next(label for label in labels if labels.count(label) > 1)
+        raise EvalError(f'two models would share the column {clash!r}; give their checkpoints by paths that differ')
+    return labels
 
 
 @dataclass

@@ -52,10 +52,13 @@ def table(rows: Sequence[Row], trials: str = 'its samples') -> str:
 
 
 def plot_vs_epoch(rows: Sequence[Row], path) -> Optional[Path]:
-    """One panel per dataset, one line per task/metric, against epoch; None without epochs to plot."""
+    """One panel per dataset, one line per task/metric (and per training run, where there are several), against
+    epoch; None without epochs to plot."""
     rows = [r for r in rows if r.epoch is not None and not r.metric.endswith('_ci95')]
     if not rows:
         return None
+    runs = {r.pretrained: str(Path(r.pretrained).parent.parent) for r in rows}  # checkpoints/epoch_K.pt's run
+    several = len(set(runs.values())) > 1
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -66,7 +69,8 @@ def plot_vs_epoch(rows: Sequence[Row], path) -> Optional[Path]:
         series: Dict[str, List[Row]] = {}
         for r in rows:
             if r.dataset == dataset:
-                series.setdefault(f'{r.task}: {r.metric}', []).append(r)
+                series.setdefault(f'{r.task}: {r.metric}' + (f' ({runs[r.pretrained]})' if several else ''),
+                                  []).append(r)
         for label, points in series.items():
             points = sorted(points, key=lambda r: r.epoch)
             ax.plot([p.epoch for p in points], [p.value for p in points], marker='o', label=label)

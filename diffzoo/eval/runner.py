@@ -1,5 +1,6 @@
 """Running what `python -m diffzoo.eval` was asked (its parsed arguments): load each model, run each dataset's
 tasks, write the rows after every dataset, end with the table."""
+import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -11,7 +12,7 @@ from diffzoo.checkpoint import CheckpointError
 from diffzoo.data.shards import DataError
 
 from . import benchmark, suite
-from .models import ModelSpec, load, parse_model, run_checkpoints
+from .models import ModelSpec, column_labels, load, parse_model, run_checkpoints
 from .options import EvalError, FewShotConfig
 from .results import Row, plot_vs_epoch, table, write_json
 
@@ -55,6 +56,21 @@ def default_output(args) -> Path:
     return runs[0][0] / 'eval' / 'results.json' if len(runs) == 1 else Path('eval-results.json')
 
 
+def check_output(path: Path) -> None:
+    """--output can be written: refused before any model loads when it names a folder or its folder cannot be
+    made (the rows are written after every dataset, so a bad path would otherwise end the run after its work)."""
+    if path.is_dir():
+        raise EvalError(f'--output {path} is a folder; give the results file, e.g. {path / "results.json"}')
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EvalError(f'--output {path}: its folder {path.parent} cannot be made ({exc.strerror}); give a path in '
+                        f'a folder you can write') from None
+    if not os.access(path.parent, os.W_OK):
+        raise EvalError(f'--output {path}: its folder {path.parent} is not writable; give a path in a folder you can '
+                        f'write')
+
+
 def _version(package: str) -> Optional[str]:
     try:
         return version(package)
@@ -71,6 +87,7 @@ def run(args) -> int:
     specs = model_specs(args)
     if not specs:
         raise EvalError('nothing to evaluate: pass --model NAME[,PRETRAINED] or --run-dir RUN')
+    columns = column_labels(specs)
     config = FewShotConfig(args.fewshot_way, args.fewshot_shot, args.fewshot_query, args.fewshot_episodes,
                             args.seed, args.fewshot_classifier)
     suites = [suite.suite_for(dataset) for dataset in dict.fromkeys(args.dataset)]  # an unknown one refused here
@@ -82,15 +99,20 @@ def run(args) -> int:
         kind.check(root, tasks)
         plan.append((kind, root, tasks, kind.counted(root)))
     device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise EvalError(f'--device {device}: not a torch device ({exc}); give cpu, cuda or cuda:N') from None
     amp = device.startswith('cuda') and not args.no_amp
     output = default_output(args)
+    check_output(output)
     settings = dict(vars(args), device=device, amp=amp, output=str(output), clip_benchmark=_version('clip-benchmark'),
                     open_clip=_version('open_clip_torch'))
 
     how = suite.RunSettings(device, amp, args.batch_size, args.workers, config, args.lp_epochs, args.lp_lr)
     rows: List[Row] = []
-    for i, spec in enumerate(specs, 1):
-        print(f'[{i}/{len(specs)}] {spec.label}: loading {spec.name}'
+    for i, (spec, column) in enumerate(zip(specs, columns), 1):
+        print(f'[{i}/{len(specs)}] {column}: loading {spec.name}'
               + (f' from {spec.pretrained}' if spec.pretrained else ' (random init)'), flush=True)
         loaded = load(spec, device, args.force_image_size, args.seed)
         for kind, root, tasks, counts in plan:
@@ -101,7 +123,7 @@ def run(args) -> int:
                 results = kind.run(loaded, root, task, how, progress=print)
                 for task_name, metrics in results.items():
                     rows += [Row(spec.name, spec.pretrained, loaded.checkpoint_sha256, dataset, task_name, metric,
-                                 value, spec.label, spec.epoch, *counts.get(metric, (None, None)))
+                                 value, column, spec.epoch, *counts.get(metric, (None, None)))
                              for metric, value in metrics.items()]
                 shown = ', '.join(f'{k} {v:.2f}' for m in results.values() for k, v in list(m.items())[:3])
                 print(f'  {dataset}: {task} done in {time.time() - start:.0f}s ({shown})', flush=True)

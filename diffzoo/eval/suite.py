@@ -14,7 +14,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from timm.layers import to_2tuple
 
-from diffzoo.data.shards import list_shards
 from diffzoo.data.synthetic import class_names
 
 from . import benchmark, fewshot, mmvp, synthetic
@@ -79,13 +78,19 @@ class SyntheticSuite(LocalSuite):
     default = ('zeroshot_classification',)
     trials = synthetic.TRIALS
 
+    def tasks(self, asked: List[str]) -> List[str]:
+        """As `Suite.tasks`, the zero-shot pass run once however many of its two tasks are asked (it writes both)."""
+        zero_shot = ('zeroshot_classification', 'zeroshot_retrieval')
+        return list(dict.fromkeys(zero_shot[0] if task in zero_shot else task for task in super().tasks(asked)))
+
     def check(self, root: Optional[Path], tasks: List[str]) -> None:
         super().check(root, tasks)
         val = None if root is None else root / 'val'
-        if val is None or not val.is_dir() or not list_shards(val):
+        if val is None or not val.is_dir() or not any(val.glob('*.tar')):
             raise benchmark.DatasetMissing(
                 f'--dataset {SYNTHETIC}: no shards in {val or "CORPUS_DIR/val"}; write the corpus with '
                 f'`python -m diffzoo.data synthetic CORPUS_DIR` and pass --dataset-root CORPUS_DIR')
+        synthetic.split_shards(val)  # every shard its sizes.json lists is there
 
     def counted(self, root: Optional[Path]) -> Dict[str, Tuple[int, Optional[float]]]:
         n, guess = synthetic.trials(synthetic.scenes(root / 'val')), synthetic.chance()
@@ -158,8 +163,8 @@ class DummySuite(BenchmarkSuite):
         size = tuple(to_2tuple(loaded.model.visual.image_size))
         if size != DUMMY_SIZE:
             raise EvalError(f'--dataset {self.dataset}: CLIP_benchmark gives 224 × 224 images, whatever the model\'s '
-                            f'transform, and {loaded.spec.name} takes {size[0]} × {size[1]}; add --force-image-size 224, or '
-                            f'evaluate on a dataset read through the model\'s transform')
+                            f'transform, and {loaded.spec.name} takes {size[0]} × {size[1]}; add --force-image-size '
+                            f'224, or evaluate on a dataset read through the model\'s transform')
         return super().run(loaded, root, task, settings, progress)
 
 

@@ -54,16 +54,41 @@ def _shard_samples(shard: Path, directory: Path) -> Iterator[Tuple[str, Dict[str
             from None
 
 
+def split_shards(directory: Path) -> Tuple[List[Path], Dict[str, int]]:
+    """A split's shards and its sizes.json ({} without one). A split without shards, and one missing a shard its
+    sizes.json lists (deleted or moved: its samples would be left out of every metric), are DataErrors naming it."""
+    if not directory.is_dir() or not any(directory.glob('*.tar')):
+        raise DataError(f'no shards in {directory}; write the corpus with python -m diffzoo.data synthetic '
+                        f'{directory.parent} --fresh')
+    shards, sizes = list_shards(directory), read_sizes(directory) or {}
+    gone = sorted(set(sizes) - {shard.name for shard in shards})
+    if gone:
+        shown = ', '.join(gone[:3]) + (' …' if len(gone) > 3 else '')
+        raise DataError(f'{directory}: {len(gone)} shard(s) its {SIZES_FILE} lists are not there ({shown}; '
+                        f'{sum(sizes[name] for name in gone)} samples); put them back, or '
+                        f'{_corpus_fix(directory)}')
+    return shards, sizes
+
+
+def _scene(members: Dict[str, bytes], shard: Path, key: str, directory: Path) -> Dict:
+    try:
+        return json.loads(members['json'])
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise DataError(f'{shard} sample {key}: its json does not decode ({type(exc).__name__}: {exc}); '
+                        f'{_corpus_fix(directory)}') from None
+
+
 def load_split(directory, preprocess, limit: int = 0) -> Tuple[torch.Tensor, List[Dict]]:
     """Preprocessed images (N, 3, H, W) and the scene descriptions of a split's shards, in key order.
-    A shard or sample that does not read, and a shard holding fewer samples than its sizes.json says
-    (a tar cut at a member boundary reads without error), are DataErrors naming it."""
+    A shard or sample that does not read, a shard holding fewer samples than its sizes.json says
+    (a tar cut at a member boundary reads without error) and a shard it lists that is gone (`split_shards`) are
+    DataErrors naming it."""
     from PIL import Image
 
     directory = Path(directory)
-    sizes = read_sizes(directory) or {}
+    shards, sizes = split_shards(directory)
     images, scenes = [], []
-    for shard in list_shards(directory):
+    for shard in shards:
         read = 0
         for key, members in _shard_samples(shard, directory):
             if limit and len(scenes) == limit:
@@ -74,12 +99,11 @@ def load_split(directory, preprocess, limit: int = 0) -> Tuple[torch.Tensor, Lis
             try:
                 with Image.open(io.BytesIO(members['jpg'])) as image:
                     rgb = image.convert('RGB')
-                scene = json.loads(members['json'])
-            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # PIL's, JSONDecodeError, UnicodeDecodeError
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # PIL's
                 raise DataError(f'{shard} sample {key}: does not decode ({type(exc).__name__}: {exc}); '
                                 f'{_corpus_fix(directory)}') from None
             images.append(preprocess(rgb))
-            scenes.append(scene)
+            scenes.append(_scene(members, shard, key, directory))
             read += 1
         else:
             if shard.name in sizes and read != sizes[shard.name] and not (limit and len(scenes) == limit):
@@ -156,8 +180,8 @@ def chance() -> Dict[str, float]:
 def scenes(val_dir) -> List[Dict]:
     """The scene descriptions of a split's shards, in key order (their images left unread)."""
     directory = Path(val_dir)
-    return [json.loads(members['json']) for shard in list_shards(directory)
-            for _, members in _shard_samples(shard, directory) if 'json' in members]
+    return [_scene(members, shard, key, directory) for shard in split_shards(directory)[0]
+            for key, members in _shard_samples(shard, directory) if 'json' in members]
 
 
 def evaluate(model, preprocess, tokenizer, val_dir, limit: int = 0) -> Dict[str, float]:

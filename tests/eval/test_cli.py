@@ -3,6 +3,7 @@ import json
 import shutil
 
 import open_clip
+import pytest
 import torch
 
 from diffzoo.data.shards import iter_samples
@@ -171,3 +172,75 @@ def test_a_converted_model_evaluates_under_its_plain_name(corpus, tmp_path):
                  '--workers', '0']) == 0
     rows = read_json(run_dir / 'eval' / 'results.json')
     assert {r.task for r in rows} == {'zeroshot_classification', 'zeroshot_retrieval'}
+
+
+def test_two_runs_get_a_column_each_and_a_repeat_is_refused(corpus, tmp_path, capsys):
+    """Two runs' `epoch 2` are two columns named by their runs, each holding its own run's rows; the plot draws a
+    line per run; the same checkpoint asked for twice is refused before anything loads."""
+    runs = [tmp_path / 'a', tmp_path / 'b']
+    for run_dir, epochs in zip(runs, ((1, 2), (2,))):
+        _training_run(run_dir, epochs)
+    out = tmp_path / 'r.json'
+    common = ['--dataset', 'synthetic', '--dataset-root', str(corpus), '--workers', '0', '--output', str(out)]
+    assert main(['--model', f'diffclip-tiny,{runs[0]}', '--model', f'diffclip-tiny,{runs[1]}', *common]) == 0
+    rows = read_json(out)
+    assert {(r.column, r.pretrained) for r in rows} == {
+        (f'{run_dir} epoch 2', str(run_dir / 'checkpoints' / 'epoch_2.pt')) for run_dir in runs}
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ['dataset'])
+    assert f'{runs[0]} epoch 2' in header and f'{runs[1]} epoch 2' in header
+    assert main(['--run-dir', str(runs[0]), '--model', f'diffclip-tiny,{runs[0]}', *common]) == 2
+    assert f'{runs[0]} epoch 2 is asked for twice' in capsys.readouterr().err
+
+
+def test_both_zero_shot_tasks_asked_write_each_row_once(corpus, tmp_path):
+    out = tmp_path / 'r.json'
+    assert main(['--model', 'diffclip-tiny', '--dataset', 'synthetic', '--dataset-root', str(corpus), '--task',
+                 'zeroshot_classification', '--task', 'zeroshot_retrieval', '--workers', '0', '--output',
+                 str(out)]) == 0
+    keys = [(r.task, r.metric) for r in read_json(out)]
+    assert len(keys) == len(set(keys)) == 8  # zero-shot shape and colour, six recalls: one pass, written once
+
+
+def test_a_val_shard_gone_from_the_corpus_is_named(tmp_path, capsys):
+    """A val shard sizes.json lists but the folder lacks would leave its scenes out of every metric: the evaluation
+    and `python -m diffzoo.data check` both name it."""
+    from diffzoo.data.check import check_dataset
+    from diffzoo.data.synthetic import CorpusConfig, write_corpus
+    write_corpus(tmp_path, CorpusConfig(train=1, val=32, per_shard=16, image_size=64), progress=None)
+    gone = sorted((tmp_path / 'val').glob('*.tar'))[1]
+    gone.unlink()
+    assert main(['--model', 'diffclip-tiny', '--dataset', 'synthetic', '--dataset-root', str(tmp_path),
+                 '--workers', '0', '--output', str(tmp_path / 'r.json')]) == 2
+    err = capsys.readouterr().err
+    assert f'{tmp_path / "val"}: 1 shard(s) its sizes.json lists are not there ({gone.name}; 16 samples)' in err
+    assert 'Traceback' not in err and not (tmp_path / 'r.json').exists()
+    problems = check_dataset(tmp_path / 'val', workers=1, progress=None).problems()
+    assert any(p.startswith(f'sizes.json lists 1 shards that are not in {tmp_path / "val"} ({gone.name}; 16 samples)')
+               for p in problems)
+
+
+def test_bad_settings_are_refused_before_any_model_loads(corpus, tmp_path, capsys):
+    """Each names the flag and the fix, with exit 2 and nothing written, before a model loads."""
+    common = ['--model', 'diffclip-tiny', '--dataset', 'synthetic', '--dataset-root', str(corpus), '--workers', '0']
+
+    def error(*argv):
+        assert main([*common, *argv]) == 2
+        err = capsys.readouterr().err
+        assert 'Traceback' not in err and 'loading' not in capsys.readouterr().out
+        return err
+
+    for flag, value in (('--batch-size', '0'), ('--workers', '-1'), ('--seed', '-1'), ('--force-image-size', '0')):
+        with pytest.raises(SystemExit) as exit_:
+            main([*common, flag, value])
+        assert exit_.value.code == 2 and f"argument {flag}: '{value}': a whole number" in capsys.readouterr().err
+    assert f'--output {tmp_path} is a folder' in error('--output', str(tmp_path))
+    (tmp_path / 'file').write_text('')
+    assert f'its folder {tmp_path / "file"} cannot be made' in error('--output', str(tmp_path / 'file' / 'r.json'))
+    assert 'not a template of {dataset}' in error('--dataset-root', str(tmp_path / '{datset}'))
+    assert '--device bogus: not a torch device' in error('--device', 'bogus', '--output', str(tmp_path / 'r.json'))
+    run_dir = tmp_path / 'run'
+    _training_run(run_dir, epochs=(1,))
+    (run_dir / 'diffzoo-run.json').write_text('{not json')
+    assert f'{run_dir / "diffzoo-run.json"}: not JSON' in error('--run-dir', str(run_dir))
+    (run_dir / 'diffzoo-run.json').write_text('[]')
+    assert 'a JSON list, not the object of run settings' in error('--run-dir', str(run_dir))

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 from diffzoo.data.shards import DataError
 from diffzoo.files import atomic_write_json
+from diffzoo.flags import at_least
 from diffzoo.recipes import RecipeError
 
 from .tasks import TASKS, LeftOut, Sample, rows_for_scoring
@@ -46,12 +47,6 @@ def _scorer_list() -> str:
                      for name, t in TASKS.items())
 
 
-def _positive(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f'{text!r}: a whole number, 1 or more')
-    return int(text)
-
-
 def parser() -> argparse.ArgumentParser:
     from . import tasks
     p = argparse.ArgumentParser(prog='python -m diffzoo.eval.lmm', description=__doc__ + '\n' + tasks.__doc__,
@@ -63,12 +58,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--data', metavar='DIR', help='holds one folder per task (pope/, mme/, …)')
     p.add_argument('--data-for', action='append', default=[], metavar='TASK=DIR', help="one task's folder")
     p.add_argument('--out', required=True, metavar='DIR')
-    p.add_argument('--batch-size', type=_positive, default=8)
-    p.add_argument('--max-new-tokens', type=_positive, help="default: each task's (lmms-eval's)")
+    p.add_argument('--batch-size', type=at_least(1), default=8)
+    p.add_argument('--max-new-tokens', type=at_least(1), help="default: each task's (lmms-eval's)")
     p.add_argument('--scoring', action='append', default=[], metavar='TASK=NAME',
                    help=f'the reference scorer of a task, or NAME alone for every task asked (repeatable); '
                         f'{_scorer_list()}')
-    p.add_argument('--limit', type=_positive, metavar='N',
+    p.add_argument('--limit', type=at_least(1), metavar='N',
                    help='the first N questions of each task (a smoke run; N ≥ 1, leave it out for every question)')
     p.add_argument('--device', default='cpu')
     return p
