@@ -163,7 +163,14 @@ def load(spec: ModelSpec, device: str = 'cpu', force_image_size: Optional[int] =
     kwargs = dict(spec.preprocess)
     if force_image_size:
         kwargs['force_image_size'] = force_image_size
-    model, _, preprocess = open_clip.create_model_and_transforms(spec.name, pretrained=spec.pretrained, **kwargs)
+    try:
+        model, _, preprocess = open_clip.create_model_and_transforms(spec.name, pretrained=spec.pretrained, **kwargs)
+    except RuntimeError as exc:
+        if not force_image_size:
+            raise
+        # the tower's patch grid resized to the forced size: fewer pixels than one patch leave it empty
+        raise EvalError(f'--force-image-size {force_image_size}: {spec.name} cannot take images of that size '
+                        f'({exc}); give a size of at least one patch (e.g. 224)') from None
     model = model.to(device).eval()
     path = checkpoint_file(spec)
     return LoadedModel(spec, model, preprocess, open_clip.get_tokenizer(spec.name),

@@ -244,3 +244,5 @@ def test_bad_settings_are_refused_before_any_model_loads(corpus, tmp_path, capsy
     assert f'{run_dir / "diffzoo-run.json"}: not JSON' in error('--run-dir', str(run_dir))
     (run_dir / 'diffzoo-run.json').write_text('[]')
     assert 'a JSON list, not the object of run settings' in error('--run-dir', str(run_dir))
+    assert main([*common, '--force-image-size', '7', '--output', str(tmp_path / 'r.json')]) == 2  # under one patch
+    assert '--force-image-size 7: diffclip-tiny cannot take images of that size' in capsys.readouterr().err
