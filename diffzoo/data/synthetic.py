@@ -182,25 +182,42 @@ def write_split(out_dir, split: str, config: CorpusConfig, progress=print) -> in
 
 
 def read_manifest(out_dir) -> Optional[Dict]:
+    """The corpus's manifest; None without one; a DataError naming a damaged one."""
     path = Path(out_dir) / MANIFEST
     if not path.exists():
         return None
-    with open(path) as f:
-        return json.load(f)
+    fix = f'write the corpus again with python -m diffzoo.data synthetic {out_dir} --fresh'
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, a folder of that name
+        raise DataError(f'{path}: unreadable ({type(exc).__name__}: {exc}); {fix}') from None
+    if not isinstance(manifest, dict):
+        raise DataError(f'{path}: a JSON {type(manifest).__name__}, not the corpus\'s manifest; {fix}')
+    return manifest
 
 
 def write_corpus(out_dir, config: CorpusConfig = CorpusConfig(), fresh: bool = False, progress=print) -> Dict:
     """Write every split, or reuse a finished corpus made with the same settings (unless `fresh`).
 
-    The manifest is written last, so a corpus interrupted half-way is rewritten, not reused."""
+    The manifest goes first without its sample counts and is completed last, so a corpus interrupted half-way is
+    rewritten, not reused; shards in a folder without a manifest (not a corpus this wrote) are refused unless
+    `fresh`, as writing would delete them."""
     out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    if manifest is not None and not fresh and manifest.get('config') == asdict(config):
+    manifest = None if fresh else read_manifest(out_dir)
+    if manifest is not None and manifest.get('samples') is not None and manifest.get('config') == asdict(config):
         if progress:
             counts = ', '.join(f'{split} {manifest["samples"][split]:,}' for split in SPLITS)
             progress(f'synthetic corpus in {out_dir}: reusing it ({counts} scenes)')
         return manifest
-    (out_dir / MANIFEST).unlink(missing_ok=True)
+    if manifest is None and not fresh:
+        for split in SPLITS:
+            held = sorted((out_dir / split).glob('*.tar'))
+            if held:
+                raise DataError(f'{out_dir / split} holds {len(held)} shard(s) ({held[0].name}, …) and {out_dir} has '
+                                f'no {MANIFEST}: not a synthetic corpus, and writing one would delete them; choose '
+                                f'an empty folder, or pass --fresh to replace them')
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / MANIFEST, {'config': asdict(config), 'samples': None})  # unfinished until counted
     if progress:
         progress(f'synthetic corpus -> {out_dir} (seed {config.seed}, {config.image_size} px)')
     samples = {split: write_split(out_dir, split, config, progress) for split in SPLITS}

@@ -65,6 +65,32 @@ def test_corpus_is_written_as_checked_shards_and_reused(tmp_path, capsys):
     assert read_sizes(tmp_path / 'train') == {'00000.tar': 20, '00001.tar': 10}  # other settings: written anew
 
 
+def test_shards_not_of_a_corpus_are_kept_and_an_interrupted_corpus_is_rewritten(tmp_path, capsys):
+    """A folder holding shards but no corpus.json is not written over (it would delete them) unless --fresh; a
+    corpus stopped before its manifest was completed is rewritten without it; a damaged manifest is named."""
+    args = ['synthetic', str(tmp_path), '--train', '2', '--val', '2', '--per-shard', '2', '--image-size', '32']
+    (tmp_path / 'train').mkdir()
+    for name in ('00000.tar', '00001.tar'):
+        (tmp_path / 'train' / name).write_bytes(b'someone else\'s shard')
+    assert data_main(args) == 2
+    err = capsys.readouterr().err
+    assert f'{tmp_path / "train"} holds 2 shard(s) (00000.tar, …) and {tmp_path} has no corpus.json' in err
+    assert 'pass --fresh to replace them' in err
+    assert sorted(p.read_bytes() for p in (tmp_path / 'train').iterdir()) == [b'someone else\'s shard'] * 2
+    assert data_main([*args, '--fresh']) == 0
+    assert read_sizes(tmp_path / 'train') == {'00000.tar': 2}
+    manifest = json.loads((tmp_path / 'corpus.json').read_text())
+    (tmp_path / 'corpus.json').write_text(json.dumps(dict(manifest, samples=None)))  # as a stop leaves it
+    capsys.readouterr()
+    assert data_main(args) == 0
+    assert 'reusing' not in capsys.readouterr().out and json.loads((tmp_path / 'corpus.json').read_text()) == manifest
+    for damaged in ('{bad', '[1]'):
+        (tmp_path / 'corpus.json').write_text(damaged)
+        assert data_main(args) == 2
+        assert f'{tmp_path / "corpus.json"}: ' in capsys.readouterr().err
+        assert data_main([*args, '--fresh']) == 0
+
+
 def test_an_empty_split_or_a_tiny_image_is_refused(tmp_path, capsys):
     assert data_main(['synthetic', str(tmp_path), '--val', '0']) == 2
     assert '--val 0: the corpus needs at least 1' in capsys.readouterr().err
