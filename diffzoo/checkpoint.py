@@ -202,6 +202,10 @@ def official_diffclip_to_open_clip(state_dict: StateDict) -> StateDict:
         m = _QKV.match(key)
         if m:
             prefix, kind = m.groups()
+            missing = [f'{prefix}.{p}_proj.{kind}' for p in 'kv' if f'{prefix}.{p}_proj.{kind}' not in state_dict]
+            if missing:
+                raise CheckpointError(f'no {", ".join(missing)} beside {key}: not a whole official DiffCLIP state '
+                                      f'dict; download the checkpoint again')
             parts = [state_dict[f'{prefix}.{p}_proj.{kind}'] for p in 'qkv']
             key, value = f'{prefix}.qkv.{kind}', torch.cat(parts, dim=0)
         elif key == 'image_projection':

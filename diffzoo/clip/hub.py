@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import open_clip
+import torch
 from huggingface_hub import HfApi
 from safetensors.torch import save_file
 
-from diffzoo.checkpoint import (PREPROCESS_METADATA, CheckpointError, StateDict, is_official_diffclip,
+from diffzoo.checkpoint import (PREPROCESS_METADATA, CheckpointError, StateDict, first_keys, is_official_diffclip,
                                 official_diffclip_to_open_clip, read_state_dict)
 from .pretrained import PRETRAINED
 
@@ -38,13 +39,34 @@ def write_hub_layout(model_name: str, state_dict: StateDict, preprocess_cfg: Dic
     return out_dir
 
 
+def check_fit(state_dict: StateDict, model_name: str, source: Path) -> None:
+    """A CheckpointError naming what of `state_dict` does not fit `model_name` (keys missing or not its own, tensors
+    of another shape); compared with the model built on the meta device (keys and shapes only)."""
+    with torch.device('meta'):
+        expected = {k: v.shape for k, v in open_clip.create_model(model_name, device='meta').state_dict().items()}
+    missing, unexpected = expected.keys() - state_dict.keys(), state_dict.keys() - expected.keys()
+    reshaped = sorted(k for k in expected.keys() & state_dict.keys() if state_dict[k].shape != expected[k])
+    if missing or unexpected or reshaped:
+        found = [f'{len(keys)} {what} ({first_keys(keys, 2)})' for keys, what in (
+            (missing, 'missing'), (unexpected, f'not {model_name}\'s'), (reshaped, 'of another shape')) if keys]
+        shape = (f'; e.g. {reshaped[0]}: {tuple(state_dict[reshaped[0]].shape)} here, {tuple(expected[reshaped[0]])} '
+                 f'in {model_name}') if reshaped else ''
+        raise CheckpointError(f'{source}: converted, its tensors do not fit {model_name}: {"; ".join(found)}{shape}; '
+                              f'convert takes the published DiffCLIP ViT-B/16 checkpoint, whole')
+
+
 def official_diffclip(src: Path, dst: Path) -> StateDict:
     """The official checkpoint as diffzoo's open_clip state dict at `dst`: a .safetensors file, or a
-    hub-layout directory."""
+    hub-layout directory. A file that does not convert into diffclip-b16's tensors exactly is refused, before
+    anything is written."""
     state_dict = read_state_dict(src)
     if not is_official_diffclip(state_dict):
         raise CheckpointError(f'{src}: not in the official DiffCLIP layout (no image_projection / visual.blocks.*)')
-    converted = official_diffclip_to_open_clip(state_dict)
+    try:
+        converted = official_diffclip_to_open_clip(state_dict)
+    except CheckpointError as exc:
+        raise CheckpointError(f'{src}: {exc}') from None
+    check_fit(converted, 'diffclip-b16', src)
     if dst.suffix == '.safetensors':
         write_weights(converted, dst, DIFFCLIP_PREPROCESS, 'official-diffclip')
     else:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffzoo.checkpoint import CheckpointError, official_diffclip_to_open_clip, read_state_dict
+from diffzoo.clip.hub import check_fit
 from diffzoo.convert import main as convert
 from diffzoo.layers import set_split_kernel
 from tests.clip import official_reference as ref
@@ -62,6 +63,29 @@ def test_converter_is_a_complete_key_map(official):
     assert all(converted[k].shape == expected[k].shape for k in expected)
     q, k, v = (state_dict[f'visual.blocks.3.attn.{p}_proj.weight'] for p in 'qkv')
     torch.testing.assert_close(converted['visual.trunk.blocks.3.attn.qkv.weight'], torch.cat([q, k, v]))
+
+
+def test_a_checkpoint_that_does_not_convert_into_diffclip_b16_is_refused_by_its_keys(official, tmp_path):
+    """A tensor missing, one not the model's, one of another shape, or a q projection without its k and v: each
+    named before anything is written (a width-512 file would otherwise convert, be labelled diffclip-b16 and fail
+    only when loaded)."""
+    _, state_dict = official
+    converted = official_diffclip_to_open_clip(state_dict)
+    check_fit(converted, 'diffclip-b16', tmp_path / 'in.pt')  # the whole file fits
+    key = 'visual.trunk.blocks.0.attn.qkv.bias'
+    broken = {k: v for k, v in converted.items() if k != key}
+    broken.update({'foo.bar': torch.zeros(1), 'logit_scale': torch.zeros(2)})
+    with pytest.raises(CheckpointError) as refused:
+        check_fit(broken, 'diffclip-b16', tmp_path / 'in.pt')
+    assert str(refused.value) == (
+        f"{tmp_path / 'in.pt'}: converted, its tensors do not fit diffclip-b16: 1 missing ({key}); 1 not "
+        f"diffclip-b16's (foo.bar); 1 of another shape (logit_scale); e.g. logit_scale: (2,) here, () in "
+        f"diffclip-b16; convert takes the published DiffCLIP ViT-B/16 checkpoint, whole")
+    no_k = {k: v for k, v in state_dict.items() if k != 'visual.blocks.0.attn.k_proj.bias'}
+    with pytest.raises(CheckpointError, match=r'^no visual\.blocks\.0\.attn\.k_proj\.bias beside '
+                                              r'visual\.blocks\.0\.attn\.q_proj\.bias'):
+        official_diffclip_to_open_clip(no_k)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _assert_diffclip_preprocessing(preprocess):
