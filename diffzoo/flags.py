@@ -1,5 +1,5 @@
 """`--key value` pairs from a command line, read as YAML values (recipe overrides, img2dataset flags), and the
-argparse type of a whole-number flag (`at_least`)."""
+argparse types of a whole-number flag (`at_least`) and a torch device (`torch_device`)."""
 import argparse
 import re
 from typing import Callable, Dict, List
@@ -24,6 +24,18 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f'{text!r}: a whole number, {minimum} or more')
         return int(text)
     return whole_number
+
+
+def torch_device(text: str) -> str:
+    """An argparse type: a torch device this machine has (cpu, cuda, cuda:N, …), as given."""
+    import torch
+    try:
+        device = torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(f'{text!r}: not a torch device ({exc}); give cpu, cuda or cuda:N') from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f'{text!r}: no CUDA device here; leave --device out to run on the CPU')
+    return text
 
 
 def yaml_value(text: str):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from diffzoo.flags import at_least, torch_device
 from diffzoo.recipes import recipe_names
 
 TOP_K = 25  # diffzoo.analysis.metrics.TOP_K, spelled here so that --help imports no torch (tested equal)
@@ -45,10 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument('--prompts', nargs='+', default=[], metavar='TEXT',
                    help='prompts for a VLM, each asked about every image (two or more for the top-k overlap); '
                         'given verbatim: VQA-tuned models expect "answer en QUESTION"')
-    p.add_argument('--top-k', type=int, default=TOP_K, help=f'visual tokens compared across prompts (default {TOP_K})')
+    p.add_argument('--top-k', type=at_least(1), default=TOP_K, help=f'visual tokens compared across prompts (default {TOP_K})')
     p.add_argument('--out', default='analysis', metavar='DIR', help='output directory (default analysis/)')
-    p.add_argument('--device', default=None, help='default: cuda when available, else cpu')
-    p.add_argument('--seed', type=int, default=0, help='seed for randomly initialised parts (same for both models)')
+    p.add_argument('--device', type=torch_device, default=None, help='default: cuda when available, else cpu')
+    p.add_argument('--seed', type=at_least(0), default=0, help='seed for randomly initialised parts (same for both models)')
     return p
 
 
@@ -101,8 +102,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                      'apply to VLM recipes')
     if args.compare_adapter and len(sources) < 2:
         parser.error('--compare-adapter is the adapter of a second --model RECIPE; pass one')
-    if args.top_k < 1:
-        parser.error(f'--top-k {args.top_k}: give a positive number of visual tokens')
     # heavy (torch, open_clip, transformers): imported after parsing so that --help answers at once
     import torch
 

@@ -4,6 +4,8 @@ from typing import List, Sequence
 
 from PIL import Image, UnidentifiedImageError
 
+from diffzoo.vlm.images import open_rgb
+
 IMAGE_SUFFIXES = ('.jpg', '.jpeg', '.png', '.bmp', '.webp', '.gif', '.tif', '.tiff')
 
 
@@ -25,14 +27,17 @@ def image_files(paths: Sequence[str]) -> List[Path]:
 
 
 def load_images(paths: Sequence) -> List[Image.Image]:
-    """RGB images; a missing or unreadable file raises ValueError naming it."""
+    """RGB images, decoded within PIL's pixel limit (`diffzoo.vlm.images.open_rgb`: a larger JPEG at a reduced DCT
+    scale); a missing or unreadable file, or another image over the limit, raises ValueError naming it."""
     images = []
     for path in paths:
         if not Path(path).is_file():
             raise ValueError(f'IMAGE {path}: no such file; pass the path of an existing image')
         try:
-            with Image.open(path) as image:
-                images.append(image.convert('RGB'))
+            images.append(open_rgb(path))
+        except Image.DecompressionBombError as exc:  # PIL's refusal over 2× its limit names no fix
+            raise ValueError(f'IMAGE {path}: over PIL\'s pixel limit, Image.MAX_IMAGE_PIXELS ({exc}); pass a smaller '
+                             f'copy of it') from None
         except (UnidentifiedImageError, OSError) as exc:
             raise ValueError(f'IMAGE {path}: not an image PIL can read ({exc}); pass a JPEG or PNG') from None
     return images

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from diffzoo.eval.options import EvalError
+from diffzoo.flags import torch_device
 
 from .images import load_images
 
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--out', default='attention.png', help='overlay PNG (default attention.png); with '
                         '--entropy the entropy plot goes next to it as <stem>_entropy.png')
     parser.add_argument('--entropy', action='store_true', help='also measure attention entropy per block and head')
-    parser.add_argument('--device', help='torch device (default cuda if available, else cpu)')
+    parser.add_argument('--device', type=torch_device, help='torch device (default cuda if available, else cpu)')
     return parser
 
 

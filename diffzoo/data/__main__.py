@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from diffzoo.flags import FlagError, parse_pairs
+from diffzoo.flags import FlagError, at_least, parse_pairs
 
 from .download import card_names, download, load_card
 from .check import check_dataset
@@ -134,8 +134,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument('dataset', help=f'dataset card: {", ".join(card_names())} or a YAML path')
     d.add_argument('tsv', help="the dataset's URL list as published (no header) or as `retry` writes it")
     d.add_argument('out_dir')
-    d.add_argument('--processes', type=int, default=0)
-    d.add_argument('--threads', type=int, default=0)
+    d.add_argument('--processes', type=at_least(0), default=0)
+    d.add_argument('--threads', type=at_least(0), default=0)
     d.add_argument('--extend', action='store_true',
                    help='add new shards after the existing ones (for a list written by `retry`)')
     d.set_defaults(run=_cmd_download)
@@ -147,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser('check', help='read every shard; non-zero exit on a broken dataset')
     c.add_argument('directory')
-    c.add_argument('--workers', type=int, default=0, help='processes (default: one per CPU core)')
+    c.add_argument('--workers', type=at_least(0), default=0, help='processes (default: one per CPU core)')
     c.add_argument('--no-decode', action='store_true',
                    help='do not decode images (captions and json are decoded all the same)')
     c.set_defaults(run=_cmd_check)

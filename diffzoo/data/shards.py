@@ -66,16 +66,21 @@ def list_shards(directory) -> List[Path]:
 
 
 def read_stats(directory) -> Dict[str, dict]:
-    """img2dataset's per-shard statistics, keyed by shard file name ('00003.tar')."""
+    """img2dataset's per-shard statistics, keyed by shard file name ('00003.tar'). A file that is not a JSON object,
+    or whose `successes` is not a sample count, is a DataError naming it."""
     stats = {}
     for path in Path(directory).glob('*_stats.json'):
         shard = path.name[:-len('_stats.json')] + '.tar'
+        fix = (f'delete it and its shard, then re-run the download into {directory} (it redoes shards without '
+               f'_stats.json), or count the tars themselves: python -m diffzoo.data sizes {directory} --recount')
         try:
-            with open(path) as f:
-                stats[shard] = json.load(f)
-        except ValueError as exc:
-            raise DataError(f'{path} is not JSON ({exc}); delete it and its shard, then re-run the download '
-                            f'into {directory} (it redoes shards without _stats.json)') from None
+            stats[shard] = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:  # a folder of that name, JSONDecodeError, UnicodeDecodeError
+            raise DataError(f'{path} is not JSON ({type(exc).__name__}: {exc}); {fix}') from None
+        if not isinstance(stats[shard], dict):
+            raise DataError(f'{path} holds a JSON {type(stats[shard]).__name__}, not img2dataset\'s statistics; {fix}')
+        if 'successes' in stats[shard] and not _is_count(stats[shard]['successes']):
+            raise DataError(f'{path}: successes {stats[shard]["successes"]!r} is not a sample count; {fix}')
     return stats
 
 

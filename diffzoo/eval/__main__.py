@@ -33,7 +33,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from diffzoo.flags import at_least
+from diffzoo.flags import at_least, torch_device
 
 from .options import CLASSIFIERS, TASKS, FewShotConfig
 
@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument('--task', action='append', default=[], choices=('auto',) + TASKS,
                    help='repeatable; default: auto')
     r = p.add_argument_group('running')
-    r.add_argument('--device', default=None, help='default: cuda when available, else cpu')
+    r.add_argument('--device', type=torch_device, default=None, help='default: cuda when available, else cpu')
     r.add_argument('--no-amp', action='store_true', help='no mixed precision on CUDA (never used on CPU)')
     r.add_argument('--batch-size', type=at_least(1), default=64)
     r.add_argument('--workers', type=at_least(0), default=4, help='data-loading processes')

@@ -289,6 +289,14 @@ def test_cli_on_clip_towers_and_its_input_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(['--model', 'a', '--model', 'b', '--model', 'c', '--images', str(images)])
     assert exit_info.value.code == 2 and '3 models given (a b c)' in capsys.readouterr().err
+    for flag, value, why in (('--device', 'bogus', 'not a torch device'), ('--top-k', '0', 'a whole number, 1 or more')):
+        with pytest.raises(SystemExit) as exit_info:
+            main(['--model', 'diffclip-tiny', '--images', str(images), flag, value])
+        assert exit_info.value.code == 2 and f"argument {flag}: '{value}': {why}" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_info:
+            main(['--model', 'diffclip-tiny', '--images', str(images), '--device', 'cuda'])
+        assert exit_info.value.code == 2 and "'cuda': no CUDA device here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('flag', ['--clip', '--vlm-recipe', '--compare'])

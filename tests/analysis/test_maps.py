@@ -303,7 +303,7 @@ def test_cli_writes_overlay_and_entropy_pngs_and_prints_the_table(tmp_path):
         assert img.size == (840, 480)
 
 
-def test_cli_errors_name_the_bad_input_and_the_fix(tmp_path, capsys):
+def test_cli_errors_name_the_bad_input_and_the_fix(tmp_path, capsys, monkeypatch):
     image = tmp_path / 'scene.png'
     _scenes(1)[0].save(image)
 
@@ -315,6 +315,13 @@ def test_cli_errors_name_the_bad_input_and_the_fix(tmp_path, capsys):
             r'IMAGE .*nope\.jpg: no such file; pass the path of an existing image')
     (tmp_path / 'notes.txt').write_text('not an image')
     refused([str(tmp_path / 'notes.txt'), '--model', 'diffclip-tiny'], r'notes\.txt: not an image PIL can read')
+    big = tmp_path / 'big.png'
+    Image.new('RGB', (300, 300)).save(big)
+    monkeypatch.setattr(Image, 'MAX_IMAGE_PIXELS', 200 * 200)  # a PNG over twice PIL's limit: refused at open
+    refused([str(big), '--model', 'diffclip-tiny'], r'IMAGE .*big\.png: over PIL\'s pixel limit, '
+                                                    r'Image\.MAX_IMAGE_PIXELS \(Image size \(90000 pixels\).*; pass a '
+                                                    r'smaller copy of it')
+    monkeypatch.undo()
     refused([str(image), '--model', 'diffclip-tinny'],
             "--model diffclip-tinny: 'diffclip-tinny' is not an open_clip model; did you mean diffclip-tiny")
     refused([str(image), '--model', 'diffclip-tiny,nonsense'],

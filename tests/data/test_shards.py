@@ -277,6 +277,14 @@ def test_sizes_names_a_stats_file_cut_short(tmp_path, capsys):
     assert data_main(['sizes', str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f'{tmp_path / "00001_stats.json"} is not JSON (' in err and 'delete it and its shard, then re-run' in err
+    for stats, why in (({'successes': -3}, 'successes -3 is not a sample count'),
+                       ({'successes': None}, 'successes None is not a sample count'),
+                       (5, 'holds a JSON int, not img2dataset\'s statistics')):
+        (tmp_path / '00001_stats.json').write_text(json.dumps(stats))
+        assert data_main(['sizes', str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f'error: {tmp_path / "00001_stats.json"}') and why in err and '--recount' in err
+    assert not (tmp_path / 'sizes.json').exists()
 
 
 def test_sizes_names_a_truncated_shard(tmp_path, capsys):

@@ -229,15 +229,16 @@ def test_bad_settings_are_refused_before_any_model_loads(corpus, tmp_path, capsy
         assert 'Traceback' not in err and 'loading' not in capsys.readouterr().out
         return err
 
-    for flag, value in (('--batch-size', '0'), ('--workers', '-1'), ('--seed', '-1'), ('--force-image-size', '0')):
+    for flag, value, why in (('--batch-size', '0', 'a whole number'), ('--workers', '-1', 'a whole number'),
+                             ('--seed', '-1', 'a whole number'), ('--force-image-size', '0', 'a whole number'),
+                             ('--device', 'bogus', 'not a torch device')):
         with pytest.raises(SystemExit) as exit_:
             main([*common, flag, value])
-        assert exit_.value.code == 2 and f"argument {flag}: '{value}': a whole number" in capsys.readouterr().err
+        assert exit_.value.code == 2 and f"argument {flag}: '{value}': {why}" in capsys.readouterr().err
     assert f'--output {tmp_path} is a folder' in error('--output', str(tmp_path))
     (tmp_path / 'file').write_text('')
     assert f'its folder {tmp_path / "file"} cannot be made' in error('--output', str(tmp_path / 'file' / 'r.json'))
     assert 'not a template of {dataset}' in error('--dataset-root', str(tmp_path / '{datset}'))
-    assert '--device bogus: not a torch device' in error('--device', 'bogus', '--output', str(tmp_path / 'r.json'))
     run_dir = tmp_path / 'run'
     _training_run(run_dir, epochs=(1,))
     (run_dir / 'diffzoo-run.json').write_text('{not json')
