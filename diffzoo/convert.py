@@ -21,18 +21,25 @@ import argparse
 import sys
 from pathlib import Path
 
+from diffzoo.flags import output_file, output_folder
+
+
+def weights_output(text: str) -> Path:
+    """official-diffclip's DST: a .safetensors file, else a folder for the hub layout."""
+    return output_file(text) if text.endswith('.safetensors') else output_folder(text)
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m diffzoo.convert', description=__doc__.split('\n\n')[0])
     sub = p.add_subparsers(dest='command', required=True)
     off = sub.add_parser('official-diffclip', help='official DiffCLIP checkpoint_best.pt → open_clip weights')
     off.add_argument('src', type=Path, help='official checkpoint (checkpoint_best.pt)')
-    off.add_argument('dst', type=Path, help='output: a .safetensors file, or a directory (hub layout)')
+    off.add_argument('dst', type=weights_output, help='output: a .safetensors file, or a directory (hub layout)')
     pub = sub.add_parser('publish', help='upload a hub-layout directory to the Hugging Face hub')
     pub.add_argument('folder', type=Path, help='a directory official-diffclip wrote')
     pub.add_argument('--repo', metavar='USER/NAME', help='the hub repo to create or update')
     pub.add_argument('--private', action='store_true')
-    pub.add_argument('--local-dir', type=Path, metavar='DIR',
+    pub.add_argument('--local-dir', type=output_folder, metavar='DIR',
                      help='write the files the upload would send to DIR instead (offline; nothing is uploaded)')
     return p
 

@@ -1,7 +1,10 @@
 """`--key value` pairs from a command line, read as YAML values (recipe overrides, img2dataset flags), and the
-argparse types of a whole-number flag (`at_least`) and a torch device (`torch_device`)."""
+argparse types of a whole-number flag (`at_least`), a torch device (`torch_device`) and an output path
+(`output_file`, `output_folder`)."""
 import argparse
+import os
 import re
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import yaml
@@ -36,6 +39,42 @@ def torch_device(text: str) -> str:
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f'{text!r}: no CUDA device here; leave --device out to run on the CPU')
     return text
+
+
+def _writable_place(path: Path) -> None:
+    """The nearest existing folder above `path` is a folder this process may write in."""
+    for above in path.absolute().parents:
+        if above.exists():
+            if not above.is_dir():
+                raise argparse.ArgumentTypeError(f'{str(path)!r}: {above} is a file, so nothing can be written under '
+                                                 f'it; give a path in a folder')
+            if not os.access(above, os.W_OK | os.X_OK):
+                raise argparse.ArgumentTypeError(f'{str(path)!r}: {above} is not writable; give a path in a folder '
+                                                 f'you can write')
+            return
+
+
+def output_file(text: str) -> Path:
+    """An argparse type: a file a command may write (not a folder, not under a file, in a writable folder); checked
+    before the command works, so a bad path does not end it after its work."""
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("'': an empty path; give the file to write")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f'{text!r}: a folder; give the file to write, e.g. {path / "NAME"}')
+    _writable_place(path)
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """An argparse type: a folder a command may write in (made if missing; not a file, not under a file)."""
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("'': an empty path; give the folder to write in")
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f'{text!r}: a file; give a folder to write in')
+    _writable_place(path / 'NAME')
+    return path
 
 
 def yaml_value(text: str):

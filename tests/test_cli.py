@@ -118,6 +118,29 @@ def test_usage_errors_go_to_stderr_with_exit_2(module, argv, message, commands):
     assert done.stderr.startswith('usage: ') and message in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize('module, argv, message', [
+    ('diffzoo.data', ['synthetic', '{file}'], "argument out_dir: '{file}': a file; give a folder to write in"),
+    ('diffzoo.data', ['retry', '{tmp}', '{tmp}'], "argument out: '{tmp}': a folder; give the file to write"),
+    ('diffzoo.data', ['llava-qa', '{file}/qa.json', '--image-root', '{tmp}'],
+     "argument out: '{file}/qa.json': {file} is a file, so nothing can be written under it"),
+    ('diffzoo.convert', ['official-diffclip', '{file}', '{file}'], "argument dst: '{file}': a file; give a folder"),
+    ('diffzoo.convert', ['official-diffclip', '{file}', ''], "argument dst: '': an empty path"),
+    ('diffzoo.convert', ['publish', '{tmp}', '--local-dir', '{file}'], "argument --local-dir: '{file}': a file"),
+    ('diffzoo.analysis', ['--model', 'diffclip-tiny', '--images', '{file}', '--out', '{file}'],
+     "argument --out: '{file}': a file; give a folder to write in"),
+    ('diffzoo.eval', ['--model', 'diffclip-tiny', '--dataset', 'dummy', '--output', '{tmp}'],
+     "argument --output: '{tmp}': a folder; give the file to write"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(module, argv, message, commands, tmp_path):
+    """An output path that is a folder where a file goes, a file where a folder goes, under a file, or empty: the
+    parser names it (exit 2) before the command works, instead of a traceback after its work."""
+    (tmp_path / 'file.pt').write_text('')
+    paths = {'tmp': str(tmp_path), 'file': str(tmp_path / 'file.pt')}
+    done = commands.run(module, [a.format(**paths) for a in argv])
+    assert done.returncode == 2 and message.format(**paths) in done.stderr, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['file.pt']
+
+
 def test_chain_help_answers_and_the_stage_help_says_its_whole_first_paragraph(capsys):
     """`chain --help` printed an error; the --help description stopped mid-sentence at the docstring's first line."""
     from diffzoo.train.vlm import main

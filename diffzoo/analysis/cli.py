@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from diffzoo.flags import at_least, torch_device
+from diffzoo.flags import at_least, output_folder, torch_device
 from diffzoo.recipes import recipe_names
 
 TOP_K = 25  # diffzoo.analysis.metrics.TOP_K, spelled here so that --help imports no torch (tested equal)
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                    help='prompts for a VLM, each asked about every image (two or more for the top-k overlap); '
                         'given verbatim: VQA-tuned models expect "answer en QUESTION"')
     p.add_argument('--top-k', type=at_least(1), default=TOP_K, help=f'visual tokens compared across prompts (default {TOP_K})')
-    p.add_argument('--out', default='analysis', metavar='DIR', help='output directory (default analysis/)')
+    p.add_argument('--out', type=output_folder, default='analysis', metavar='DIR', help='output directory (default analysis/)')
     p.add_argument('--device', type=torch_device, default=None, help='default: cuda when available, else cpu')
     p.add_argument('--seed', type=at_least(0), default=0, help='seed for randomly initialised parts (same for both models)')
     return p

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from diffzoo.flags import FlagError, at_least, parse_pairs
+from diffzoo.flags import FlagError, at_least, output_file, output_folder, parse_pairs
 
 from .download import card_names, download, load_card
 from .check import check_dataset
@@ -133,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
                                    'img2dataset flags after -- override the card.')
     d.add_argument('dataset', help=f'dataset card: {", ".join(card_names())} or a YAML path')
     d.add_argument('tsv', help="the dataset's URL list as published (no header) or as `retry` writes it")
-    d.add_argument('out_dir')
+    d.add_argument('out_dir', type=output_folder)
     d.add_argument('--processes', type=at_least(0), default=0)
     d.add_argument('--threads', type=at_least(0), default=0)
     d.add_argument('--extend', action='store_true',
@@ -154,13 +154,13 @@ def parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser('retry', help='write the URLs that failed to download, to download them again')
     r.add_argument('directory')
-    r.add_argument('out', help='TSV to write (url<TAB>caption, with a header)')
+    r.add_argument('out', type=output_file, help='TSV to write (url<TAB>caption, with a header)')
     r.add_argument('--exclude-error', action='append', default=[], metavar='TEXT',
                    help="leave out failures whose message contains TEXT (e.g. 'HTTP Error 404'); repeatable")
     r.set_defaults(run=_cmd_retry)
 
     g = sub.add_parser('synthetic', help='generate the shapes-and-captions corpus (train/val shards, no download)')
-    g.add_argument('out_dir')
+    g.add_argument('out_dir', type=output_folder)
     g.add_argument('--train', type=int, default=4000, help='training scenes')
     g.add_argument('--val', type=int, default=500, help='validation scenes')
     g.add_argument('--image-size', type=int, default=96)
@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser('llava-qa', help="single-round QA sets (eRAM-V's Table 6) in their published layouts -> one "
                                         'LLaVA-format JSON', description=llava_qa.__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument('out', type=Path, help='the JSON to write')
+    q.add_argument('out', type=output_file, help='the JSON to write')
     q.add_argument('--image-root', type=Path, required=True,
                    help="the folder the JSON's image paths are relative to (it holds every set's folder)")
     for name in llava_qa.READERS:

@@ -33,7 +33,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from diffzoo.flags import at_least, torch_device
+from diffzoo.flags import at_least, output_file, torch_device
 
 from .options import CLASSIFIERS, TASKS, FewShotConfig
 
@@ -69,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument('--lp-epochs', type=at_least(1), default=10, help="CLIP_benchmark's linear-probe epochs")
     f.add_argument('--lp-lr', type=float, default=0.1, help="CLIP_benchmark's linear-probe learning rate")
     o = p.add_argument_group('output')
-    o.add_argument('--output', metavar='JSON', help='default: RUN/eval/results.json, else ./eval-results.json')
+    o.add_argument('--output', type=output_file, metavar='JSON',
+                   help='default: RUN/eval/results.json, else ./eval-results.json')
     return p
 
 

@@ -235,9 +235,12 @@ def test_bad_settings_are_refused_before_any_model_loads(corpus, tmp_path, capsy
         with pytest.raises(SystemExit) as exit_:
             main([*common, flag, value])
         assert exit_.value.code == 2 and f"argument {flag}: '{value}': {why}" in capsys.readouterr().err
-    assert f'--output {tmp_path} is a folder' in error('--output', str(tmp_path))
     (tmp_path / 'file').write_text('')
-    assert f'its folder {tmp_path / "file"} cannot be made' in error('--output', str(tmp_path / 'file' / 'r.json'))
+    for value, why in ((str(tmp_path), 'a folder; give the file to write'),
+                       (str(tmp_path / 'file' / 'r.json'), f'{tmp_path / "file"} is a file, so nothing can be written')):
+        with pytest.raises(SystemExit) as exit_:
+            main([*common, '--output', value])
+        assert exit_.value.code == 2 and f"argument --output: '{value}': {why}" in capsys.readouterr().err
     assert 'not a template of {dataset}' in error('--dataset-root', str(tmp_path / '{datset}'))
     run_dir = tmp_path / 'run'
     _training_run(run_dir, epochs=(1,))
