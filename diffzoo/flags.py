@@ -5,7 +5,7 @@ import argparse
 import os
 import re
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import yaml
 
@@ -41,40 +41,41 @@ def torch_device(text: str) -> str:
     return text
 
 
-def _writable_place(path: Path) -> None:
-    """The nearest existing folder above `path` is a folder this process may write in."""
-    for above in path.absolute().parents:
+def output_problem(text: str, folder: bool) -> Optional[str]:
+    """Why `text` cannot be written as an output file (or, with `folder`, a folder to write in), in words, or None:
+    empty, a folder where a file goes, a file where a folder goes, under a file, in a folder not writable."""
+    if not text.strip():
+        return f'an empty path; give the {"folder to write in" if folder else "file to write"}'
+    path = Path(text)
+    if folder and path.exists() and not path.is_dir():
+        return 'a file; give a folder to write in'
+    if not folder and path.is_dir():
+        return f'a folder; give the file to write, e.g. {path / "NAME"}'
+    for above in (path / 'NAME' if folder else path).absolute().parents:  # the nearest that exists
         if above.exists():
             if not above.is_dir():
-                raise argparse.ArgumentTypeError(f'{str(path)!r}: {above} is a file, so nothing can be written under '
-                                                 f'it; give a path in a folder')
+                return f'{above} is a file, so nothing can be written under it; give a path in a folder'
             if not os.access(above, os.W_OK | os.X_OK):
-                raise argparse.ArgumentTypeError(f'{str(path)!r}: {above} is not writable; give a path in a folder '
-                                                 f'you can write')
-            return
+                return f'{above} is not writable; give a path in a folder you can write'
+            return None
+    return None
 
 
 def output_file(text: str) -> Path:
-    """An argparse type: a file a command may write (not a folder, not under a file, in a writable folder); checked
-    before the command works, so a bad path does not end it after its work."""
-    path = Path(text)
-    if not text.strip():
-        raise argparse.ArgumentTypeError("'': an empty path; give the file to write")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f'{text!r}: a folder; give the file to write, e.g. {path / "NAME"}')
-    _writable_place(path)
-    return path
+    """An argparse type: a file a command may write (`output_problem`); checked before the command works, so a bad
+    path does not end it after its work."""
+    problem = output_problem(text, folder=False)
+    if problem:
+        raise argparse.ArgumentTypeError(f'{text!r}: {problem}')
+    return Path(text)
 
 
 def output_folder(text: str) -> Path:
-    """An argparse type: a folder a command may write in (made if missing; not a file, not under a file)."""
-    path = Path(text)
-    if not text.strip():
-        raise argparse.ArgumentTypeError("'': an empty path; give the folder to write in")
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f'{text!r}: a file; give a folder to write in')
-    _writable_place(path / 'NAME')
-    return path
+    """An argparse type: a folder a command may write in, made if missing (`output_problem`)."""
+    problem = output_problem(text, folder=True)
+    if problem:
+        raise argparse.ArgumentTypeError(f'{text!r}: {problem}')
+    return Path(text)
 
 
 def yaml_value(text: str):

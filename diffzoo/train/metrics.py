@@ -86,7 +86,9 @@ class LambdaLog:
         self.loss_count = 0
         self.wandb = None
         if self.path is not None and os.path.exists(self.path):
-            drop_records_after(self.path, epoch * steps_per_epoch)
+            # by epoch, not by step: a resume may change the steps per epoch (other workers or batch), and the
+            # epochs before this one are kept whole; this epoch's records (step 0's too) are written again
+            drop_records_after(self.path, epoch - 1, key='epoch')
         if wandb and self.path is not None:
             import wandb as wandb_module  # heavy optional dependency, imported only when --report-to names it
             self.wandb = wandb_module

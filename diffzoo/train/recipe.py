@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 from open_clip_train.params import parse_args
 
+from diffzoo.flags import output_problem
 from diffzoo.data.shards import SIZES_FILE, DataError, list_shards, read_sizes, sizes_from_stats
 from diffzoo.recipes import Key, RecipeError, expand_env, unknown_keys_error
 from diffzoo.recipes import parse_overrides as _parse_overrides
@@ -98,7 +99,8 @@ DIFFZOO_SCHEMA = {
     'lambda_lr': Key((int, float), None, DIFFZOO_KEYS['lambda_lr']),
     'data_backend': Key((str,), 'open_clip', DIFFZOO_KEYS['data_backend'], DATA_BACKENDS),
 }
-POSITIVE = ('global_batch_size', 'max_batch_per_gpu', 'lr', 'epochs', 'batch_size', 'lambda_lr')  # > 0
+POSITIVE = ('global_batch_size', 'max_batch_per_gpu', 'lr', 'epochs', 'batch_size', 'lambda_lr', 'train_num_samples',
+            'log_every_n_steps')  # > 0
 NON_NEGATIVE = ('warmup_epochs', 'workers', 'wd')  # ≥ 0
 
 
@@ -123,6 +125,22 @@ def check_values(recipe: Dict) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (
                 value <= 0 if key in POSITIVE else value < 0):
             raise RecipeError(f'recipe key {key}: {value!r} must be {"positive" if key in POSITIVE else "0 or more"}')
+    for key in ('image_mean', 'image_std'):
+        value = recipe.get(key)
+        if value is not None and (not isinstance(value, (list, tuple)) or len(value) != 3):
+            raise RecipeError(f'recipe key {key}: {value!r}; give one number per RGB channel, e.g. [0.5, 0.5, 0.5]')
+    if any(s <= 0 for s in recipe.get('image_std') or ()):
+        raise RecipeError(f'recipe key image_std: {recipe["image_std"]!r}; each channel\'s std must be positive')
+    name = recipe.get('name')
+    if name is not None and (not str(name).strip() or os.sep in str(name) or str(name) in ('.', '..')):
+        raise RecipeError(f'recipe key name: {name!r}; the run\'s folder under logs is named by it: give a name '
+                          f'without {os.sep}, or leave it out for the recipe\'s')
+    logs = recipe.get('logs')
+    problem = output_problem(str(logs), folder=True) if isinstance(logs, str) and '://' not in logs else None
+    if problem:
+        raise RecipeError(f'recipe key logs: {logs!r}: {problem}')
+    if recipe.get('train_data') is not None and not str(recipe['train_data']).strip():
+        raise RecipeError("recipe key train_data: '' names no shards; give the shard folder or a brace pattern")
 
 
 def _finite(value) -> bool:

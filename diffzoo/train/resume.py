@@ -125,15 +125,21 @@ def _same_file(a: str, b: str) -> bool:
 def load_resume_checkpoint(file_path: str, map_location=None):
     """open_clip_train.main's `pt_load(args.resume)`, read safely onto the CPU; an unreadable checkpoint gives
     way to the newest intact `epoch_K.pt` in its folder (local or fsspec). Raises CheckpointError when none is
-    intact, and UnsafeCheckpointError (no fall-back: a file that would run code was put there) for a refused
-    global."""
+    intact, UnsafeCheckpointError (no fall-back: a file that would run code was put there) for a refused global, and
+    CheckpointError for a file that is not there (no fall-back: a `--resume` path mistyped)."""
+    folder = file_path.rsplit('/', 1)[0] if _is_url(file_path) else os.path.dirname(file_path)
     try:
         return _read(file_path)
     except UnsafeCheckpointError:
         raise
     except CheckpointError as e:
+        if e.reason == 'no such file':
+            beside = epoch_checkpoints(folder or '.')
+            raise CheckpointError(f'--resume {file_path}: no such checkpoint file'
+                                  + (f' (beside it: {", ".join(beside)})' if beside else '')
+                                  + '; give a checkpoint that is there, or leave --resume out to resume the run from '
+                                    'its newest', reason=e.reason) from None
         unreadable: List[Tuple[str, str]] = [(posixpath.basename(file_path), e.reason)]
-    folder = file_path.rsplit('/', 1)[0] if _is_url(file_path) else os.path.dirname(file_path)
     for name in epoch_checkpoints(folder or '.'):
         candidate = _join(folder, name)
         if name == unreadable[0][0] or _same_file(candidate, file_path):

@@ -42,12 +42,19 @@ FREE = {'report_to', 'log_every_n_steps', 'device', 'dist_url', 'dist_backend', 
         'val_frequency', 'zeroshot_frequency', 'log_local', 'debug', 'horovod', 'no_set_device_rank',
         'delete_previous_checkpoint', 'wandb_notes', 'remote_sync', 'remote_sync_frequency',
         'remote_sync_protocol', 'save_most_recent', 'grad_checkpointing', 'use_bn_sync', 'ddp_static_graph',
-        'local_loss', 'gather_with_grad'}
+        'local_loss', 'gather_with_grad', 'logs'}  # logs: the run directory was found, however it is spelled
 # the same schedule, another sample order or other numerics: not the uninterrupted run bit for bit
 REPLAY = {'workers', 'precision', 'torchcompile', 'batch_size', 'accum_freq', 'world_size', 'data_backend'}
 # the schedule's own settings, compared through what they give (`_schedule`)
 SCHEDULE = {'warmup', 'epochs'}
 LAMBDA_LR = 'lambda_lr'  # the recipe's: another value is accepted and noted; dropped or added, checked (docstring)
+DATA_PATHS = {'train_data', 'val_data'}  # the same data spelled otherwise from the same folder is the same data
+
+
+def _same_setting(key: str, old: Any, new: Any) -> bool:
+    if key in DATA_PATHS and isinstance(old, str) and isinstance(new, str):
+        return os.path.abspath(old) == os.path.abspath(new)  # './shards' and 'shards', relative and absolute
+    return old == new
 
 
 def _jsonable(args) -> Dict:
@@ -144,7 +151,7 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
         record = json.load(f)
     stored = {k: v for k, v in record.items() if k != CHANGES}
     changed = {k: (stored.get(k), config.get(k)) for k in sorted(set(stored) | set(config))
-               if stored.get(k) != config.get(k) and not (k == 'world_size' and k not in stored)}
+               if not _same_setting(k, stored.get(k), config.get(k)) and not (k == 'world_size' and k not in stored)}
     if LAMBDA_LR in changed and changed[LAMBDA_LR][1] is None:
         raise RecipeError(f'{run_dir} trained λ and the sub-norm at lambda_lr {changed[LAMBDA_LR][0]:g}, in optimizer '
                           f'groups of their own that its checkpoint holds; resume with lambda_lr (its value may '

@@ -17,7 +17,7 @@ from diffzoo.data.shards import DataError
 from . import loss_report, seams
 from .lambda_log import read_lambda_log
 from .recipe import (
-    DERIVED, Plan, RecipeError, check_batches_fill, check_shard_count, expand_shards, find_recipe, load_recipe,
+    Plan, RecipeError, check_batches_fill, check_shard_count, expand_shards, find_recipe, load_recipe,
     open_clip_defaults, parse_overrides, resolve, shard_sizes,
 )
 from .resume import epoch_checkpoints, latest_checkpoint, restore_latest
@@ -98,7 +98,7 @@ def _pop_recipe(tokens: List[str]):
 def _flag_values(flags: List[str]) -> Dict:
     """What open_clip_train flags set, as recipe keys (the values that differ from its defaults)."""
     parsed = vars(parse_args(list(flags)))
-    return {k: v for k, v in parsed.items() if v != open_clip_defaults().get(k) and k not in DERIVED}
+    return {k: v for k, v in parsed.items() if v != open_clip_defaults().get(k)}  # a DERIVED one is refused
 
 
 def run(argv: List[str], doc: str = '') -> int:

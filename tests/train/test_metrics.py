@@ -125,3 +125,20 @@ def test_wandb_is_not_imported_without_report_to_wandb(tmp_path):
     assert log.wandb is None
     off_rank = LambdaLog(None, model, torch.optim.SGD(model.parameters(), lr=0.1), 0, STEPS, EVERY, wandb=True)
     assert off_rank.wandb is None  # only the rank that writes lambda.jsonl logs λ
+
+
+def test_a_resume_keeps_the_epochs_before_it_whatever_its_steps_per_epoch(tmp_path):
+    """A run resumed at epoch 1 with fewer steps per epoch (other workers, another batch) keeps epoch 0's records
+    whole and drops only those of the epochs it trains again; a restart at epoch 0 writes step 0 once."""
+    _train(tmp_path)
+    path = tmp_path / 'lambda.jsonl'
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    first = [r for r in records if r['epoch'] == 0]
+    assert [r['step'] for r in first] == [0, 2, 4, 5]
+    model = timm.create_model('vit_diff_micro_patch8_64', num_classes=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    LambdaLog(str(tmp_path), model, optimizer, 1, STEPS - 1, EVERY)  # resumed at epoch 1, 4 steps an epoch
+    assert [json.loads(line) for line in path.read_text().splitlines()] == first
+    log = LambdaLog(str(tmp_path), model, optimizer, 0, STEPS, EVERY)  # stopped before its first checkpoint
+    log.wrap_scheduler(None)(0)
+    assert [json.loads(line)['step'] for line in path.read_text().splitlines()] == [0]

@@ -7,6 +7,7 @@ import pytest
 from diffzoo.train.recipe import (
     RecipeError, load_recipe, parse_overrides, recipe_names, resolve, split_batch, steps_per_epoch,
 )
+from diffzoo.train.runner import run
 from tests.factory import write_shards
 
 PAPER_RUNS = [f'{m}-{d}' for m in ('diffclip-b16', 'diffclip-b16-vision', 'diffclip-b16-dynamic',
@@ -108,10 +109,24 @@ def test_unknown_keys_are_refused_with_the_valid_ones(shards):
     ('lr', float('nan'), 'recipe key lr: nan is not a finite number'),
     ('warmup_epochs', float('inf'), 'recipe key warmup_epochs: inf is not a finite number'),
     ('wd', float('-inf'), 'recipe key wd: -inf is not a finite number'),
+    ('train_num_samples', 0, 'recipe key train_num_samples: 0 must be positive'),
+    ('log_every_n_steps', 0, 'recipe key log_every_n_steps: 0 must be positive'),
+    ('image_mean', [1, 2], r'recipe key image_mean: \[1, 2\]; give one number per RGB channel'),
+    ('image_std', [0, 0, 0], r"recipe key image_std: \[0, 0, 0\]; each channel's std must be positive"),
+    ('name', '../../escape', "recipe key name: '../../escape'; the run's folder under logs is named by it"),
+    ('name', '', "recipe key name: ''; the run's folder"),
+    ('logs', '/dev/null/runs', "recipe key logs: '/dev/null/runs': /dev/null is a file, so nothing can be written"),
 ])
 def test_wrongly_typed_or_out_of_range_values_are_named(shards, key, value, message):
     with pytest.raises(RecipeError, match=message):
         resolve(dict(load_recipe('diffclip-tiny'), train_data=str(shards), **{key: value}), 'x', 1)
+
+
+def test_an_empty_train_data_and_a_batch_flag_after_the_separator_are_refused(shards):
+    with pytest.raises(RecipeError, match="recipe key train_data: '' names no shards"):
+        resolve(dict(load_recipe('diffclip-tiny'), train_data=''), 'x', 1)
+    with pytest.raises(RecipeError, match='batch_size: diffzoo computes these; set global_batch_size instead'):
+        run(['--recipe', 'diffclip-tiny', '--train_data', str(shards), '--', '--batch-size', '8'])
 
 
 def test_unset_environment_variable_names_itself(monkeypatch):

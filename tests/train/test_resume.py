@@ -236,6 +236,9 @@ def test_a_remote_resume_falls_back_to_the_newest_intact_epoch(whole_run, tmp_pa
 def test_the_newest_intact_epoch_checkpoint_is_chosen(whole_run, tmp_path):
     checkpoints = tmp_path / 'checkpoints'
     shutil.copytree(whole_run / 'runs' / RECIPE / 'checkpoints', checkpoints)
+    with pytest.raises(CheckpointError, match=r'^--resume .*epoch_9\.pt: no such checkpoint file \(beside it: '
+                                              r'.*epoch_2\.pt.*\); give a checkpoint that is there'):
+        load_resume_checkpoint(str(checkpoints / 'epoch_9.pt'), map_location='cpu')  # mistyped: no fall-back
     _cut(checkpoints / 'epoch_latest.pt')
     assert load_resume_checkpoint(str(checkpoints / 'epoch_latest.pt'), map_location='cpu')['epoch'] == 2
     _cut(checkpoints / 'epoch_2.pt')
@@ -287,3 +290,25 @@ def test_a_planted_checkpoint_is_refused_even_when_torch_is_told_to_unpickle_any
     assert not marker.exists()
     open_clip_train.file_utils.pt_load(str(checkpoints / 'epoch_latest.pt'), map_location='cpu')
     assert marker.exists()  # what open_clip_train's own loader does with it
+
+
+def test_the_same_paths_spelled_otherwise_resume_the_run(tmp_path, monkeypatch):
+    """--logs and --train-data written relative or absolute, with or without ./, from the run's folder: the same run;
+    other data is still another run."""
+    from open_clip_train.params import parse_args
+
+    from diffzoo.train.recipe import RecipeError
+    from diffzoo.train.run_record import check_run_dir
+    monkeypatch.chdir(tmp_path)
+
+    def args(logs, data):
+        return parse_args(['--model', 'diffclip-tiny', '--train-data', data, '--train-num-samples', '16', '--logs',
+                           logs, '--name', 'run'])
+
+    check_run_dir(args('runs', 'shards/{00000..00001}.tar'), 0, 1, None, False)
+    (tmp_path / 'runs' / 'run' / 'checkpoints').mkdir()
+    (tmp_path / 'runs' / 'run' / 'checkpoints' / 'epoch_1.pt').write_bytes(b'')
+    again = args(str(tmp_path / 'runs'), './shards/{00000..00001}.tar')
+    assert check_run_dir(again, 0, 1, None, False) == str(tmp_path / 'runs' / 'run')
+    with pytest.raises(RecipeError, match=r'holds a run started with other settings \(train_data: '):
+        check_run_dir(args('runs', 'other/{00000..00001}.tar'), 0, 1, None, False)
