@@ -33,12 +33,18 @@ def failed_urls(parquets: List[Path]) -> Iterator[dict]:
     """Rows of img2dataset's NNNNN.parquet files whose status is not 'success'.
 
     A URL that later succeeded (a retry downloaded with --extend) is left out."""
+    import pyarrow
     import pyarrow.parquet as pq
 
     columns = ['url', 'caption', 'status', 'error_message']
     failed, succeeded = [], set()
     for path in parquets:
-        table = pq.read_table(path, columns=[c for c in columns if c in pq.read_schema(path).names])
+        try:
+            table = pq.read_table(path, columns=[c for c in columns if c in pq.read_schema(path).names])
+        except (pyarrow.ArrowException, OSError) as exc:  # ArrowInvalid: not parquet, cut short
+            raise DataError(f'{path}: not a readable parquet file ({type(exc).__name__}: {exc}); img2dataset wrote '
+                            f'it with its _stats.json, so it was damaged since: delete both and the shard, then '
+                            f're-run the download into {path.parent} (it redoes shards without _stats.json)') from None
         for row in table.to_pylist():
             if row.get('status') == 'success':
                 succeeded.add(row['url'])

@@ -257,6 +257,10 @@ def test_retry_leaves_unfinished_shards_to_the_download_script(tmp_path, capsys)
     assert data_main(['retry', str(tmp_path), str(tmp_path / 'failed.tsv')]) == 0
     out = capsys.readouterr().out
     assert '1 failed URLs' in out and '1 shards are unfinished (no _stats.json; 00001.tar)' in out
+    (tmp_path / '00001_stats.json').write_text('{}')  # finished, then damaged: named, not a pyarrow traceback
+    assert data_main(['retry', str(tmp_path), str(tmp_path / 'failed.tsv')]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: {tmp_path / "00001.parquet"}: not a readable parquet file (') and 'Traceback' not in err
 
 
 def test_sizes_refuses_shards_img2dataset_did_not_finish(tmp_path, capsys):
