@@ -199,6 +199,11 @@ def expand_shards(train_data: str) -> Tuple[str, List[str]]:
 
     if os.path.isdir(train_data):
         shards = [str(p) for p in list_shards(train_data)]
+        folders = [s for s in shards if not os.path.isfile(s)]
+        if folders:
+            raise RecipeError(f'train_data {train_data!r}: {len(folders)} of its *.tar are not files '
+                              f'({os.path.basename(folders[0])}, …: folders named like shards); move them out of '
+                              f'the shard folder')
         return shard_pattern(shards), shards
     try:
         shards = [s for part in train_data.split('::') for s in braceexpand.braceexpand(part)]

@@ -122,6 +122,13 @@ def test_wrongly_typed_or_out_of_range_values_are_named(shards, key, value, mess
         resolve(dict(load_recipe('diffclip-tiny'), train_data=str(shards), **{key: value}), 'x', 1)
 
 
+def test_a_folder_named_like_a_shard_is_named(tmp_path):
+    write_shards(tmp_path, 2, 4)
+    (tmp_path / '00002.tar').mkdir()
+    with pytest.raises(RecipeError, match=r"1 of its \*\.tar are not files \(00002\.tar, …: folders named like shards\)"):
+        resolve(dict(load_recipe('diffclip-tiny'), train_data=str(tmp_path)), 'x', 1)
+
+
 def test_an_empty_train_data_and_a_batch_flag_after_the_separator_are_refused(shards):
     with pytest.raises(RecipeError, match="recipe key train_data: '' names no shards"):
         resolve(dict(load_recipe('diffclip-tiny'), train_data=''), 'x', 1)
