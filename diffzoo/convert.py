@@ -26,7 +26,11 @@ from diffzoo.flags import output_file, output_folder
 
 def weights_output(text: str) -> Path:
     """official-diffclip's DST: a .safetensors file, else a folder for the hub layout."""
-    return output_file(text) if text.endswith('.safetensors') else output_folder(text)
+    return Path(output_file(text) if text.endswith('.safetensors') else output_folder(text))
+
+
+def folder(text: str) -> Path:
+    return Path(output_folder(text))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     pub.add_argument('folder', type=Path, help='a directory official-diffclip wrote')
     pub.add_argument('--repo', metavar='USER/NAME', help='the hub repo to create or update')
     pub.add_argument('--private', action='store_true')
-    pub.add_argument('--local-dir', type=output_folder, metavar='DIR',
+    pub.add_argument('--local-dir', type=folder, metavar='DIR',
                      help='write the files the upload would send to DIR instead (offline; nothing is uploaded)')
     return p
 

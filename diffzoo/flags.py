@@ -61,21 +61,21 @@ def output_problem(text: str, folder: bool) -> Optional[str]:
     return None
 
 
-def output_file(text: str) -> Path:
-    """An argparse type: a file a command may write (`output_problem`); checked before the command works, so a bad
-    path does not end it after its work."""
+def output_file(text: str) -> str:
+    """An argparse type: a file a command may write (`output_problem`), as given; checked before the command works,
+    so a bad path does not end it after its work."""
     problem = output_problem(text, folder=False)
     if problem:
         raise argparse.ArgumentTypeError(f'{text!r}: {problem}')
-    return Path(text)
+    return text
 
 
-def output_folder(text: str) -> Path:
-    """An argparse type: a folder a command may write in, made if missing (`output_problem`)."""
+def output_folder(text: str) -> str:
+    """An argparse type: a folder a command may write in, made if missing (`output_problem`), as given."""
     problem = output_problem(text, folder=True)
     if problem:
         raise argparse.ArgumentTypeError(f'{text!r}: {problem}')
-    return Path(text)
+    return text
 
 
 def yaml_value(text: str):

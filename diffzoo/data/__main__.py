@@ -112,7 +112,7 @@ def _cmd_llava_qa(a, _) -> int:
     sets = {name: getattr(a, name) for name in READERS if getattr(a, name)}
     if not sets:
         raise DataError(f'name at least one set: {", ".join("--" + n for n in READERS)}')
-    report = convert(sets, a.image_root, a.out, a.split, None if a.no_prompt else a.prompt)
+    report = convert(sets, a.image_root, Path(a.out), a.split, None if a.no_prompt else a.prompt)
     print(f'{"set":<8} {"kept":>10} {"no image":>10} {"no answer":>10}')
     for name, kept, missing, empty in report.rows():
         print(f'{name:<8} {kept:>10,} {missing:>10,} {empty:>10,}')

@@ -284,6 +284,11 @@ def vlm_from_recipe(recipe: Union[str, Mapping], adapter: Union[str, Path, None]
     if data.get('type') == 'conversations' and isinstance(vlm, BuiltVLM):
         vlm.prompt_format, vlm.image_aspect = data['format'], data.get('image_aspect', 'pad')
         vlm.max_length = data.get('max_length', DATA.sections['conversations'].keys['max_length'].default)
+    if isinstance(vlm, BuiltVLM) and vlm.prompt_format is None and vlm.tokenizer.bos_token_id is None:
+        raise RecipeError(f'{recipe}: its language model\'s tokenizer ({type(vlm.tokenizer).__name__}) has no BOS '
+                          f'token, which the VQA prompt layout [image | BOS prompt] starts with (its training refuses '
+                          f'it too); give the recipe the conversation data it trained on (data.type: conversations, '
+                          f'with its format), or a language model whose tokenizer has BOS')
     vlm = vlm.to(device)
     vlm.model.eval()
     return vlm

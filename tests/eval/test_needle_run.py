@@ -46,3 +46,21 @@ def test_run_subcommand_writes_answers_results_and_heatmap(haystacks, tmp_path):
     results = json.loads((tmp_path / 'out' / 'needle_results.json').read_text())
     assert results['counts']['samples'] == 4
     assert (tmp_path / 'out' / 'needle_heatmap.png').stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_stopped_run_is_resumed_and_another_run_in_its_folder_refused(haystacks, tmp_path):
+    """What a stopped `run` leaves (its answers so far, appended one by one, the last cut short) is reused by the
+    same command; the same folder with other settings is refused, not mixed in."""
+    root, _ = haystacks
+    argv = ['run', '--haystacks', root / 'set', '--recipe', root / 'recipe.yaml', '--protocol', 'mmneedle',
+            '--max-new-tokens', '4', '--out', tmp_path / 'out']
+    assert call(main, argv, tmp_path).returncode == 0
+    path = tmp_path / 'out' / 'answers.jsonl'
+    whole = path.read_text().splitlines()
+    path.write_text(''.join(line + '\n' for line in whole[:2]) + whole[2][:15])  # as a stop mid-answer leaves it
+    done = call(main, argv, tmp_path)
+    assert done.returncode == 0 and 'run: 2 answers of a stopped run' in done.stdout, done.stderr[-2000:]
+    assert path.read_text().splitlines() == whole  # two reused, two asked again: the same greedy answers
+    other = call(main, [*argv[:-3], '5', '--out', tmp_path / 'out'], tmp_path)
+    assert other.returncode == 2 and 'holds the answers of another run (max_new_tokens: 4 -> 5)' in other.stderr

@@ -1,18 +1,24 @@
 """`python -m diffzoo.eval.needle build | score | run`: MMNeedle."""
 import argparse
+import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from PIL import Image
 
 import diffzoo.eval.needle as needle_package
+from diffzoo.files import atomic_write_json, atomic_write_text
+from diffzoo.flags import output_folder
+from diffzoo.recipes import RecipeError
 
 from .haystack import (HaystackConfig, NeedleError, build, find_captions, read_captions, read_haystacks,
                        usable_captions, write)
 from .protocols import PROTOCOLS
 from .report import table, write_report
 from .scoring import evaluate, read_answers, score_answers, write_answers
+
+ANSWERS, RUN_SETTINGS = 'answers.jsonl', 'run.json'  # `run`'s answers so far, and the settings that asked them
 
 
 def model_answer_fn(recipe: str, adapter=None, max_new_tokens: int = 20, device: str = 'cpu'):
@@ -39,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument('--source', required=True, metavar='DIR', help='the images (for COCO: val2014/)')
     b.add_argument('--captions', metavar='FILE', help='COCO captions_val2014.json, or JSON/JSONL file name → '
                    'caption; default: captions_val2014.json in DIR, DIR/annotations or DIR/../annotations')
-    b.add_argument('--out', required=True, metavar='DIR')
+    b.add_argument('--out', type=output_folder, required=True, metavar='DIR')
     defaults = HaystackConfig()
     b.add_argument('--m', type=int, default=defaults.m, help='images per sample')
     b.add_argument('--n', type=int, default=defaults.n, help='each image an N×N stitch')
@@ -53,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser('score', help="score a model's answers to a built set")
     s.add_argument('--haystacks', required=True, metavar='DIR', help='a directory `build` wrote')
     s.add_argument('--answers', required=True, metavar='FILE', help='JSONL: {"id", "query", "answer"} per query')
-    s.add_argument('--out', required=True, metavar='DIR')
+    s.add_argument('--out', type=output_folder, required=True, metavar='DIR')
     s.add_argument('--protocol', choices=PROTOCOLS, help='default: two_step if the queries are row/K, column/K')
     s.add_argument('--title', help='of the heatmap')
     r = sub.add_parser('run', help='ask a model every query of a built set, then score it')
@@ -63,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument('--protocol', choices=PROTOCOLS, default='two_step')
     r.add_argument('--max-new-tokens', type=int, default=20)
     r.add_argument('--device', default='cpu')
-    r.add_argument('--out', required=True, metavar='DIR')
+    r.add_argument('--out', type=output_folder, required=True, metavar='DIR')
     r.add_argument('--title', help='of the heatmap')
     return p
 
@@ -116,11 +122,47 @@ def _cmd_score(a) -> int:
     return 0
 
 
+def answers_so_far(out: Path, settings: Dict) -> Dict:
+    """The answers a stopped `run` of the same settings left in `out` (a last line the stop cut short dropped);
+    {} for a new run. Answers of other settings (another model, protocol or set) are refused, not mixed in."""
+    path, record = out / ANSWERS, out / RUN_SETTINGS
+    if not path.exists():
+        return {}
+    try:
+        before = json.loads(record.read_text())
+    except (OSError, ValueError):
+        before = None
+    if before != settings:
+        differs = ('no record of the run that wrote it' if not isinstance(before, dict) else '; '.join(
+            f'{k}: {before.get(k)!r} -> {v!r}' for k, v in settings.items() if before.get(k) != v))
+        raise NeedleError(f'--out {out} holds the answers of another run ({differs}); give another --out, or delete '
+                          f'{path} to ask again')
+    lines = path.read_text(encoding='utf-8').splitlines()
+    try:
+        json.loads(lines[-1]) if lines else None
+    except ValueError:  # the stop cut the last answer short: asked again
+        atomic_write_text(path, ''.join(line + '\n' for line in lines[:-1]))
+    return read_answers(path)
+
+
 def _cmd_run(a) -> int:
     samples = read_haystacks(a.haystacks)
+    out = Path(a.out)
+    settings = {'haystacks': str(Path(a.haystacks).resolve()), 'recipe': a.recipe, 'adapter': a.adapter,
+                'protocol': a.protocol, 'max_new_tokens': a.max_new_tokens}
+    answered = answers_so_far(out, settings)
     answer_fn = model_answer_fn(a.recipe, a.adapter, a.max_new_tokens, a.device)
-    result = evaluate(samples, answer_fn, a.protocol, log=lambda line: print(line, flush=True))
-    answers = write_answers(result, Path(a.out) / 'answers.jsonl')
+    if answered:
+        print(f'run: {len(answered)} answers of a stopped run in {out / ANSWERS} reused', flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / RUN_SETTINGS, settings)
+    with open(out / ANSWERS, 'a', encoding='utf-8') as f:
+        def sink(line: Dict) -> None:  # each answer kept as it comes: a stopped run loses none
+            f.write(json.dumps(line) + '\n')
+            f.flush()
+        result = evaluate(samples, answer_fn, a.protocol, log=lambda line: print(line, flush=True),
+                          answered=answered, sink=sink)
+    answers = write_answers(result, out / ANSWERS)  # in sample order
     results, heatmap = write_report(result, a.out, a.title)
     print()
     print(table(result))
@@ -132,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return {'build': _cmd_build, 'score': _cmd_score, 'run': _cmd_run}[args.command](args)
-    except NeedleError as exc:
+    except (NeedleError, RecipeError) as exc:
         print(f'error: {exc}', file=sys.stderr)
         return 2
 

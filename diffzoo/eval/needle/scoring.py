@@ -6,6 +6,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from PIL import Image
 
+from diffzoo.files import atomic_write_text
+
 from .haystack import UNREADABLE, NeedleError, Progress, Sample
 from .protocols import PROTOCOLS, RUN, Ask, Query, parse_answer, parse_step
 
@@ -91,7 +93,9 @@ def summarize(records: List[Dict], protocol: str, m: int, n: int, size: int) -> 
 
 
 def evaluate(samples: Sequence[Sample], answer_fn: Callable[[List[Image.Image], str], str],
-             protocol: str = 'mmneedle', log: Optional[Callable[[str], None]] = None) -> Dict:
+             protocol: str = 'mmneedle', log: Optional[Callable[[str], None]] = None,
+             answered: Optional[Dict[Tuple[int, str], Optional[str]]] = None,
+             sink: Optional[Callable[[Dict], None]] = None) -> Dict:
     """Ask a model, `answer_fn(images, prompt) -> answer`, every query of `protocol` and score it.
 
     Returns a JSON-ready dict: `metrics` (fractions, None where there is nothing to count) —
@@ -99,13 +103,26 @@ def evaluate(samples: Sequence[Sample], answer_fn: Callable[[List[Image.Image], 
     and exact_accuracy over positives (MMNeedle's headline numbers); overall_accuracy, exact or a
     correct -1, over all — `counts` behind each, `per_cell` (N×N lists, [row][column] of the needle's
     cell: count, exact_accuracy and index_accuracy over positives), `empty_ids` (answer_fn returned
-    None: left out, as MMNeedle), and `records`, one per sample with every prompt and answer."""
+    None: left out, as MMNeedle), and `records`, one per sample with every prompt and answer.
+
+    `answered`: answers given before, by (sample id, query), reused instead of asked again (a stopped run's);
+    `sink` gets each new answer as it comes, a `read_answers` line ({"id", "query", "prompt", "answer"})."""
+    answered = answered or {}
+
     def ask_for(sample: Sample) -> Ask:
-        images = sample.images()
+        images = []  # read on the first query the model is asked, not for answers reused
 
         def ask(query: Query) -> Optional[str]:
+            key = (sample.id, query.name)
+            if key in answered:
+                return answered[key]
+            if not images:
+                images.extend(sample.images())
             answer = answer_fn([images[k - 1] for k in query.stitches], query.prompt)
-            return None if answer is None else str(answer)
+            answer = None if answer is None else str(answer)
+            if sink is not None:
+                sink({'id': sample.id, 'query': query.name, 'prompt': query.prompt, 'answer': answer})
+            return answer
         return ask
     return score(samples, ask_for, protocol, log)
 
@@ -167,12 +184,9 @@ def score_answers(samples: Sequence[Sample], answers: Dict[Tuple[int, str], Opti
 
 
 def write_answers(result: Dict, path) -> Path:
-    """Every query and answer of a result as JSONL, the input of `score_answers`."""
+    """Every query and answer of a result as JSONL, the input of `score_answers`; written whole or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, 'w', encoding='utf-8') as f:
-        for record in result['records']:
-            for q in record['queries']:
-                f.write(json.dumps({'id': record['id'], 'query': q['query'], 'prompt': q['prompt'],
-                                    'answer': q['answer']}) + '\n')
-    return path
+    return atomic_write_text(path, ''.join(
+        json.dumps({'id': record['id'], 'query': q['query'], 'prompt': q['prompt'], 'answer': q['answer']}) + '\n'
+        for record in result['records'] for q in record['queries']))
