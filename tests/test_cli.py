@@ -130,6 +130,11 @@ def test_usage_errors_go_to_stderr_with_exit_2(module, argv, message, commands):
      "argument --out: '{file}': a file; give a folder to write in"),
     ('diffzoo.eval', ['--model', 'diffclip-tiny', '--dataset', 'dummy', '--output', '{tmp}'],
      "argument --output: '{tmp}': a folder; give the file to write"),
+    ('diffzoo.eval.lmm', ['--model', 'x.yaml', '--task', 'pope', '--data', '{tmp}', '--out', '{file}/o'],
+     "argument --out: '{file}/o': {file} is a file"),
+    ('diffzoo.eval.needle', ['build', '--source', '{tmp}', '--out', '{file}'], "argument --out: '{file}': a file"),
+    ('diffzoo.eval.vqa', ['--predictions', '{file}', '--annotations', '{file}', '--output', '{tmp}'],
+     "argument --output: '{tmp}': a folder"),
 ])
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(module, argv, message, commands, tmp_path):
     """An output path that is a folder where a file goes, a file where a folder goes, under a file, or empty: the

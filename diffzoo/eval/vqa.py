@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from diffzoo.eval.vqa_answers import VQA_SCORING, vqa_accuracy
+from diffzoo.flags import output_file
 
 
 class VQAInputError(ValueError):
@@ -57,6 +58,14 @@ def _example(ids) -> str:
     return repr(next(iter(ids)))
 
 
+def _check_id(where: str, value) -> None:
+    """A question id is an int or a string, as the official files write it: a bool, a float or a list is refused
+    (true and 1.0 would otherwise be scored as question 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise VQAInputError(f'{where}: question_id {value!r} is not an id; the official files give each question '
+                            f'an int id')
+
+
 def _index_predictions(predictions) -> Dict:
     if not isinstance(predictions, list):
         keys = f' with keys {sorted(predictions)[:5]}' if isinstance(predictions, Mapping) else ''
@@ -66,6 +75,7 @@ def _index_predictions(predictions) -> Dict:
     for i, row in enumerate(predictions):
         if not isinstance(row, Mapping) or 'question_id' not in row or 'answer' not in row:
             raise VQAInputError(f'predictions[{i}] = {row!r}: each result needs "question_id" and "answer"')
+        _check_id(f'predictions[{i}]', row['question_id'])
         if row['question_id'] in answers:
             duplicates.append(row['question_id'])
         answers[row['question_id']] = row['answer']
@@ -87,6 +97,11 @@ def _annotation_list(annotations) -> List[Mapping]:
         if missing:
             raise VQAInputError(f'annotations[{i}] (question_id {row.get("question_id")!r}) has no {missing}; '
                                 f'pass the official annotation file, whose entries carry all four')
+        _check_id(f'annotations[{i}]', row['question_id'])
+        for key in ('question_type', 'answer_type'):
+            if not isinstance(row[key], str):
+                raise VQAInputError(f'annotations[{i}] (question_id {row["question_id"]!r}): {key} {row[key]!r} is '
+                                    f'not a string; pass the official annotation file')
     return rows
 
 
@@ -95,6 +110,11 @@ def _question_ids(questions) -> set:
     if not isinstance(rows, list):
         raise VQAInputError('questions: expected the official questions file (a dict with a "questions" list, '
                             'e.g. v2_OpenEnded_mscoco_val2014_questions.json) or that list')
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping) or 'question_id' not in row:
+            raise VQAInputError(f'questions[{i}] = {row!r}: expected a question dict with "question_id"; pass the '
+                                f'official questions file')
+        _check_id(f'questions[{i}]', row['question_id'])
     return {row['question_id'] for row in rows}
 
 
@@ -243,8 +263,8 @@ def _read_json(path: Path, flag: str, expected: str):
     try:
         with open(path, encoding='utf-8') as f:
             return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise VQAInputError(f'{flag} {path}: not valid JSON ({exc}); pass {expected}') from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise VQAInputError(f'{flag} {path}: not valid UTF-8 JSON ({exc}); pass {expected}') from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -259,7 +279,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how each reply is prepared: llava (default: EvalAI's answer processor, as LLaVA-1.5 submits), "
                         "lmms_eval (its vqav2_process_results), vqaeval (the official script on the reply as given)")
     p.add_argument('--top', type=int, default=10, metavar='N', help='question types shown in the table')
-    p.add_argument('--output', metavar='JSON', help='default: PREDICTIONS_accuracy.json beside the predictions')
+    p.add_argument('--output', type=output_file, metavar='JSON', help='default: PREDICTIONS_accuracy.json beside the predictions')
     return p
 
 
@@ -269,6 +289,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     annotations_format = 'the official annotation JSON (e.g. v2_mscoco_val2014_annotations.json)'
     predictions_path = Path(args.predictions)
     output = Path(args.output) if args.output else predictions_path.with_name(predictions_path.stem + '_accuracy.json')
+    inputs = [Path(p).resolve() for p in (args.predictions, args.annotations, args.questions) if p]
+    if output.resolve() in inputs:
+        print(f'error: --output {output} is one of the input files, which it would overwrite; give another '
+              f'--output', file=sys.stderr)
+        return 2
     try:
         predictions = _read_json(predictions_path, '--predictions', results_format)
         annotations = _read_json(Path(args.annotations), '--annotations', annotations_format)

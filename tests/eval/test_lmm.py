@@ -236,3 +236,28 @@ def test_limit_0_a_stage_that_is_not_there_and_an_unknown_recipe_are_refused_bef
     recipe = call(main, base, tmp_path)  # before: a RecipeError traceback
     assert recipe.returncode == 2 and "error: no recipe 'nothing.yaml'" in recipe.stderr
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_run_of_another_task_into_the_same_out_keeps_the_results_before_it(tmp_path):
+    """results.json held only the last run's tasks: POPE's scores were gone once MME ran into the same --out."""
+    _copies(tmp_path / 'data')
+    common = ['--model', tiny_recipe(tmp_path), '--data', tmp_path / 'data', '--out', tmp_path / 'out',
+              '--max-new-tokens', '2', '--batch-size', '2']
+    assert call(main, [*common, '--task', 'pope'], tmp_path).returncode == 0
+    pope = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']['pope']
+    assert call(main, [*common, '--task', 'mme'], tmp_path).returncode == 0
+    results = json.loads((tmp_path / 'out' / 'results.json').read_text())['results']
+    assert list(results) == ['pope', 'mme'] and results['pope'] == pope
+    assert pope['answered_by']['max_new_tokens'] == 2 and results['mme']['answered_by']['model'] == str(common[1])
+
+
+def test_a_recipe_without_a_conversation_format_over_a_tokenizer_without_bos_is_refused(tmp_path):
+    """The VQA prompt layout starts with BOS, which a Qwen2-style tokenizer has none of: refused before any question
+    is asked (it was a traceback mid-run), as its training refuses it."""
+    from diffzoo.recipes import RecipeError
+    from diffzoo.vlm.factory import vlm_from_recipe
+    recipe = yaml.safe_load(tiny_recipe(tmp_path).read_text())
+    del recipe['data']
+    (tmp_path / 'vqa.yaml').write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match=r"tokenizer \(\w+\) has no BOS token, which the VQA prompt layout"):
+        vlm_from_recipe(str(tmp_path / 'vqa.yaml'))

@@ -1,6 +1,7 @@
 """VQA accuracy against values worked out by hand from the official vqaEval.py rules, with each reply processed
 first as LLaVA's convert_vqav2_for_submission.py does (EvalAIAnswerProcessor) under the default scoring."""
 import json
+import re
 
 import pytest
 
@@ -119,6 +120,27 @@ def test_predictions_of_other_questions_or_twice_are_errors(annotations):
         evaluate([{'question_id': 1, 'text': 'yes'}], annotations)
 
 
+@pytest.mark.parametrize('qid', [True, 1.0, [1]])
+def test_an_id_that_is_not_an_int_or_a_string_is_named_wherever_it_is(annotations, qid):
+    """true and 1.0 were scored as question 1, a list raised TypeError."""
+    for where, call in (('predictions[0]', lambda: evaluate([{'question_id': qid, 'answer': 'yes'}] + PREDICTIONS[1:],
+                                                          annotations, allow_missing=True)),
+                        ('questions[0]', lambda: evaluate(PREDICTIONS, annotations, [{'question_id': qid}])),
+                        ('annotations[0]', lambda: evaluate(PREDICTIONS, {'annotations': [
+                            dict(annotations['annotations'][0], question_id=qid)]}))):
+        with pytest.raises(VQAInputError, match=rf'^{re.escape(where)}: question_id .* is not an id'):
+            call()
+
+
+def test_malformed_questions_and_annotation_types_are_named(annotations):
+    with pytest.raises(VQAInputError, match=r"questions\[0\] = \{'image_id': 10\}: expected a question dict"):
+        evaluate(PREDICTIONS, annotations, [{'image_id': 10}])
+    for key in ('question_type', 'answer_type'):
+        bad = {'annotations': [dict(annotations['annotations'][0], **{key: None})]}
+        with pytest.raises(VQAInputError, match=rf'annotations\[0\] \(question_id 1\): {key} None is not a string'):
+            evaluate(PREDICTIONS[:1], bad)
+
+
 def test_questions_file_restricts_the_scored_set(annotations):
     questions = {'questions': [{'question_id': 1, 'image_id': 10, 'question': 'Is the sky blue?'},
                                {'question_id': 2, 'image_id': 20, 'question': 'Is the cat asleep?'}]}
@@ -160,6 +182,13 @@ def test_cli_errors_name_the_input_and_the_fix(annotations, tmp_path, capsys):
     assert json.loads((tmp_path / 'results_accuracy.json').read_text())['overall'] == 72.5
     assert main(['--predictions', str(tmp_path / 'nope.json')] + args[2:]) == 2
     assert f'--predictions {tmp_path / "nope.json"}: no such file' in capsys.readouterr().err
+    kept = (tmp_path / 'results.json').read_text()
+    assert main(args + ['--allow-missing', '--output', str(tmp_path / 'results.json')]) == 2  # its own predictions
+    assert 'is one of the input files, which it would overwrite' in capsys.readouterr().err
+    assert (tmp_path / 'results.json').read_text() == kept
+    (tmp_path / 'latin1.json').write_bytes('[{"question_id": 1, "answer": "caf\xe9"}]'.encode('latin-1'))
+    assert main(['--predictions', str(tmp_path / 'latin1.json')] + args[2:]) == 2
+    assert f'--predictions {tmp_path / "latin1.json"}: not valid UTF-8 JSON' in capsys.readouterr().err
 
 
 def test_cli_scoring_names_how_replies_are_prepared(annotations, tmp_path, capsys):

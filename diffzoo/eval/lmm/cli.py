@@ -16,7 +16,8 @@ and counted and named (`cut_to_max_length`), so one such question neither takes 
 
 OUT receives `<task>_predictions.jsonl` (every question's prompt, reply and what it is scored against), appended
 batch by batch as the replies are made; `results.json` (every row, the scorer of each task, the questions answered,
-reused, cut and left out per reason), after each task; and the table printed at the end. Run again with the same OUT, a
+reused, cut and left out per reason, and what answered it), after each task, beside the tasks of earlier runs into
+the same OUT; and the table printed at the end. Run again with the same OUT, a
 cut run goes on where it stopped: each reply already in the predictions file is reused for the question of the same
 id and prompt (a half-written last line is cut off and its question asked again; rows that answer no question
 asked now stay in the file, unscored), when the model, its stage or adapter files and the reply length are those
@@ -33,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 from diffzoo.data.shards import DataError
 from diffzoo.files import atomic_write_json
-from diffzoo.flags import at_least
+from diffzoo.flags import at_least, output_folder
 from diffzoo.recipes import RecipeError
 
 from .tasks import TASKS, LeftOut, Sample, rows_for_scoring
@@ -57,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--task', action='append', required=True, choices=sorted(TASKS), help='repeatable')
     p.add_argument('--data', metavar='DIR', help='holds one folder per task (pope/, mme/, …)')
     p.add_argument('--data-for', action='append', default=[], metavar='TASK=DIR', help="one task's folder")
-    p.add_argument('--out', required=True, metavar='DIR')
+    p.add_argument('--out', type=output_folder, required=True, metavar='DIR')
     p.add_argument('--batch-size', type=at_least(1), default=8)
     p.add_argument('--max-new-tokens', type=at_least(1), help="default: each task's (lmms-eval's)")
     p.add_argument('--scoring', action='append', default=[], metavar='TASK=NAME',
@@ -291,11 +292,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         answerers = json.loads((out / ANSWERED_BY).read_text())
     except (OSError, ValueError):  # none yet, or unreadable: every predictions file there is set aside
         answerers = {}
-    results, table = {}, []
+    try:  # the tasks of earlier runs into this --out are kept beside this run's, each with what answered it
+        results = {task: r for task, r in json.loads((out / 'results.json').read_text())['results'].items()
+                   if task not in samples}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not a results file
+        results = {}
+    table = []
     for task, questions in samples.items():
         answered_by = _answered_by(args, weights, args.max_new_tokens or TASKS[task].max_new_tokens)
         r = _run_task(vlm, args, task, questions, left[task], scoring[task], answerers, answered_by)
-        results[task] = r = {**r, 'data': str(folders[task])}
+        results[task] = r = {**r, 'data': str(folders[task]), 'answered_by': answered_by}
         atomic_write_json(out / 'results.json', {'settings': dict(vars(args)), 'results': results})
         counts = [f'{r["reused"]} of them reused'] if r['reused'] else []
         counts += [f'{n} left out: {reason}' for reason, n in r['left_out'].items()]
