@@ -238,6 +238,30 @@ def test_limit_0_a_stage_that_is_not_there_and_an_unknown_recipe_are_refused_bef
     assert not (tmp_path / 'out').exists()
 
 
+def test_a_line_or_file_that_is_not_utf8_is_left_out_and_counted(tmp_path):
+    """A Latin-1 MME line, a folder named like an answer file and a POPE line that is not UTF-8 ended the run with a
+    UnicodeDecodeError or IsADirectoryError; each is left out, counted and named, and the rest is read."""
+    from diffzoo.eval.lmm.records import LeftOut, read_json
+    _copies(tmp_path)
+    txt = tmp_path / 'mme' / 'existence' / '000000006040.txt'
+    txt.write_bytes(txt.read_bytes() + 'Is there a caf\xe9 in this image? Please answer yes or no.\tYes\n'.encode('latin-1'))
+    (tmp_path / 'mme' / 'existence' / 'extra.txt').mkdir()
+    left_out = LeftOut()
+    assert len(tasks.read_mme(tmp_path / 'mme', left_out)) == 4
+    assert left_out.named == {'line not UTF-8': [f'{txt}:3'],
+                              'answer file not a file': [str(tmp_path / 'mme' / 'existence' / 'extra.txt')]}
+    pope = tmp_path / 'pope' / 'coco' / 'coco_pope_random.json'
+    pope.write_bytes(pope.read_bytes() + b'\n' + '{"question_id": 3, "text": "caf\xe9"}'.encode('latin-1'))
+    left_out = LeftOut()
+    assert len(tasks.read_pope(tmp_path / 'pope', left_out)) == 6
+    assert left_out.named == {'malformed line (not a JSON object)': [f'{pope}:3']}
+    (tmp_path / 'utf16.json').write_bytes(json.dumps({'a': 1}).encode('utf-16'))
+    assert read_json(tmp_path / 'utf16.json') == {'a': 1}  # JSON's own encodings are read
+    (tmp_path / 'latin1.json').write_bytes('{"a": "caf\xe9"}'.encode('latin-1'))
+    with pytest.raises(DataError, match=r'latin1\.json: not JSON \(.utf-8. codec'):
+        read_json(tmp_path / 'latin1.json')
+
+
 def test_a_run_of_another_task_into_the_same_out_keeps_the_results_before_it(tmp_path):
     """results.json held only the last run's tasks: POPE's scores were gone once MME ran into the same --out."""
     _copies(tmp_path / 'data')

@@ -201,6 +201,35 @@ def test_errors_name_the_input_and_the_fix(corpus, tmp_path):
         write(samples, tmp_path / 'set', {}, log=None)
 
 
+def test_a_damaged_set_or_answers_file_is_named(corpus, tmp_path):
+    """A manifest cut short, without its samples, with a field missing or a needle outside the set, and answers with a
+    query that is not a name or bytes that are not UTF-8: each named with the fix, none a traceback."""
+    source, captions = corpus
+    samples = build(source, captions, HaystackConfig(m=1, n=2, size=8, samples=2))
+    manifest = write(samples, tmp_path / 'set', {'m': 1, 'n': 2, 'size': 8, 'source': str(source)}, log=None)
+    whole = json.loads(manifest.read_text())
+    positive = next(i for i, e in enumerate(whole['samples']) if e['row'] != -1)
+    outside = json.loads(json.dumps(whole))
+    outside['samples'][positive]['row'] = 5
+    no_row = json.loads(json.dumps(whole))
+    del no_row['samples'][0]['row']
+    for text, message in ((manifest.read_text()[:40], 'not JSON'),
+                          (json.dumps({k: v for k, v in whole.items() if k != 'samples'}), "no 'samples'"),
+                          (json.dumps(no_row), "no 'row'"),
+                          (json.dumps(outside), rf'sample {positive}: the needle at .* outside 1 images of 2×2')):
+        manifest.write_text(text)
+        with pytest.raises(NeedleError, match=rf'{re.escape(str(manifest))}: .*{message}.*rebuild the set'):
+            read_haystacks(tmp_path / 'set')
+    answers = tmp_path / 'answers.jsonl'
+    for text in ('{"id": 0, "query": 3, "answer": "1, 1, 1"}', '{"id": true, "answer": "-1"}'):
+        answers.write_text(text + '\n')
+        with pytest.raises(NeedleError, match=r'line 1: expected \{"id": <sample id>, "query": ..., "answer"'):
+            read_answers(answers)
+    answers.write_bytes('{"id": 0, "answer": "caf\xe9"}\n'.encode('latin-1'))
+    with pytest.raises(NeedleError, match=r'answers\.jsonl: not UTF-8 text'):
+        read_answers(answers)
+
+
 @pytest.mark.parametrize('text,expected', [
     ('2, 1, 2', (2, 1, 2)), ('(2,1,2)', (2, 1, 2)), ('2,1,2.', (2, 1, 2)), (' 1, 2, 1\n', (1, 2, 1)),
     ('Image 2, row 1, column 2.', (2, 1, 2)), ('1-2-1', (1, 2, 1)), ('-1', ABSENT), ('-1.', ABSENT),

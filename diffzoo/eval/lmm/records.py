@@ -90,13 +90,13 @@ def strings(record: Dict, fields: Sequence[str], left_out: LeftOut, where: str) 
 
 def json_lines(path: Path, needs: Sequence[str], left_out: LeftOut) -> Iterator[Tuple[str, Dict]]:
     """("<file>:<line>", record) for each line of a JSON-lines file that is a JSON object holding every field in
-    `needs`; any other line is left out (a line that does not parse is not a JSON object)."""
+    `needs`; any other line is left out (a line that does not parse, or is not UTF-8, is not a JSON object)."""
     def parsed():
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(path.read_bytes().splitlines(), 1):
             if line.strip():
                 try:
-                    yield f'{path}:{n}', json.loads(line)
-                except json.JSONDecodeError:
+                    yield f'{path}:{n}', json.loads(line.decode('utf-8'))
+                except ValueError:  # JSONDecodeError, UnicodeDecodeError
                     yield f'{path}:{n}', None
     return with_fields(parsed(), needs, left_out, 'malformed line (not a JSON object)')
 
@@ -104,9 +104,9 @@ def json_lines(path: Path, needs: Sequence[str], left_out: LeftOut) -> Iterator[
 def read_json(path: Path):
     """A benchmark's JSON file; DataError naming it when it does not parse."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f'{path}: not JSON ({exc}); put the benchmark\'s published file there') from exc
+        return json.loads(path.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise DataError(f'{path}: not JSON ({exc}); put the benchmark\'s published file there') from None
 
 
 def required(path: Path) -> Path:

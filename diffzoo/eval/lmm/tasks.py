@@ -166,9 +166,17 @@ def read_mme(root: Path, left_out: Optional[LeftOut] = None) -> List[Sample]:
             if image.stem not in answered:
                 left_out.add(NO_ANSWER_FILE, str(image))
         for txt in sorted(qa_dir.glob('*.txt')):
+            if not txt.is_file():
+                left_out.add('answer file not a file', str(txt))
+                continue
             image = next((p for p in sorted(image_dir.glob(txt.stem + '.*')) if p.suffix != '.txt'), None)
-            lines = [(n, line) for n, line in enumerate(txt.read_text().splitlines(), 1) if line.strip()]
-            for j, (n, line) in enumerate(lines):
+            lines = [(n, line) for n, line in enumerate(txt.read_bytes().splitlines(), 1) if line.strip()]
+            for j, (n, raw) in enumerate(lines):
+                try:
+                    line = raw.decode('utf-8')
+                except UnicodeDecodeError:
+                    left_out.add('line not UTF-8', f'{txt}:{n}')
+                    continue
                 question, tab, label = line.rpartition('\t')
                 if not tab:
                     left_out.add('line not "question<TAB>Yes|No" as MME\'s are', f'{txt}:{n}')

@@ -336,14 +336,29 @@ def read_haystacks(directory) -> List[Sample]:
     if not manifest.is_file():
         raise NeedleError(f'--haystacks {directory}: no {MANIFEST}; build the set first with '
                           f'python -m diffzoo.eval.needle build --source DIR --out {directory}')
-    data = json.loads(manifest.read_text())
-    if data.get('format') != FORMAT:
-        raise NeedleError(f'{manifest}: format {data.get("format")!r}, expected {FORMAT!r}; rebuild the set')
-    settings = data['settings']
+    rebuild = (f'rebuild the set: python -m diffzoo.eval.needle build --source DIR --out {directory} --overwrite '
+               f'(with the settings it was built with)')
+    try:
+        data = json.loads(manifest.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError: a manifest cut short or damaged
+        raise NeedleError(f'{manifest}: not JSON ({exc}); {rebuild}') from None
+    if not isinstance(data, dict) or data.get('format') != FORMAT:
+        found = data.get('format') if isinstance(data, dict) else type(data).__name__
+        raise NeedleError(f'{manifest}: format {found!r}, expected {FORMAT!r}; {rebuild}')
     samples = []
-    for entry in data['samples']:
-        truth = Location(entry['index'], entry['row'], entry['column'])
-        samples.append(Sample(entry['id'], tuple(tuple(c) for c in entry['cells']), entry['needle'],
-                              entry['needle_source'], truth, settings['n'], settings['size'],
-                              Path(settings['source']), tuple(directory / s for s in entry['stitches'])))
+    try:
+        settings = data['settings']
+        n = settings['n']
+        for i, entry in enumerate(data['samples']):
+            truth = Location(entry['index'], entry['row'], entry['column'])
+            m = len(entry['cells'])  # (M, N²): its images
+            inside = truth.index in range(1, m + 1) and truth.row in range(1, n + 1) and truth.column in range(1, n + 1)
+            if truth != ABSENT and not inside:
+                raise ValueError(f'sample {i}: the needle at {tuple(truth)}, outside {m} images of {n}×{n}')
+            samples.append(Sample(entry['id'], tuple(tuple(c) for c in entry['cells']), entry['needle'],
+                                  entry['needle_source'], truth, n, settings['size'], Path(settings['source']),
+                                  tuple(directory / s for s in entry['stitches'])))
+    except (KeyError, TypeError, ValueError) as exc:  # a field missing, of another type, out of range
+        what = f'no {exc}' if isinstance(exc, KeyError) else str(exc)
+        raise NeedleError(f'{manifest}: not a set `build` wrote ({what}); {rebuild}') from None
     return samples

@@ -134,15 +134,20 @@ def read_answers(path) -> Dict[Tuple[int, str], Optional[str]]:
     if not path.is_file():
         raise NeedleError(f'--answers {path}: no such file; write one JSONL line per query: '
                           f'{{"id": 0, "query": "mmneedle", "answer": "1, 2, 1"}}')
+    try:
+        text = path.read_text(encoding='utf-8')
+    except UnicodeDecodeError as exc:
+        raise NeedleError(f'{path}: not UTF-8 text ({exc}); write the answers as UTF-8 JSON lines') from None
     answers = {}
-    for number, line in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise NeedleError(f'{path} line {number}: not JSON ({exc.msg})') from None
-        if not isinstance(obj, dict) or not isinstance(obj.get('id'), int) or 'answer' not in obj:
+        if (not isinstance(obj, dict) or not isinstance(obj.get('id'), int) or isinstance(obj['id'], bool)
+                or 'answer' not in obj or not isinstance(obj.get('query', 'mmneedle'), str)):
             raise NeedleError(f'{path} line {number}: expected {{"id": <sample id>, "query": ..., "answer": ...}}, '
                               f'got {line.strip()[:80]}')
         if obj['answer'] is not None and not isinstance(obj['answer'], str):
