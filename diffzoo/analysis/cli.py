@@ -46,10 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument('--prompts', nargs='+', default=[], metavar='TEXT',
                    help='prompts for a VLM, each asked about every image (two or more for the top-k overlap); '
                         'given verbatim: VQA-tuned models expect "answer en QUESTION"')
-    p.add_argument('--top-k', type=at_least(1), default=TOP_K, help=f'visual tokens compared across prompts (default {TOP_K})')
-    p.add_argument('--out', type=output_folder, default='analysis', metavar='DIR', help='output directory (default analysis/)')
+    p.add_argument('--top-k', type=at_least(1), default=TOP_K,
+                   help=f'visual tokens compared across prompts (default {TOP_K})')
+    p.add_argument('--out', type=output_folder, default='analysis', metavar='DIR',
+                   help='output directory (default analysis/)')
     p.add_argument('--device', type=torch_device, default=None, help='default: cuda when available, else cpu')
-    p.add_argument('--seed', type=at_least(0), default=0, help='seed for randomly initialised parts (same for both models)')
+    p.add_argument('--seed', type=at_least(0), default=0,
+                   help='seed for randomly initialised parts (same for both models)')
     return p
 
 

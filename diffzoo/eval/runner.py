@@ -1,6 +1,5 @@
 """Running what `python -m diffzoo.eval` was asked (its parsed arguments): load each model, run each dataset's
 tasks, write the rows after every dataset, end with the table."""
-import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -10,6 +9,7 @@ import torch
 
 from diffzoo.checkpoint import CheckpointError
 from diffzoo.data.shards import DataError
+from diffzoo.flags import output_problem
 
 from . import benchmark, suite
 from .models import ModelSpec, column_labels, load, parse_model, run_checkpoints
@@ -56,21 +56,6 @@ def default_output(args) -> Path:
     return runs[0][0] / 'eval' / 'results.json' if len(runs) == 1 else Path('eval-results.json')
 
 
-def check_output(path: Path) -> None:
-    """--output can be written: refused before any model loads when it names a folder or its folder cannot be
-    made (the rows are written after every dataset, so a bad path would otherwise end the run after its work)."""
-    if path.is_dir():
-        raise EvalError(f'--output {path} is a folder; give the results file, e.g. {path / "results.json"}')
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise EvalError(f'--output {path}: its folder {path.parent} cannot be made ({exc.strerror}); give a path in '
-                        f'a folder you can write') from None
-    if not os.access(path.parent, os.W_OK):
-        raise EvalError(f'--output {path}: its folder {path.parent} is not writable; give a path in a folder you can '
-                        f'write')
-
-
 def _version(package: str) -> Optional[str]:
     try:
         return version(package)
@@ -101,7 +86,9 @@ def run(args) -> int:
     device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     amp = device.startswith('cuda') and not args.no_amp
     output = default_output(args)
-    check_output(output)
+    problem = output_problem(str(output), folder=False)  # the default (RUN/eval/results.json): --output's, parsed
+    if problem:  # the rows are written after every dataset: a bad path would end the run after its work
+        raise EvalError(f'--output {output}: {problem}')
     settings = dict(vars(args), device=device, amp=amp, output=str(output), clip_benchmark=_version('clip-benchmark'),
                     open_clip=_version('open_clip_torch'))
 

@@ -279,7 +279,8 @@ def parser() -> argparse.ArgumentParser:
                    help="how each reply is prepared: llava (default: EvalAI's answer processor, as LLaVA-1.5 submits), "
                         "lmms_eval (its vqav2_process_results), vqaeval (the official script on the reply as given)")
     p.add_argument('--top', type=int, default=10, metavar='N', help='question types shown in the table')
-    p.add_argument('--output', type=output_file, metavar='JSON', help='default: PREDICTIONS_accuracy.json beside the predictions')
+    p.add_argument('--output', type=output_file, metavar='JSON',
+                   help='default: PREDICTIONS_accuracy.json beside the predictions')
     return p
 
 

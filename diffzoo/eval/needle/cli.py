@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 from PIL import Image
 
 import diffzoo.eval.needle as needle_package
-from diffzoo.files import atomic_write_json, atomic_write_text
+from diffzoo.files import atomic_write_json, repair_json_lines
 from diffzoo.flags import output_folder
 from diffzoo.recipes import RecipeError
 
@@ -137,11 +137,10 @@ def answers_so_far(out: Path, settings: Dict) -> Dict:
             f'{k}: {before.get(k)!r} -> {v!r}' for k, v in settings.items() if before.get(k) != v))
         raise NeedleError(f'--out {out} holds the answers of another run ({differs}); give another --out, or delete '
                           f'{path} to ask again')
-    lines = path.read_text(encoding='utf-8').splitlines()
     try:
-        json.loads(lines[-1]) if lines else None
-    except ValueError:  # the stop cut the last answer short: asked again
-        atomic_write_text(path, ''.join(line + '\n' for line in lines[:-1]))
+        repair_json_lines(path)  # the last answer a stop cut short is asked again
+    except ValueError as exc:
+        raise NeedleError(str(exc)) from None
     return read_answers(path)
 
 

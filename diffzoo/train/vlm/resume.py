@@ -4,8 +4,8 @@ resumes from, its log when the stop cut a line short, and the error when a save 
 - `last_complete_checkpoint`: the newest `checkpoint-<step>` every file of which loads (`checkpoint_problem`); newer,
   part-written ones are set aside as `incomplete-checkpoint-<step>`. `resume_point` chooses it and refuses a
   rerun whose settings changed (`check_resume`: other than how long it runs and what it logs).
-- `repair_log`: a run stopped while writing a line of `log.jsonl` leaves it cut short; the rerun drops that line,
-  with a note, and logs its step again when it trains it again. A broken line before the last is refused, named.
+- a run stopped while writing a line of `log.jsonl` leaves it cut short; the rerun drops that line
+  (`diffzoo.files.repair_json_lines`), with a note, and logs its step again when it trains it again.
 - `writing`: a checkpoint or a stage's output that cannot be written (a full disk, a limit on file size) ends the
   run with `WriteFailed`, naming the path, the disk's free space and the checkpoint a rerun resumes from,
   instead of torch's `basic_ios::clear: iostream error`.
@@ -24,7 +24,6 @@ from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TR
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from diffzoo.files import atomic_write_text
 from diffzoo.recipes import RecipeError
 from diffzoo.vlm.lora import ADAPTER_WEIGHTS, EXTRA_CONFIG, EXTRA_WEIGHTS
 from diffzoo.vlm.recipe import RESUMABLE_CHANGES
@@ -120,30 +119,6 @@ def resume_point(recipe: Dict, run_dir: Path, args: TrainingArguments, weights: 
     if checkpoint is not None:
         check_resume(recipe, run_dir)
     return checkpoint
-
-
-def repair_log(path: Path) -> Optional[str]:
-    """`path` (a JSON-lines log) without the last line a stopped run left cut short (not JSON), rewritten
-    atomically and ending in a newline; returns the line dropped, or None. A line before the last that is not
-    JSON is no stop's doing: refused, naming it."""
-    text = path.read_text(errors='replace')
-    lines = text.splitlines()
-    for n, line in enumerate(lines[:-1], 1):
-        try:
-            json.loads(line)
-        except ValueError:
-            raise ValueError(f'{path}: line {n} is not JSON ({line[:80]!r}); only a last line cut short by a stopped '
-                             f'run is dropped by itself. Remove line {n} (or the file, to log afresh) and '
-                             f'rerun') from None
-    dropped = None
-    if lines:
-        try:
-            json.loads(lines[-1])
-        except ValueError:
-            dropped = lines.pop()
-    if dropped is not None or not text.endswith('\n'):
-        atomic_write_text(path, ''.join(line + '\n' for line in lines))
-    return dropped
 
 
 class WriteFailed(OSError):

@@ -13,12 +13,13 @@ import torch.distributed as dist
 from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from diffzoo.files import repair_json_lines
 from diffzoo.train.metrics import drop_records_after
 from diffzoo.vlm.data import SkippedImages
 from diffzoo.vlm.differential import layer_lambdas
 from diffzoo.vlm.parts import PARAMETER_NAMES
 
-from .resume import DATA_COUNTS, repair_log, writing
+from .resume import DATA_COUNTS, writing
 
 PROGRESS_EVERY = 10  # seconds between a run's progress lines on the console; log.jsonl keeps every logged step
 
@@ -113,7 +114,7 @@ class RunLog(TrainerCallback):
     and at the last step: steps done out of the run's, loss, elapsed, eta. A log and a checkpoint at the last step.
     A run resumed from step S drops the records after S that the stopped run wrote (it logs those steps again),
     so the file holds each optimizer step once; a last line the stop cut short is dropped
-    (`resume.repair_log`)."""
+    (`diffzoo.files.repair_json_lines`)."""
 
     def __init__(self, path: Path, samples_per_step: int, every: float = PROGRESS_EVERY):
         self.path, self.samples_per_step, self.every = path, samples_per_step, every
@@ -125,7 +126,7 @@ class RunLog(TrainerCallback):
         self.last_step, self.last_time = state.global_step, time.time()
         self.first_step, self.started, self.shown = self.last_step, self.last_time, self.last_time
         if state.is_world_process_zero and self.path.exists():  # state.global_step: the checkpoint's, on resume
-            cut = repair_log(self.path)
+            cut = repair_json_lines(self.path)
             if cut is not None:
                 print(f'{self.path}: its last line was cut short ({cut[:60]!r}…), most likely by a run stopped while '
                       f'writing it; dropped (the steps after {state.global_step}, where this run resumes, are trained '
