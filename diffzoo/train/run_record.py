@@ -32,7 +32,8 @@ from typing import Any, Callable, Dict, List, Optional
 from diffzoo.checkpoint import RUN_CONFIG
 from diffzoo.files import atomic_write_text
 
-from .recipe import RecipeError, steps_per_epoch
+from .recipe import RecipeError
+from .train_data import steps_per_epoch
 from .resume import latest_checkpoint
 
 CHANGES = 'changes_on_resume'

@@ -16,13 +16,11 @@ from diffzoo.data.shards import DataError
 
 from . import loss_report, seams
 from .lambda_log import read_lambda_log
-from .recipe import (
-    Plan, RecipeError, check_batches_fill, check_shard_count, expand_shards, find_recipe, load_recipe,
-    open_clip_defaults, parse_overrides, resolve, shard_sizes,
-)
+from .recipe import Plan, RecipeError, find_recipe, load_recipe, open_clip_defaults, parse_overrides, resolve
 from .resume import epoch_checkpoints, latest_checkpoint, restore_latest
 from .run_record import check_run_dir, pop_accept, resumed_epoch
 from .saving import NoSpaceError, checkpoint_bytes, free_bytes, no_space_message
+from .train_data import check_batches_fill, check_shard_count, expand_shards, shard_sizes
 
 ERRORS = (RecipeError, DataError, CheckpointError, FileNotFoundError)  # bad inputs: `main` prints them, exits 2
 # the data backend of a recipe that names none, by the type of the run's device (docs/training.md)
