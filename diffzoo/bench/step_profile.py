@@ -188,6 +188,20 @@ def _union(intervals: List[Tuple[float, float]]) -> Tuple[float, float]:
     return busy, gaps
 
 
+def kernel_spans(prof) -> List[Tuple[float, float, str, float]]:
+    """(start, end, name, launch) in µs of each GPU kernel the profiler recorded, `launch` the start of the host op
+    that launched it, on the clock of `prof.events()`. Read from the kineto events themselves: the kernel's
+    linked correlation id names its host op on every torch (FunctionEvent carries it only from torch 2.12 on)."""
+    results = prof.profiler.kineto_results
+    origin = results.trace_start_ns()
+    events = results.events()
+    host = {e.correlation_id(): e.start_ns() for e in events if e.device_type() == torch.autograd.DeviceType.CPU}
+    return [((e.start_ns() - origin) / 1e3, (e.start_ns() + e.duration_ns() - origin) / 1e3, e.name(),
+             (host[e.linked_correlation_id()] - origin) / 1e3) for e in events
+            if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()
+            and e.linked_correlation_id() in host]
+
+
 def attribute(prof, device: torch.device, rows: List[Dict]) -> None:
     """Each profiled step's kernels (CUDA) or aten ops' self time (CPU), added to its row in place."""
     events = list(prof.events())
@@ -201,13 +215,10 @@ def attribute(prof, device: torch.device, rows: List[Dict]) -> None:
 
     per_step: Dict[int, List] = {r['step']: [] for r in rows}
     if device.type == 'cuda':
-        cpu_start = {e.id: e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-        for e in events:
-            if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
-                continue
-            step = step_of(cpu_start.get(e.linked_correlation_id, -1.0))
+        for start, end, name, launch in kernel_spans(prof):
+            step = step_of(launch)
             if step is not None:
-                per_step[step].append((e.time_range.start, e.time_range.end, e.name))
+                per_step[step].append((start, end, name))
     else:
         for e in events:
             if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(('aten::', 'diffzoo::')):

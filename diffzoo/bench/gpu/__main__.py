@@ -54,9 +54,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--test-workers', type=int, default=4, help='tests: pytest-xdist workers on CUDA (default 4)')
     p.add_argument('--work', default=None, help='scratch folder (default: a new one under TMPDIR, removed at the end)')
     p.add_argument('--keep-work', action='store_true', help='keep the scratch folder (corpora, runs, logs)')
-    p.add_argument('--wheels', default=None, metavar='DIR',
-                   help="install DIR's wheels into a private folder first, for a machine whose Python lacks "
-                        'open_clip, webdataset, …')
     return p
 
 
@@ -78,19 +75,6 @@ def limits(args, names: List[str]) -> Dict[str, float]:
             raise ValueError(f'--limit {item}: expected STEP=SECONDS with STEP one of {", ".join(steps.STEPS)}')
         boxes[name] = float(seconds)
     return boxes
-
-
-def install_wheels(wheels: Path, site: Path) -> str:
-    """`wheels`' *.whl installed into `site`, a folder the commands find through PYTHONPATH."""
-    found = sorted(wheels.glob('*.whl'))
-    if not found:
-        raise RuntimeError(f'--wheels {wheels}: no *.whl files there')
-    done = subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-index', '--no-deps', '--no-compile',
-                           '--no-cache-dir', '--upgrade', '--target', str(site), *map(str, found)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f'--wheels {wheels}: pip could not install them:\n{done.stderr[-2000:]}')
-    return str(site)
 
 
 def header(args, checkout: Optional[Path]) -> Dict:
@@ -170,14 +154,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     repo = steps.PACKAGE.parent
     checkout = repo if (repo / 'pyproject.toml').is_file() and (repo / 'scripts').is_dir() else None
     paths = [str(checkout)] if checkout else []
-    if args.wheels:
-        try:
-            paths.insert(0, install_wheels(Path(args.wheels), work / 'site'))
-        except RuntimeError as exc:
-            if not args.work:
-                shutil.rmtree(work, ignore_errors=True)
-            print(f'error: {exc}', file=sys.stderr)
-            return 1
     env = dict(os.environ, **ENV, PYTHON=sys.executable,  # scripts/train.sh starts torchrun with it
                PYTHONPATH=os.pathsep.join(paths + [p for p in [os.environ.get('PYTHONPATH')] if p]))
     cpus = os.cpu_count() or 4

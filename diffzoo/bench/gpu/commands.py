@@ -70,7 +70,7 @@ class Sizes:
 # the summary's loader_bound says so). 84 steps per run (6 per worker) take ~45 s each; the first 5 are left out
 # of the medians. The corpus is written while 0-env runs.
 SIZES = {
-    'cuda': Sizes(box=145, extras_box=200, slack=1, b16_batch=256, b16_steps=84, b16_workers=14, b16_image_size=64,
+    'cuda': Sizes(box=140, extras_box=200, slack=1, b16_batch=256, b16_steps=84, b16_workers=14, b16_image_size=64,
                   b16_precision=(),
                   b16_warmup=5, tiny_scenes=1024,  # diffclip-tiny: 2 epochs of 32 steps at batch 32
                   vlm=('--max_steps', '48', '--log_every', '8', '--save_every', '48'), lm=(512, 8),
@@ -184,7 +184,7 @@ def _train_run(log: Path, warmup: int) -> Dict:
     row['dist_backend'] = backend[1] if backend else None
     try:  # torch, through the bench's measure module: imported once the commands have run
         from diffzoo.bench import end_to_end
-    except ImportError as exc:  # --wheels: the packages are the commands', not this process's
+    except ImportError as exc:  # the packages on the commands' PYTHONPATH only, not this process's
         return dict(row, summary_error=f'{type(exc).__name__}: {exc}'[:300])
     try:
         row.update(end_to_end.summarise(log.parent.name, log, warmup))
