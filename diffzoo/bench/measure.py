@@ -82,6 +82,17 @@ def time_steps(fn: Callable[[], object], device: torch.device, steps: int) -> Li
     return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
+ALLOCATOR = ('num_device_alloc', 'num_device_free', 'num_alloc_retries')
+
+
+def allocator_counts(device: torch.device) -> Optional[Dict[str, int]]:
+    """The caching allocator's cudaMalloc and cudaFree calls and allocation retries so far (None off CUDA)."""
+    if device.type != 'cuda':
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ALLOCATOR}
+
+
 def calibrate(fn: Callable[[], object], device: torch.device, target_s: float) -> int:
     """How many back-to-back calls make one timed repeat last about `target_s` (at least 1)."""
     once = time_call(fn, device)

@@ -30,11 +30,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .measure import summarize, synchronize, without_profiler_notes
+from .measure import ALLOCATOR, allocator_counts, summarize, synchronize, without_profiler_notes
 from .whole_model import Subject, build, train_step
 
 STEP = 'diffzoo.bench step {}'
-ALLOCATOR = ('num_device_alloc', 'num_device_free', 'num_alloc_retries')
 SMI_FIELDS = ('timestamp', 'clocks.sm', 'power.draw', 'temperature.gpu')
 THROTTLE_FIELDS = ('clocks_event_reasons.active', 'clocks_throttle_reasons.active')  # newer, older drivers
 
@@ -131,20 +130,13 @@ class Clocks:
                 'throttle': sorted({s['throttle'] for s in inside})}
 
 
-def _allocator(device: torch.device) -> Optional[Dict[str, int]]:
-    if device.type != 'cuda':
-        return None
-    stats = torch.cuda.memory_stats(device)
-    return {k: stats.get(k, 0) for k in ALLOCATOR}
-
-
 def run_steps(s: Subject, precision: str, steps: int, device: torch.device, rec: Recorder,
               profiled: bool = False) -> List[Dict]:
     """`steps` consecutive training steps, each timed and recorded (see the module docstring)."""
     from torch.profiler import record_function
     cuda = device.type == 'cuda'
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
-    rows, before = [], _allocator(device)
+    rows, before = [], allocator_counts(device)
     synchronize(device)
     if cuda:
         marks[0].record()
@@ -156,7 +148,7 @@ def run_steps(s: Subject, precision: str, steps: int, device: torch.device, rec:
         if cuda:
             marks[i + 1].record()
         host = time.perf_counter() - start
-        after = _allocator(device)
+        after = allocator_counts(device)
         rows.append({'step': i, 'host_s': host, 'wall_start': wall, 'wall_end': time.time(),
                      'allocator': None if after is None else {k: after[k] - before[k] for k in ALLOCATOR}})
         before = after

@@ -27,7 +27,7 @@ import torch
 
 from diffzoo.layers import set_split_kernel
 
-from .measure import BenchError, Probe, autocast, rate, summarize, tensor_bytes, time_steps
+from .measure import ALLOCATOR, BenchError, Probe, allocator_counts, autocast, rate, summarize, tensor_bytes, time_steps
 
 CAPTIONS = ('a small red circle left of a large blue square', 'a large yellow triangle',
             'a photo of a dog on a beach at sunset', 'a diagram of differential attention')
@@ -103,11 +103,20 @@ def _state_bytes(s: Subject, training: bool) -> int:
     return tensor_bytes(state)
 
 
+def _mallocs(allocs: List[Dict[str, int]]) -> str:
+    """' (N cudaMalloc, M retries)' for the last block where the allocator called the driver, else ''."""
+    last = allocs[-1] if allocs else {}
+    if not (last.get('num_device_alloc') or last.get('num_alloc_retries')):
+        return ''
+    return f' ({last["num_device_alloc"]} cudaMalloc, {last["num_alloc_retries"]} retries)'
+
+
 def time_blocks(subjects: List[Subject], kind: str, precision: str, blocks: int, block_steps: int, warmup: int,
                 device: torch.device, tag: str = '') -> Dict[str, Dict]:
-    """{model: {'step_s': summary of every step, 'blocks': [[seconds per step] per block]}} for `kind`
-    ('train' or 'infer'): `blocks` rounds of one block of `block_steps` consecutive steps per model, the
-    models' order rotated each round."""
+    """{model: {'step_s': summary of every step, 'blocks': [[seconds per step] per block], 'allocator': per block,
+    on CUDA, the caching allocator's cudaMalloc and cudaFree calls and retries during it}} for `kind` ('train' or
+    'infer'): `blocks` rounds of one block of `block_steps` consecutive steps per model, the models' order rotated
+    each round. A block's first step follows another model's block: its allocations show there."""
     step = train_step if kind == 'train' else infer_step
     for s in subjects:
         s.model.train(kind == 'train')
@@ -115,14 +124,20 @@ def time_blocks(subjects: List[Subject], kind: str, precision: str, blocks: int,
         for _ in range(warmup):
             step(s, precision)
     times: Dict[str, List[List[float]]] = {s.name: [] for s in subjects}
+    allocs: Dict[str, List[Dict[str, int]]] = {s.name: [] for s in subjects}
     for r in range(blocks):
         for s in subjects[r % len(subjects):] + subjects[:r % len(subjects)]:
             s.model.train(kind == 'train')
+            before = allocator_counts(device)
             times[s.name].append(time_steps(lambda: step(s, precision), device, block_steps))
-        line = ', '.join(f'{s.name} {statistics.median(times[s.name][-1]) * 1e3:,.1f} ms' for s in subjects)
+            if before is not None:
+                after = allocator_counts(device)
+                allocs[s.name].append({k: after[k] - before[k] for k in ALLOCATOR})
+        line = ', '.join(f'{s.name} {statistics.median(times[s.name][-1]) * 1e3:,.1f} ms' + _mallocs(allocs[s.name])
+                         for s in subjects)
         print(f'  {tag}{kind} block {r + 1}/{blocks} ({block_steps} steps, median): {line}', flush=True)
-    return {name: {'step_s': summarize([t for block in bl for t in block]), 'blocks': bl}
-            for name, bl in times.items()}
+    return {name: {'step_s': summarize([t for block in bl for t in block]), 'blocks': bl,
+                   'allocator': allocs[name] or None} for name, bl in times.items()}
 
 
 def probe(s: Subject, kind: str, precision: str, device: torch.device) -> Dict:
@@ -151,8 +166,10 @@ def run(names: List[str], batch: int, precision: str, blocks: int, block_steps: 
         rows.append({
             'model': s.name, 'params': s.params, 'batch': batch,
             'train': {'step_s': train[s.name]['step_s'], 'blocks': train[s.name]['blocks'],
+                      'allocator_per_block': train[s.name]['allocator'],
                       'samples_per_s': rate(train[s.name]['step_s'], batch), **probe(s, 'train', precision, device)},
             'infer': {'call_s': infer[s.name]['step_s'], 'blocks': infer[s.name]['blocks'],
+                      'allocator_per_block': infer[s.name]['allocator'],
                       'images_per_s': rate(infer[s.name]['step_s'], batch), **probe(s, 'infer', precision, device)},
         })
     section = {'rows': rows, 'split_kernel': split_kernel, 'blocks': blocks, 'block_steps': block_steps}

@@ -61,6 +61,7 @@ def test_model_rows_are_positive_and_ratios_use_the_same_run_baseline(smoke):
         for kind, key in (('train', 'step_s'), ('infer', 'call_s')):
             assert [len(b) for b in r[kind]['blocks']] == [steps] * blocks
             assert r[kind][key]['values'] == [t for b in r[kind]['blocks'] for t in b]
+            assert r[kind]['allocator_per_block'] is None  # the caching allocator's counts: CUDA only
         assert r['train']['peak_bytes'] == r['train']['state_bytes'] + r['train']['transient_bytes']
         assert r['train']['transient_bytes'] > 0 and r['infer']['transient_bytes'] > 0
         # AdamW's two moments make training state about 3x the parameters alone
@@ -357,6 +358,23 @@ def test_a_model_named_with_a_kernel_runs_it_beside_the_run_s_kernel_and_variant
     assert set(rows) == {'diffclip-tiny', 'diffclip-tiny@two_calls', 'clip-tiny-baseline'}
     assert rows['clip-tiny-baseline']['ratios']['train_time'] == 1.0
     assert {r['variant'] for r in results['layers']['rows']} == {'sdpa', 'split-fused'}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator's counts need CUDA")
+def test_on_cuda_each_block_counts_the_allocators_driver_calls():
+    """On CUDA every block of every model carries the cudaMalloc and cudaFree calls and retries made during it:
+    the first model's first block allocates its step's memory (no warm-up ran), and no count is negative."""
+    from diffzoo.bench.whole_model import build, time_blocks
+    cuda = torch.device('cuda')
+    subjects = [build(name, 4, cuda, 'auto', 'bf16') for name in ('diffclip-tiny', 'clip-tiny-baseline')]
+    torch.cuda.empty_cache()
+    timed = time_blocks(subjects, 'train', 'bf16', 2, 2, 0, cuda)
+    for name, row in timed.items():
+        assert len(row['allocator']) == 2 and all(set(a) == {'num_device_alloc', 'num_device_free',
+                                                              'num_alloc_retries'} for a in row['allocator'])
+        assert all(v >= 0 for a in row['allocator'] for v in a.values())
+    assert timed['diffclip-tiny']['allocator'][0]['num_device_alloc'] > 0
 
 
 @pytest.mark.gpu
