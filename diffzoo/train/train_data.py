@@ -90,6 +90,12 @@ def shard_sizes(shards: List[str]) -> List[int]:
     if missing:
         raise RecipeError(f'{path} has no entry for {len(missing)} shards (first: {missing[0]}); '
                           f'run python -m diffzoo.data sizes {folder}')
+    gone = sorted(name for name in sizes if not os.path.exists(os.path.join(folder, name)))
+    if gone:  # deleted or moved since sizes.json was written: training goes on without their samples, and says so
+        print(f'warning: {path} lists {len(gone)} shards that are not in {folder} ({", ".join(gone[:3])}'
+              f'{", …" if len(gone) > 3 else ""}; {sum(int(sizes[name]) for name in gone):,} samples): this run trains '
+              f'without them; put them back, or run python -m diffzoo.data sizes {folder} --recount to count the '
+              f'shards that are there', flush=True)
     counts = [int(sizes[os.path.basename(s)]) for s in shards]
     if not sum(counts):
         raise RecipeError(f'{path} counts no sample in its {len(counts)} shard(s): run python -m diffzoo.data sizes '

@@ -216,6 +216,21 @@ def test_an_all_zero_sizes_json_is_refused_before_any_model_is_built(tmp_path):
     assert not (tmp_path / 'runs').exists()
 
 
+def test_a_shard_deleted_since_sizes_json_was_written_is_named_and_the_rest_trains(tmp_path):
+    """sizes.json lists 3 shards, one is gone: the run names it and its samples, and trains the two that are
+    there; a pattern naming a subset of the shards on disk is no loss and prints nothing."""
+    write_shards(tmp_path / 'shards', 3, 4)
+    (tmp_path / 'shards' / '00001.tar').unlink()
+    cmd = ['--recipe', 'clip-tiny-baseline', '--epochs', '1', '--global_batch_size', '4', '--workers', '1']
+    result = train(cmd + ['--train_data', 'shards'], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert ('warning: shards/sizes.json lists 1 shards that are not in shards (00001.tar; 4 samples): this run '
+            'trains without them; put them back, or run python -m diffzoo.data sizes shards --recount') in result.stdout
+    write_shards(tmp_path / 'more', 3, 4)
+    subset = train(cmd + ['--train_data', 'more/{00000..00001}.tar', '--name', 'subset'], cwd=tmp_path)
+    assert subset.returncode == 0 and 'not in more' not in subset.stdout
+
+
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_with_new_settings(tmp_path):
     write_shards(tmp_path / 'shards', 2, 4)
     cmd = ['--recipe', 'clip-tiny-baseline', '--train_data', 'shards', '--epochs', '1', '--global_batch_size', '4']
