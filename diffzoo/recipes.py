@@ -158,7 +158,9 @@ class Key:
             value = float(value)
         if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
             wanted = ' or '.join(TYPE_NAMES.get(t, t.__name__) for t in self.types)
-            raise RecipeError(f'recipe key {where}: {value!r} is not {wanted} ({self.doc})')
+            bare = (f'; on the command line --{where} takes a value: --{where} VALUE'
+                    if value is True else '')  # a flag given alone parses as true
+            raise RecipeError(f'recipe key {where}: {value!r} is not {wanted} ({self.doc}){bare}')
         if self.choices is not None and value not in self.choices:
             raise RecipeError(f'recipe key {where}: {value!r} is not one of {", ".join(map(str, self.choices))} '
                               f'({self.doc})')

@@ -188,3 +188,13 @@ def test_the_eramv_recipe_spells_out_the_papers_settings(monkeypatch):
                                   'layer_base', 'post_mlp', 'inject_layers')} == {
         'select_layer': -2, 'projector': 'mlp2x_gelu', 'anchors': 64, 'include_cls': True,
         'injected_queries': 'all', 'layer_base': 1, 'post_mlp': True, 'inject_layers': None}
+
+
+def test_a_key_given_without_its_value_on_the_command_line_says_it_takes_one(monkeypatch):
+    """`--lr` alone parses as a flag (true): the error says the key takes a value, not only that true is no number."""
+    from diffzoo.vlm.recipe import checked_recipe
+    monkeypatch.setenv('PALIGEMMA_DIR', '/models/paligemma')
+    monkeypatch.setenv('VQAV2_DIR', '/data/vqav2')
+    with pytest.raises(RecipeError, match=r'recipe key lr: True is not a number \(.*\); on the command line --lr '
+                                          r'takes a value: --lr VALUE'):
+        checked_recipe('paligemma-3b-vqav2-diff', ['--lr', '--epochs', '1'])
