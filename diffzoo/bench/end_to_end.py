@@ -2,14 +2,19 @@
 
 Each recipe (a differential one and its baseline twin) trains for one epoch through
 `scripts/train.sh` — torchrun, `python -m diffzoo.train`, open_clip_train's own loop and data
-pipeline — with open_clip_train logging every step. From its `out.log` each step gives open_clip's
-own figures: `Data (t)` (seconds the loop waited for the batch) and `Batch (t)` (seconds for the
-whole step, data included), and images/s per GPU = per-GPU batch · accumulation / `Batch (t)`.
-The first `warmup` steps (start-up, cuDNN autotuning) are dropped; the rest are summarised.
+pipeline. open_clip_train logs every `--log_every_n_steps` steps (`log_every`: about four windows after the
+warm-up, not every step), and each line gives its meters' means over the steps since the line before:
+`Data (t)` (seconds the loop waited for a batch) and `Batch (t)` (seconds a step, data included); images/s per GPU
+= per-GPU batch · accumulation / `Batch (t)`. Logging every step would distort both: the line reads the loss
+(`.item()`, a synchronisation) after open_clip has stopped the step's clock, so the GPU's time to finish each
+step would be counted as the next step's wait for data, and each step would start on an idle GPU. Once a
+window, that synchronisation still lands in the next window's first step (at most one step's GPU time in a
+window's `Data (t)`). Windows that begin in the first `warmup` steps (start-up, cuDNN autotuning) are dropped;
+the rest are summarised, their figures per window (open_clip prints the means to the millisecond).
 
-`data_share` = Data (t) / Batch (t) per step: the loader is not the bottleneck when the loop
-hardly waits for it (median share under `LOADER_BOUND`). The ratio is the differential recipe's
-step time over the baseline's: baseline images/s / differential images/s, medians.
+`data_share` = Data (t) / Batch (t) per window: the loader is not the bottleneck when the loop hardly waits for
+it (median share under `LOADER_BOUND`). The ratio is the differential recipe's step time over the baseline's:
+baseline images/s / differential images/s, medians.
 """
 import os
 import re
@@ -25,25 +30,42 @@ from .measure import BenchError, summarize
 
 TRAIN_SH = Path(__file__).resolve().parents[2] / 'scripts' / 'train.sh'
 LOADER_BOUND = 0.05  # the loop waits on data for more than 5 % of a step: the loader limits the run
-STEP_RE = re.compile(r'Train Epoch: \d+ \[.*?\] Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), '
+STEP_RE = re.compile(r'Train Epoch: \d+ \[\s*(\d+)/\d+ \(\d+%\)\] Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), '
                      r'([\d.e+-]+)/s, ([\d.e+-]+)/s/gpu')
 
 
+def log_every(steps: int, warmup: int) -> int:
+    """open_clip_train's log interval for an epoch of `steps`: about four windows after the first `warmup`."""
+    return max(1, (steps - warmup) // 4)
+
+
 def parse_steps(log: str) -> List[Dict]:
-    """open_clip_train's per-step lines: data and batch seconds, images/s, images/s per GPU."""
-    return [{'data_s': float(m[1]), 'batch_s': float(m[2]), 'images_per_s': float(m[3]),
-             'images_per_s_per_gpu': float(m[4])} for m in STEP_RE.finditer(log)]
+    """open_clip_train's log lines as windows of consecutive steps: the window's first step and its number of
+    steps (from the sample counts: the first line is the first step alone), its mean data and batch seconds a
+    step, and images/s per GPU from them (per-GPU batch from the line's own images/s against images/s/gpu)."""
+    lines = [(int(m[1]), float(m[2]), float(m[3]), round(float(m[4]) / float(m[5]))) for m in STEP_RE.finditer(log)
+             if float(m[5]) > 0]  # images/s over images/s/gpu: the processes
+    windows, done = [], 0
+    per_step = lines[0][0] if lines else 0  # samples of one step, all processes
+    for samples, data_s, batch_s, processes in lines:
+        steps = samples // per_step - done if per_step else 0
+        if steps <= 0 or batch_s <= 0:
+            continue
+        windows.append({'first_step': done, 'steps': steps, 'data_s': data_s, 'batch_s': batch_s,
+                        'images_per_s_per_gpu': per_step / processes / batch_s})
+        done += steps
+    return windows
 
 
 def train(recipe: str, shards: Path, logs: Path, batch: int, nproc: int, workers: int,
-          precision: Optional[str]) -> Path:
-    """One epoch of `recipe` through scripts/train.sh; returns its out.log."""
+          precision: Optional[str], every: int) -> Path:
+    """One epoch of `recipe` through scripts/train.sh, logging every `every` steps; returns its out.log."""
     if not TRAIN_SH.is_file():
         raise BenchError(f'train: {TRAIN_SH} not found; the end-to-end section runs from a diffzoo checkout')
     cmd = ['bash', str(TRAIN_SH), recipe, '--train_data', str(shards), '--epochs', '1', '--logs', str(logs),
            '--name', recipe, '--global_batch_size', str(batch * nproc), '--max_batch_per_gpu', str(batch),
-           '--warmup_epochs', '0', '--workers', str(workers), '--log_every_n_steps', '1', '--save_frequency', '0',
-           '--save_most_recent', 'false', '--resume', 'null']
+           '--warmup_epochs', '0', '--workers', str(workers), '--log_every_n_steps', str(every),
+           '--save_frequency', '0', '--save_most_recent', 'false', '--resume', 'null']
     if precision is not None:
         cmd += ['--precision', precision]
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), PYTHON=sys.executable)
@@ -56,15 +78,17 @@ def train(recipe: str, shards: Path, logs: Path, batch: int, nproc: int, workers
 
 
 def summarise(recipe: str, log: Path, warmup: int) -> Dict:
-    steps = parse_steps(log.read_text())
-    timed = steps[warmup:]
+    windows = parse_steps(log.read_text())
+    timed = [w for w in windows if w['first_step'] >= warmup]
     if len(timed) < 2:
-        raise BenchError(f'train: {recipe} logged {len(steps)} steps, {warmup} of them warm-up; pass a larger '
-                         f'--train-samples (or a smaller --batch) for at least {warmup + 2}')
-    share = summarize([s['data_s'] / s['batch_s'] for s in timed])
-    return {'recipe': recipe, 'steps': len(steps), 'steps_timed': len(timed), 'log': str(log),
-            'images_per_s_per_gpu': summarize([s['images_per_s_per_gpu'] for s in timed]),
-            'batch_s': summarize([s['batch_s'] for s in timed]), 'data_share': share,
+        raise BenchError(f'train: {recipe} logged {sum(w["steps"] for w in windows)} steps in {len(windows)} '
+                         f'windows, {len(timed)} of them after the {warmup} warm-up steps; pass a larger '
+                         f'--train-samples (or a smaller --batch) for at least two')
+    share = summarize([w['data_s'] / w['batch_s'] for w in timed])
+    return {'recipe': recipe, 'steps': sum(w['steps'] for w in windows), 'windows': len(timed),
+            'steps_timed': sum(w['steps'] for w in timed), 'log': str(log),
+            'images_per_s_per_gpu': summarize([w['images_per_s_per_gpu'] for w in timed]),
+            'batch_s': summarize([w['batch_s'] for w in timed]), 'data_share': share,
             'loader_bound': share['median'] > LOADER_BOUND}
 
 
@@ -76,8 +100,9 @@ def run(recipes: Sequence[str], batch: int, nproc: int, workers: int, samples: i
         config = CorpusConfig(train=samples, val=1, image_size=image_size, per_shard=max(1, -(-samples // 32)))
         print(f'  train: writing {samples:,} synthetic {image_size} px scenes to {tmp}', flush=True)
         write_corpus(tmp, config, progress=None)
-        rows = [summarise(r, train(r, Path(tmp) / 'train', Path(tmp) / 'runs', batch, nproc, workers, precision),
-                          warmup) for r in recipes]
+        every = log_every(samples // (batch * nproc), warmup)
+        rows = [summarise(r, train(r, Path(tmp) / 'train', Path(tmp) / 'runs', batch, nproc, workers, precision,
+                                   every), warmup) for r in recipes]
         for row in rows:  # the logs go with the temporary directory; keep what was read from them
             row['log'] = Path(row['log']).name
     diff, base = rows

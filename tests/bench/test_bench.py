@@ -325,12 +325,27 @@ def test_end_to_end_section_trains_both_recipes_through_train_sh(tmp_path):
     assert 'scripts/train.sh end to end' in stdout.getvalue()
 
 
-def test_end_to_end_log_lines_are_open_clip_train_s():
-    """The parser reads the line open_clip_train's train_one_epoch logs (its format string, filled in)."""
-    line = ('2026-11-24,14:00:00 | INFO | Train Epoch: 0 [ 8/48 (17%)] Data (t): 0.012 Batch (t): 0.250, '
-            '32.0000/s, 16.0000/s/gpu LR: 0.000100 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794)')
-    assert end_to_end.parse_steps(line) == [
-        {'data_s': 0.012, 'batch_s': 0.25, 'images_per_s': 32.0, 'images_per_s_per_gpu': 16.0}]
+def test_end_to_end_log_lines_are_open_clip_train_s_windows_of_steps(tmp_path):
+    """The parser reads the lines open_clip_train's train_one_epoch logs every 3 steps (its format string, filled
+    in; two processes of 8 images a step): each line is a window of the steps since the line before, its means
+    and images/s per GPU from them, and summarise leaves out the windows that begin in the warm-up."""
+    def line(samples, data_s, batch_s, last_s):  # open_clip's images/s are of the window's last step alone
+        return (f'2026-11-24,14:00:00 | INFO | Train Epoch: 0 [{samples:>3}/128 ({100 * samples / 128:.0f}%)] '
+                f'Data (t): {data_s:.3f} Batch (t): {batch_s:.3f}, {16 / last_s:#g}/s, {8 / last_s:#g}/s/gpu '
+                f'LR: 0.000100 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794)')
+    log = '\n'.join([line(16, 2.0, 3.0, 3.0), line(64, 0.01, 0.25, 0.2), line(112, 0.03, 0.5, 0.4),
+                     line(128, 0.0, 0.2, 0.2)])
+    windows = end_to_end.parse_steps(log)
+    assert [(w['first_step'], w['steps']) for w in windows] == [(0, 1), (1, 3), (4, 3), (7, 1)]
+    assert [w['images_per_s_per_gpu'] for w in windows] == pytest.approx([8 / 3.0, 32.0, 16.0, 40.0])
+    assert [(w['data_s'], w['batch_s']) for w in windows] == [(2.0, 3.0), (0.01, 0.25), (0.03, 0.5), (0.0, 0.2)]
+    path = tmp_path / 'out.log'
+    path.write_text(log)
+    row = end_to_end.summarise('r', path, warmup=1)
+    assert (row['steps'], row['windows'], row['steps_timed']) == (8, 3, 7)
+    assert row['images_per_s_per_gpu']['median'] == pytest.approx(32.0)
+    assert row['data_share']['values'] == pytest.approx([0.04, 0.06, 0.0])
+    assert end_to_end.log_every(84, 5) == 19 and end_to_end.log_every(4, 1) == 1
 
 
 def test_model_flag_repeats_and_is_the_one_spelling(capsys):

@@ -14,9 +14,9 @@ commands, about 140 s on an H100 or H200:
   2-train-RECIPE@BACKEND
                    with --b16-backends: both recipes with the first backend, then the differential recipe
                    with each other one (their ratios too)
-  Both B/16 runs use the flags diffzoo/bench/end_to_end.py passes (one epoch, one process, log every step, no
-  checkpoints) and the same batch, workers and precision: images/s per GPU and the share of each step spent
-  waiting for data.
+  Both B/16 runs use the flags diffzoo/bench/end_to_end.py passes (one epoch, one process, a log line every 19
+  steps (end_to_end.log_every), no checkpoints) and the same batch, workers and precision: images/s per GPU and
+  the share of each step spent waiting for data, per window of steps between log lines.
 extras, about 200 s:
   1-train-tiny     scripts/train.sh diffclip-tiny on a small synthetic webdataset corpus (1-corpus-tiny), one
                    process, on the device
@@ -110,13 +110,15 @@ def run_b16(runner: Runner, device: str, sizes: Sizes, recipes: Sequence[str], c
                          '--device', device], 30 * k, reserve=45 * len(runs) * k)
     runner.wait(corpus)
     script = str(train_sh or 'scripts/train.sh')
+    from diffzoo.bench.end_to_end import log_every  # the commands' packages are importable once they have run
     for i, (recipe, backend) in enumerate(runs):
         b16 = ['env', 'NPROC_PER_NODE=1', f'CC3M_SHARDS={work / "b16" / "train"}', 'bash', script, recipe,
                '--train_data', str(work / 'b16' / 'train'), '--epochs', '1', '--logs', str(work / 'runs-b16'),
                '--name', f'{recipe}-{backend}', *([] if backend == DEFAULTS else ['--data_backend', backend]),
                '--global_batch_size', str(sizes.b16_batch), '--max_batch_per_gpu',
                str(sizes.b16_batch), '--warmup_epochs', '0', '--workers', str(sizes.b16_workers),
-               '--log_every_n_steps', '1', '--save_frequency', '0', '--save_most_recent', 'false', '--resume', 'null',
+               '--log_every_n_steps', str(log_every(sizes.b16_steps, sizes.b16_warmup)), '--save_frequency', '0',
+               '--save_most_recent', 'false', '--resume', 'null',
                '--report_to', 'none', *sizes.b16_precision]
         if train_sh:
             runner.run(f'2-train-{recipe}@{backend}', b16, 65 * k, reserve=45 * (len(runs) - 1 - i) * k)
@@ -188,10 +190,10 @@ def _train_run(log: Path, warmup: int) -> Dict:
         return dict(row, summary_error=f'{type(exc).__name__}: {exc}'[:300])
     try:
         row.update(end_to_end.summarise(log.parent.name, log, warmup))
-    except end_to_end.BenchError as exc:  # too few steps (a run cut short): the bare figures
+    except end_to_end.BenchError as exc:  # too few windows (a run cut short): the bare figures
         parsed = end_to_end.parse_steps(text)
-        timed = sorted(s['images_per_s_per_gpu'] for s in parsed[warmup:])
-        row.update(steps=len(parsed), summary_error=str(exc)[:300])
+        timed = sorted(w['images_per_s_per_gpu'] for w in parsed if w['first_step'] >= warmup)
+        row.update(steps=sum(w['steps'] for w in parsed), summary_error=str(exc)[:300])
         if timed:
             row['images_per_s_per_gpu'] = {'median': timed[len(timed) // 2], 'n': len(timed)}
     return row
