@@ -138,6 +138,10 @@ class BuiltVLM(VLM):
         """Each prompt's ids and where its image goes (None: before the text, PaliGemma's layout)."""
         tok = self.tokenizer
         if self.prompt_format is None:  # PaliGemma's layout: [image | BOS prompt]
+            if tok.bos_token_id is None:
+                raise ValueError(f'the tokenizer ({type(tok).__name__}) has no BOS token, which the prompt layout '
+                                 f'[image | BOS prompt] starts with; set prompt_format to the conversation format the '
+                                 f'model trained on (diffzoo.vlm.conversations), or load it with vlm_from_recipe')
             return [[tok.bos_token_id] + tok(p, add_special_tokens=False)['input_ids'] for p in prompts], None
         asked = [conversation_prompt(p, tok, self.prompt_format) for p in prompts]  # the image where <image> goes
         return [ids for ids, _ in asked], [at for _, at in asked]

@@ -285,3 +285,7 @@ def test_a_recipe_without_a_conversation_format_over_a_tokenizer_without_bos_is_
     (tmp_path / 'vqa.yaml').write_text(yaml.safe_dump(recipe))
     with pytest.raises(RecipeError, match=r"tokenizer \(\w+\) has no BOS token, which the VQA prompt layout"):
         vlm_from_recipe(str(tmp_path / 'vqa.yaml'))
+    from diffzoo.vlm.factory import load_vlm  # the model built directly: refused at its first question, named
+    vlm = load_vlm(recipe['model'])
+    with pytest.raises(ValueError, match=r'tokenizer \(\w+\) has no BOS token, .* set prompt_format to the '):
+        vlm.answer([Image.new('RGB', (32, 32))], ['what is this?'])
