@@ -98,8 +98,8 @@ SKIPPED = {
     'python -m diffzoo.bench.data_profile --out data_profile.json': GPU + ' (its default device; '
                                                                      'tests/bench/test_data_profile.py runs it on the CPU)',
     'python -m diffzoo.bench.gpu OUT tune extras stages': GPU,
-    'python -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl': 'wheels of open_clip and webdataset '
-                                                                                   'downloaded for a GPU machine',
+    'python -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl':
+        'wheels of open_clip and webdataset downloaded for a GPU machine',
     'PYTHONPATH=/tmp/site python -m diffzoo.bench.gpu OUT': GPU,
     'python -m diffzoo.bench.gpu OUT commands --b16-backends device open_clip --limit commands=300': GPU,
     'python -m diffzoo.bench.gpu OUT --device cpu': 'every step at tiny sizes, ~20 minutes on 2 cores '
