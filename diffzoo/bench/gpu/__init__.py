@@ -2,7 +2,7 @@
 
 Steps, the first four by default (590 s together on CUDA: the run fits 10 minutes), the others by name (each a
 few commands; the seconds are each step's time box on CUDA; `--plan` prints them and runs nothing):
-  tests     160 s  the kernel tests on CUDA (tests/layers/test_kernels.py and the official checkpoint's CUDA
+  tests     165 s  the kernel tests on CUDA (tests/layers/test_kernels.py and the official checkpoint's CUDA
                    test), which rows of split_kernel="auto"'s table they support (OUT/dispatch.json), the fp16
                    λ gradient's error row by row at 4096 tokens, batch 256 (python -m diffzoo.bench.lambda_error,
                    OUT/lambda-error.json), then every other test marked gpu (pytest -m gpu); needs the
@@ -12,7 +12,7 @@ few commands; the seconds are each step's time box on CUDA; `--plan` prints them
                    steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); the model
                    section again in fp16 with a gradient scaler (OUT/bench-fp16.json)
   compile   145 s  the model section with both towers under torch.compile (OUT/bench-compile.json)
-  commands  140 s  diffclip-b16-cc3m through scripts/train.sh on every default and clip-b16-baseline-cc3m on
+  commands  135 s  diffclip-b16-cc3m through scripts/train.sh on every default and clip-b16-baseline-cc3m on
                    open_clip's own pipeline, in one job on synthetic shards: images/s per GPU, their ratio (the
                    moonshot: at least 1), the share of each step waiting for data; an all_reduce over NCCL; see
                    diffzoo.bench.gpu.commands
