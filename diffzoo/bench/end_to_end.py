@@ -9,11 +9,13 @@ warm-up, not every step), and each line gives its meters' means over the steps s
 (`.item()`, a synchronisation) after open_clip has stopped the step's clock, so the GPU's time to finish each
 step would be counted as the next step's wait for data, and each step would start on an idle GPU. Once a
 window, that synchronisation still lands in the next window's first step (at most one step's GPU time in a
-window's `Data (t)`). Windows that begin in the first `warmup` steps (start-up, cuDNN autotuning) are dropped;
-the rest are summarised, their figures per window (open_clip prints the means to the millisecond).
+window's `Data (t)`). Windows that begin in the first `warmup` steps (start-up, cuDNN autotuning) and an epoch's
+last, shorter window are dropped; the rest are summarised, their figures per window (open_clip prints the means to
+the millisecond).
 
 `data_share` = Data (t) / Batch (t) per window: the loader is not the bottleneck when the loop hardly waits for
-it (median share under `LOADER_BOUND`). The ratio is the differential recipe's step time over the baseline's:
+it (median share under `LOADER_BOUND`, plus `logging_share`: the at most one step a window that the log line's own
+wait adds). The ratio is the differential recipe's step time over the baseline's:
 baseline images/s / differential images/s, medians.
 """
 import os
@@ -30,7 +32,7 @@ from .measure import BenchError, summarize
 
 TRAIN_SH = Path(__file__).resolve().parents[2] / 'scripts' / 'train.sh'
 LOADER_BOUND = 0.05  # the loop waits on data for more than 5 % of a step: the loader limits the run
-STEP_RE = re.compile(r'Train Epoch: \d+ \[\s*(\d+)/\d+ \(\d+%\)\] Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), '
+STEP_RE = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/\d+ \(\d+%\)\] Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), '
                      r'([\d.e+-]+)/s, ([\d.e+-]+)/s/gpu')
 
 
@@ -40,20 +42,23 @@ def log_every(steps: int, warmup: int) -> int:
 
 
 def parse_steps(log: str) -> List[Dict]:
-    """open_clip_train's log lines as windows of consecutive steps: the window's first step and its number of
-    steps (from the sample counts: the first line is the first step alone), its mean data and batch seconds a
-    step, and images/s per GPU from them (per-GPU batch from the line's own images/s against images/s/gpu)."""
-    lines = [(int(m[1]), float(m[2]), float(m[3]), round(float(m[4]) / float(m[5]))) for m in STEP_RE.finditer(log)
-             if float(m[5]) > 0]  # images/s over images/s/gpu: the processes
-    windows, done = [], 0
-    per_step = lines[0][0] if lines else 0  # samples of one step, all processes
-    for samples, data_s, batch_s, processes in lines:
-        steps = samples // per_step - done if per_step else 0
+    """open_clip_train's log lines as windows of consecutive steps: the window's first step (counted over the
+    epochs) and its number of steps (from the epoch's sample count: each epoch's first line is its first step
+    alone), its mean data and batch seconds a step, and images/s per GPU from them (per-GPU batch from the line's
+    own images/s against images/s/gpu)."""
+    lines = [(int(m[1]), int(m[2]), float(m[3]), float(m[4]), round(float(m[5]) / float(m[6])))
+             for m in STEP_RE.finditer(log) if float(m[6]) > 0]  # images/s over images/s/gpu: the processes
+    windows, before, epoch, in_epoch = [], 0, None, 0
+    per_step = lines[0][1] if lines else 0  # samples of one step, all processes
+    for line_epoch, samples, data_s, batch_s, processes in lines:
+        if line_epoch != epoch:  # open_clip counts an epoch's samples from 0
+            epoch, before, in_epoch = line_epoch, before + in_epoch, 0
+        steps = round(samples / per_step) - in_epoch if per_step else 0
         if steps <= 0 or batch_s <= 0:
             continue
-        windows.append({'first_step': done, 'steps': steps, 'data_s': data_s, 'batch_s': batch_s,
-                        'images_per_s_per_gpu': per_step / processes / batch_s})
-        done += steps
+        windows.append({'epoch': epoch, 'first_step': before + in_epoch, 'steps': steps, 'data_s': data_s,
+                        'batch_s': batch_s, 'images_per_s_per_gpu': per_step / processes / batch_s})
+        in_epoch += steps
     return windows
 
 
@@ -78,18 +83,23 @@ def train(recipe: str, shards: Path, logs: Path, batch: int, nproc: int, workers
 
 
 def summarise(recipe: str, log: Path, warmup: int) -> Dict:
+    """One run's figures from the windows after the warm-up that are whole (as long as the longest: an epoch's
+    last, shorter window is left out). `loader_bound` when the median window waits for data longer than
+    `LOADER_BOUND` plus what a log line's own wait can add to a window (one step in `steps`, `logging_share`)."""
     windows = parse_steps(log.read_text())
-    timed = [w for w in windows if w['first_step'] >= warmup]
+    whole = max((w['steps'] for w in windows), default=0)
+    timed = [w for w in windows if w['first_step'] >= warmup and w['steps'] == whole]
     if len(timed) < 2:
         raise BenchError(f'train: {recipe} logged {sum(w["steps"] for w in windows)} steps in {len(windows)} '
-                         f'windows, {len(timed)} of them after the {warmup} warm-up steps; pass a larger '
+                         f'windows, {len(timed)} of them whole and after the {warmup} warm-up steps; pass a larger '
                          f'--train-samples (or a smaller --batch) for at least two')
     share = summarize([w['data_s'] / w['batch_s'] for w in timed])
+    logging = 1 / whole if whole > 1 else 0.0
     return {'recipe': recipe, 'steps': sum(w['steps'] for w in windows), 'windows': len(timed),
             'steps_timed': sum(w['steps'] for w in timed), 'log': str(log),
             'images_per_s_per_gpu': summarize([w['images_per_s_per_gpu'] for w in timed]),
-            'batch_s': summarize([w['batch_s'] for w in timed]), 'data_share': share,
-            'loader_bound': share['median'] > LOADER_BOUND}
+            'batch_s': summarize([w['batch_s'] for w in timed]), 'data_share': share, 'logging_share': logging,
+            'loader_bound': share['median'] > LOADER_BOUND + logging}
 
 
 def run(recipes: Sequence[str], batch: int, nproc: int, workers: int, samples: int, image_size: int,

@@ -187,7 +187,8 @@ def kernel_spans(prof) -> List[Tuple[float, float, str, float]]:
     results = prof.profiler.kineto_results
     origin = results.trace_start_ns()
     events = results.events()
-    host = {e.correlation_id(): e.start_ns() for e in events if e.device_type() == torch.autograd.DeviceType.CPU}
+    host = {e.correlation_id(): e.start_ns() for e in events  # torch's ops; runtime calls count on CUPTI's ids
+            if e.device_type() == torch.autograd.DeviceType.CPU and e.linked_correlation_id() == 0}
     return [((e.start_ns() - origin) / 1e3, (e.start_ns() + e.duration_ns() - origin) / 1e3, e.name(),
              (host[e.linked_correlation_id()] - origin) / 1e3) for e in events
             if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()

@@ -20,7 +20,7 @@ from .recipe import Plan, RecipeError, find_recipe, load_recipe, open_clip_defau
 from .resume import epoch_checkpoints, latest_checkpoint, restore_latest
 from .run_record import check_run_dir, pop_accept, resumed_epoch
 from .saving import NoSpaceError, checkpoint_bytes, free_bytes, no_space_message
-from .train_data import check_batches_fill, check_shard_count, expand_shards, shard_sizes
+from .train_data import check_batches_fill, check_shard_count, expand_shards, gone_shards, shard_sizes
 
 ERRORS = (RecipeError, DataError, CheckpointError, FileNotFoundError)  # bad inputs: `main` prints them, exits 2
 # the data backend of a recipe that names none, by the type of the run's device (docs/training.md)
@@ -129,6 +129,10 @@ def run(argv: List[str], doc: str = '') -> int:
     if rank == 0:
         check_space(args, run_dir)
         print_plan(plan, source, argv, run_dir)
+        if samples is not None:  # sizes.json was read: does it list shards that are gone?
+            gone = gone_shards(expand_shards(args.train_data)[1])
+            if gone:
+                print(f'warning: {gone}', flush=True)
         if run_dir and args.resume == 'latest' and args.save_most_recent and args.remote_sync is None:
             restored = restore_latest(os.path.join(run_dir, 'checkpoints'))  # else open_clip_train starts over
             if restored:

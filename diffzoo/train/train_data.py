@@ -6,7 +6,7 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from diffzoo.data.shards import SIZES_FILE, DataError, list_shards, read_sizes, sizes_from_stats
 from diffzoo.recipes import RecipeError
@@ -90,17 +90,28 @@ def shard_sizes(shards: List[str]) -> List[int]:
     if missing:
         raise RecipeError(f'{path} has no entry for {len(missing)} shards (first: {missing[0]}); '
                           f'run python -m diffzoo.data sizes {folder}')
-    gone = sorted(name for name in sizes if not os.path.exists(os.path.join(folder, name)))
-    if gone:  # deleted or moved since sizes.json was written: training goes on without their samples, and says so
-        print(f'warning: {path} lists {len(gone)} shards that are not in {folder} ({", ".join(gone[:3])}'
-              f'{", …" if len(gone) > 3 else ""}; {sum(int(sizes[name]) for name in gone):,} samples): this run trains '
-              f'without them; put them back, or run python -m diffzoo.data sizes {folder} --recount to count the '
-              f'shards that are there', flush=True)
     counts = [int(sizes[os.path.basename(s)]) for s in shards]
     if not sum(counts):
         raise RecipeError(f'{path} counts no sample in its {len(counts)} shard(s): run python -m diffzoo.data sizes '
                           f'{folder} to count their members (shards that hold none are empty: download them again)')
     return counts
+
+
+def gone_shards(shards: List[str]) -> Optional[str]:
+    """The warning for shards the sizes.json beside `shards` lists that are no longer in its folder (deleted or
+    moved since it was written: a run trains without their samples), or None."""
+    folder = os.path.dirname(shards[0])
+    try:
+        sizes = read_sizes(folder)
+    except DataError:
+        return None  # shard_sizes has refused it already, or the run counts its samples another way
+    gone = sorted(name for name in sizes if not os.path.exists(os.path.join(folder, name)))
+    if not gone:
+        return None
+    return (f'{os.path.join(folder, SIZES_FILE)} lists {len(gone)} shards that are not in {folder} '
+            f'({", ".join(gone[:3])}{", …" if len(gone) > 3 else ""}; {sum(int(sizes[name]) for name in gone):,} '
+            f'samples): this run trains without them; put them back, or run python -m diffzoo.data sizes {folder} '
+            f'--recount to count the shards that are there')
 
 
 def dataset_size(shards: List[str]) -> int:

@@ -314,8 +314,10 @@ def test_end_to_end_section_trains_both_recipes_through_train_sh(tmp_path):
     train = json.loads(out.read_text())['train']
     assert [r['recipe'] for r in train['rows']] == ['diffclip-tiny', 'clip-tiny-baseline']
     steps = -(-train['samples'] // train['batch_per_gpu'])  # one epoch, one process
-    for r in train['rows']:
-        assert r['steps'] == steps and r['steps_timed'] == steps - train['warmup_steps']
+    every = end_to_end.log_every(steps, train['warmup_steps'])
+    for r in train['rows']:  # whole windows of `every` steps after the warm-up; the epoch's last may be shorter
+        assert r['steps'] == steps and r['windows'] >= 2 and r['steps_timed'] == r['windows'] * every
+        assert steps - train['warmup_steps'] - every < r['steps_timed'] <= steps - train['warmup_steps']
         _positive_stats(r['images_per_s_per_gpu'])
         assert 0 <= r['data_share']['min'] <= r['data_share']['max'] < 1
         assert r['loader_bound'] == (r['data_share']['median'] > train['loader_bound_share'])
@@ -327,24 +329,27 @@ def test_end_to_end_section_trains_both_recipes_through_train_sh(tmp_path):
 
 def test_end_to_end_log_lines_are_open_clip_train_s_windows_of_steps(tmp_path):
     """The parser reads the lines open_clip_train's train_one_epoch logs every 3 steps (its format string, filled
-    in; two processes of 8 images a step): each line is a window of the steps since the line before, its means
-    and images/s per GPU from them, and summarise leaves out the windows that begin in the warm-up."""
-    def line(samples, data_s, batch_s, last_s):  # open_clip's images/s are of the window's last step alone
-        return (f'2026-11-24,14:00:00 | INFO | Train Epoch: 0 [{samples:>3}/128 ({100 * samples / 128:.0f}%)] '
+    in; two processes of 8 images a step; two epochs of 8 steps, each counting its samples from 0): each line is a
+    window of the steps since the line before, its means and images/s per GPU from them, and summarise keeps the
+    whole windows after the warm-up (not an epoch's last, shorter one)."""
+    def line(epoch, samples, data_s, batch_s, last_s):  # open_clip's images/s are of the window's last step alone
+        return (f'2026-11-24,14:00:00 | INFO | Train Epoch: {epoch} [{samples:>3}/128 ({100 * samples / 128:.0f}%)] '
                 f'Data (t): {data_s:.3f} Batch (t): {batch_s:.3f}, {16 / last_s:#g}/s, {8 / last_s:#g}/s/gpu '
                 f'LR: 0.000100 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794)')
-    log = '\n'.join([line(16, 2.0, 3.0, 3.0), line(64, 0.01, 0.25, 0.2), line(112, 0.03, 0.5, 0.4),
-                     line(128, 0.0, 0.2, 0.2)])
+    epoch = [(16, 2.0, 3.0, 3.0), (64, 0.01, 0.25, 0.2), (112, 0.03, 0.5, 0.4), (128, 0.0, 0.2, 0.2)]
+    log = '\n'.join([line(0, *w) for w in epoch] + [line(1, *w) for w in epoch])
     windows = end_to_end.parse_steps(log)
-    assert [(w['first_step'], w['steps']) for w in windows] == [(0, 1), (1, 3), (4, 3), (7, 1)]
-    assert [w['images_per_s_per_gpu'] for w in windows] == pytest.approx([8 / 3.0, 32.0, 16.0, 40.0])
-    assert [(w['data_s'], w['batch_s']) for w in windows] == [(2.0, 3.0), (0.01, 0.25), (0.03, 0.5), (0.0, 0.2)]
+    assert [(w['epoch'], w['first_step'], w['steps']) for w in windows] == [
+        (0, 0, 1), (0, 1, 3), (0, 4, 3), (0, 7, 1), (1, 8, 1), (1, 9, 3), (1, 12, 3), (1, 15, 1)]
+    assert [w['images_per_s_per_gpu'] for w in windows[:4]] == pytest.approx([8 / 3.0, 32.0, 16.0, 40.0])
+    assert [(w['data_s'], w['batch_s']) for w in windows[:4]] == [(2.0, 3.0), (0.01, 0.25), (0.03, 0.5), (0.0, 0.2)]
     path = tmp_path / 'out.log'
     path.write_text(log)
     row = end_to_end.summarise('r', path, warmup=1)
-    assert (row['steps'], row['windows'], row['steps_timed']) == (8, 3, 7)
-    assert row['images_per_s_per_gpu']['median'] == pytest.approx(32.0)
-    assert row['data_share']['values'] == pytest.approx([0.04, 0.06, 0.0])
+    assert (row['steps'], row['windows'], row['steps_timed']) == (16, 4, 12)
+    assert row['images_per_s_per_gpu']['median'] == pytest.approx(24.0)
+    assert row['data_share']['values'] == pytest.approx([0.04, 0.06, 0.04, 0.06])
+    assert row['logging_share'] == pytest.approx(1 / 3) and not row['loader_bound']
     assert end_to_end.log_every(84, 5) == 19 and end_to_end.log_every(4, 1) == 1
 
 

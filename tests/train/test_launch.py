@@ -226,6 +226,7 @@ def test_a_shard_deleted_since_sizes_json_was_written_is_named_and_the_rest_trai
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert ('warning: shards/sizes.json lists 1 shards that are not in shards (00001.tar; 4 samples): this run '
             'trains without them; put them back, or run python -m diffzoo.data sizes shards --recount') in result.stdout
+    assert result.stdout.count('shards that are not in') == 1  # once a run, from rank 0
     write_shards(tmp_path / 'more', 3, 4)
     subset = train(cmd + ['--train_data', 'more/{00000..00001}.tar', '--name', 'subset'], cwd=tmp_path)
     assert subset.returncode == 0 and 'not in more' not in subset.stdout
