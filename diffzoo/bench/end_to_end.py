@@ -32,6 +32,8 @@ from .measure import BenchError, summarize
 
 TRAIN_SH = Path(__file__).resolve().parents[2] / 'scripts' / 'train.sh'
 LOADER_BOUND = 0.05  # the loop waits on data for more than 5 % of a step: the loader limits the run
+WAIT_RE = re.compile(r'diffzoo data wait: epoch \d+: \d+ batches, [\d.]+ s of [\d.]+ s waiting for them \(.*?\); '
+                     r'after the first, ([\d.]+) s of ([\d.]+) s')
 STEP_RE = re.compile(r'Train Epoch: (\d+) \[\s*(\d+)/\d+ \(\d+%\)\] Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), '
                      r'([\d.e+-]+)/s, ([\d.e+-]+)/s/gpu')
 
@@ -84,9 +86,13 @@ def train(recipe: str, shards: Path, logs: Path, batch: int, nproc: int, workers
 
 def summarise(recipe: str, log: Path, warmup: int) -> Dict:
     """One run's figures from the windows after the warm-up that are whole (as long as the longest: an epoch's
-    last, shorter window is left out). `loader_bound` when the median window waits for data longer than
-    `LOADER_BOUND` plus what a log line's own wait can add to a window (one step in `steps`, `logging_share`)."""
-    windows = parse_steps(log.read_text())
+    last, shorter window is left out), and `data_wait_at_loader`: the share of the epochs after their first batch
+    that the loop spent waiting inside the loader (diffzoo's `diffzoo data wait` lines; None without them).
+    `loader_bound` when that share is over `LOADER_BOUND`; without it, when the median window's `Data (t)` share
+    is over `LOADER_BOUND` plus what a log line's own wait can add to a window (one step in `steps`,
+    `logging_share`)."""
+    text = log.read_text()
+    windows = parse_steps(text)
     whole = max((w['steps'] for w in windows), default=0)
     timed = [w for w in windows if w['first_step'] >= warmup and w['steps'] == whole]
     if len(timed) < 2:
@@ -95,11 +101,14 @@ def summarise(recipe: str, log: Path, warmup: int) -> Dict:
                          f'--train-samples (or a smaller --batch) for at least two')
     share = summarize([w['data_s'] / w['batch_s'] for w in timed])
     logging = 1 / whole if whole > 1 else 0.0
+    waits = [(float(m[1]), float(m[2])) for m in WAIT_RE.finditer(text)]
+    at_loader = sum(w for w, _ in waits) / sum(t for _, t in waits) if waits and sum(t for _, t in waits) else None
+    bound = at_loader > LOADER_BOUND if at_loader is not None else share['median'] > LOADER_BOUND + logging
     return {'recipe': recipe, 'steps': sum(w['steps'] for w in windows), 'windows': len(timed),
             'steps_timed': sum(w['steps'] for w in timed), 'log': str(log),
             'images_per_s_per_gpu': summarize([w['images_per_s_per_gpu'] for w in timed]),
             'batch_s': summarize([w['batch_s'] for w in timed]), 'data_share': share, 'logging_share': logging,
-            'loader_bound': share['median'] > LOADER_BOUND + logging}
+            'data_wait_at_loader': at_loader, 'loader_bound': bound}
 
 
 def run(recipes: Sequence[str], batch: int, nproc: int, workers: int, samples: int, image_size: int,

@@ -7,10 +7,16 @@ was computed from (record 0 is the initial λ, without loss). Records are writte
 `--log-every-n-steps` steps and at the end of each epoch. λ also goes, as `lambda/<layer>` scalars at
 that step, to tensorboard and to wandb when `--report-to` names them (the same scalars to both, beside
 open_clip_train's own `train/…` ones). Layers whose λ depends on the input (variant v2) are not logged.
+
+`DataWait` measures how long each epoch's loop waits for its batches (the host's time inside the loader's
+`next`), which open_clip's `Data (t)` over-counts: it stops a step's clock before its log line waits for the GPU to
+finish the step, and counts that wait as the next step's data time.
 """
 import json
+import logging
 import os
-from typing import Dict, Optional
+import time
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -141,3 +147,56 @@ class LambdaLog:
         if self.wandb is not None and scalars:
             # wandb drops a step that goes back; open_clip_train logs `train/…` at the step in progress, never ahead
             self.wandb.log(scalars, step=step)
+
+
+DATA_WAIT_LINE = 'diffzoo data wait'
+
+
+class DataWait:
+    """The epoch's training loader, its batches timed: `waits` holds the host's seconds inside `next()` for each
+    batch (where `for batch in dataloader` blocks), `first_at` the clock when the first batch came. Every other
+    attribute is the loader's (open_clip reads num_batches, num_samples)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.waits: List[float] = []
+        self.first_at: Optional[float] = None
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator:
+        batches = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            now = time.perf_counter()
+            self.waits.append(now - start)
+            if self.first_at is None:
+                self.first_at = now
+            yield batch
+
+    def summary(self, started: float, ended: float) -> Dict:
+        """Seconds waiting and seconds in all, over the epoch (`started` to `ended`, the loop's clock) and after
+        its first batch (whose wait holds the workers' start), with the shares."""
+        waited, total = sum(self.waits), ended - started
+        later = sum(self.waits[1:])
+        since_first = ended - self.first_at if self.first_at is not None else 0.0
+        return {'batches': len(self.waits), 'wait_s': waited, 'epoch_s': total,
+                'share': waited / total if total > 0 else None,
+                'wait_after_first_s': later, 'after_first_s': since_first,
+                'share_after_first': later / since_first if since_first > 0 else None}
+
+
+def log_data_wait(epoch: int, summary: Dict) -> None:
+    """One line in the run's log (out.log): the epoch's wait for data, all of it and after its first batch (the
+    epoch counted from 1, as the data report counts it)."""
+    def pct(x):
+        return 'n/a' if x is None else f'{100 * x:.1f} %'
+    logging.info(f'{DATA_WAIT_LINE}: epoch {epoch + 1}: {summary["batches"]} batches, {summary["wait_s"]:.3f} s of '
+                 f'{summary["epoch_s"]:.3f} s waiting for them ({pct(summary["share"])}); after the first, '
+                 f'{summary["wait_after_first_s"]:.3f} s of {summary["after_first_s"]:.3f} s '
+                 f'({pct(summary["share_after_first"])})')

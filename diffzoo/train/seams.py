@@ -49,6 +49,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -63,7 +64,7 @@ from diffzoo import seam
 from diffzoo.clip.seams import OpenClipChanged
 from diffzoo.seam import ModuleView, Seam, constant, standing_in, wrapping
 from . import data_events, data_report, data_stages, device_data, lambda_lr
-from .metrics import LambdaLog, drop_records_after
+from .metrics import DataWait, LambdaLog, drop_records_after, log_data_wait
 from .recipe import DATA_BACKENDS
 from .resume import latest_checkpoint, load_resume_checkpoint
 from .saving import TorchForCheckpoints
@@ -138,11 +139,16 @@ def _epoch_wrapper(original, events_dir: str):
             drop_records_after(report, epoch, key='epoch')  # a resumed run's epochs after its checkpoint, again
         hook = loss.register_forward_hook(log.on_loss)
         data_report.start_epoch(events_dir, epoch)
+        waits = data['train'].dataloader = DataWait(data['train'].dataloader)
+        started = time.perf_counter()
         try:
             original(model, data, loss, epoch, optimizer, scaler, log.wrap_scheduler(scheduler), dist_model,
                      args, tb_writer=tb_writer)
         finally:
             hook.remove()
+            data['train'].dataloader = waits.loader
+        if master:
+            log_data_wait(epoch, waits.summary(started, time.perf_counter()))
         log.end_epoch()
         data_report.report_epoch(events_dir, epoch, args, run_dir)
     return train_one_epoch

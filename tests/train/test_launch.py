@@ -4,6 +4,7 @@ demo's trainings, tests/test_demo.py, and under scripts/train.sh, tests/train/te
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -58,6 +59,10 @@ def test_bad_samples_are_skipped_counted_and_reported(damaged_run):
     assert reported.keys() == {'undecodable image', 'without caption', 'empty shard', 'unreadable shard'}
     assert '00000.tar/000000003' in reported['undecodable image']
     assert '00001.tar/000010005' in reported['without caption']
+    # the loop's own wait for its 6 batches, timed at the loader: one line an epoch, in the run's log
+    waits = [line for line in log.splitlines() if 'diffzoo data wait: epoch 1: 6 batches, ' in line]
+    assert len(waits) == 1 and re.search(r'waiting for them \(\d+\.\d %\); after the first, [\d.]+ s of '
+                                         r'[\d.]+ s \(\d+\.\d %\)$', waits[0])
     assert 'skipped 1 empty shard, met 2 times (1 repeat) (00002.tar)' in reported['empty shard']
     assert 'skipped 1 unreadable shard, met 2 times (1 repeat) (00004.tar)' in reported['unreadable shard']
     warning = ('shards/sizes.json says 48 samples, the shards hold 42 (40 readable): each sample is trained ~1.2× per '

@@ -224,9 +224,11 @@ def summarise_b16(work: Path, runs: Sequence[Tuple[str, str]], sizes: Sizes) -> 
     for row in rows:
         ips = (row.get('images_per_s_per_gpu') or {}).get('median')
         share = (row.get('data_share') or {}).get('median')
+        at_loader = row.get('data_wait_at_loader')
         lines[f'2-train-{row["name"]}'] = (f'{row.get("steps", 0)} steps on {row.get("device")}, {_fmt(ips)} '
                                            f'images/s/gpu (median), data wait '
-                                           f'{_fmt(share * 100 if share is not None else None)} %')
+                                           f'{_fmt(at_loader * 100 if at_loader is not None else None)} % at the '
+                                           f'loader (Data (t): {_fmt(share * 100 if share is not None else None)} %)')
     result['notes'] = lines
     return result
 
