@@ -67,8 +67,9 @@ class Sizes:
 # A B/16 training step at batch 256 in bf16 takes about 0.12-0.17 s on an H100 or H200, the model alone
 # (bench/results), and each train.sh run spends ~13 s besides its steps; at 14 workers of 64 px scenes the loader
 # fed ~1,200-1,500 images/s (commands.json: the per-sample transforms, not decoding, bound a 16-core machine, and
-# the summary's loader_bound says so). 84 steps per run (6 per worker) take ~45 s each; the first 5 are left out
-# of the medians. The corpus is written while 0-env runs.
+# the summary's loader_bound says so). 84 steps per run (6 per worker) take ~45 s each; the windows (19 steps
+# between log lines) that begin in the first 5 are left out of the medians, and so is the epoch's last, shorter
+# one. The corpus is written while 0-env runs.
 SIZES = {
     'cuda': Sizes(box=135, extras_box=200, slack=1, b16_batch=256, b16_steps=84, b16_workers=14, b16_image_size=64,
                   b16_precision=(),
