@@ -101,8 +101,9 @@ def summarise(recipe: str, log: Path, warmup: int) -> Dict:
                          f'--train-samples (or a smaller --batch) for at least two')
     share = summarize([w['data_s'] / w['batch_s'] for w in timed])
     logging = 1 / whole if whole > 1 else 0.0
-    waits = [(float(m[1]), float(m[2])) for m in WAIT_RE.finditer(text)]
-    at_loader = sum(w for w, _ in waits) / sum(t for _, t in waits) if waits and sum(t for _, t in waits) else None
+    waited = sum(float(m[1]) for m in WAIT_RE.finditer(text))
+    seconds = sum(float(m[2]) for m in WAIT_RE.finditer(text))
+    at_loader = waited / seconds if seconds > 0 else None
     bound = at_loader > LOADER_BOUND if at_loader is not None else share['median'] > LOADER_BOUND + logging
     return {'recipe': recipe, 'steps': sum(w['steps'] for w in windows), 'windows': len(timed),
             'steps_timed': sum(w['steps'] for w in timed), 'log': str(log),
