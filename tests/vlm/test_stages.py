@@ -159,6 +159,19 @@ def test_fsdp_is_refused_on_cpus_where_accelerate_would_train_unsharded(chain):
     assert not (root / 'fsdp').exists()
 
 
+def test_lora_fine_tuning_from_a_stage_output_is_refused_naming_the_stage_that_does_it(chain):
+    """`init_from` is a stage's start: a fine-tuning recipe (train: null) that names one would otherwise train the
+    model as built and leave the stage's output out without a word."""
+    root, _ = chain
+    recipe = yaml.safe_load((root / 'stage1.yaml').read_text())
+    recipe.update(train=None, data=dict(type='vqav2', root=str(root)), output=str(root / 'fine-tune'))
+    (root / 'fine-tune.yaml').write_text(yaml.safe_dump(recipe))
+    refused = call(main, ['--recipe', root / 'fine-tune.yaml', '--init_from', 'stage1'], root)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "init_from='stage1'" in refused.stderr and 'train.language_model: lora' in refused.stderr
+    assert not (root / 'fine-tune').exists()
+
+
 def test_one_command_runs_a_chain_and_stops_at_the_first_failing_stage(chain):
     root, _ = chain
     done = call(main, ['chain', root / 'stage1.yaml', root / 'stage2.yaml', '--output', root / 'chained',

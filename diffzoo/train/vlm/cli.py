@@ -23,7 +23,7 @@ state, resume from the newest checkpoint. What diffzoo adds (`VLMTrainer`, in `d
 - a checkpoint or output that cannot be written (a full disk) ends the run naming the path, the disk's free space
   and the checkpoint a rerun resumes from;
 - a batch, steps or epochs of 0 or less are refused by key; `chain` checks every stage's recipe, data files and
-  `init_from` before the first trains (`diffzoo.train.vlm.inputs`);
+  `init_from` before the first trains (`diffzoo.train.vlm.run.check_chain`);
 - an image that does not decode drops its samples (`diffzoo.vlm.data.SkippedImages`): each file is named
   once in the log and listed in `skipped_images.json`; a resumed run skips the trained batches in the
   sampler, so their images are not decoded again;
@@ -75,7 +75,7 @@ chain stops at the first stage that fails, and a stage already finished ends at 
 def _chain(argv: List[str]) -> int:
     """`chain RECIPE … [--key value …]`: each stage in order (the overrides apply to every one), stopping at the
     first that fails; a stage already finished resumes at its last step and ends at once. Every stage's recipe,
-    data files and `init_from` are checked before the first runs (`diffzoo.train.vlm.inputs.check_chain`)."""
+    data files and `init_from` are checked before the first runs (`diffzoo.train.vlm.run.check_chain`)."""
     if argv[:1] in (['-h'], ['--help']):
         print(CHAIN_HELP)
         return 0
@@ -85,7 +85,7 @@ def _chain(argv: List[str]) -> int:
         print('error: chain needs the stage recipes in order, e.g. chain llava-1.5-7b-pretrain llava-1.5-7b-finetune',
               file=sys.stderr)
         return 2
-    from .inputs import check_chain  # reads the stages' outputs with torch: imported once the command is parsed
+    from .run import check_chain  # imports torch and transformers: once the command is parsed
     try:
         check_chain(names, overrides)
     except (RecipeError, ValueError, OSError) as exc:

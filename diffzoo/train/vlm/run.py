@@ -1,6 +1,6 @@
-"""One run of `python -m diffzoo.train.vlm`, LoRA fine-tuning or a LLaVA-style stage: set up once, then run.
+"""One run of `python -m diffzoo.train.vlm`, LoRA fine-tuning or a LLaVA-style stage: checked, set up once, then run.
 
-    setup_run(recipe, name, job) -> RunSetup   the recipe's settings checked (`inputs.check_settings`), the
+    setup_run(recipe, name, job) -> RunSetup   the recipe's settings checked (`check_settings`), the
                                                output it starts from (a stage's `init_from`), its data
                                                read, the TrainingArguments, the steps, the checkpoint a rerun
                                                resumes from (`resume.resume_point`), the model it trains with its
@@ -12,14 +12,19 @@
 Fine-tuning and a stage differ only in where their model starts, what they read, how their samples become batches
 (a stage's checked against the model), the Trainer they train with and what they write at the end: a `Job` says it
 (`finetune.FineTuning`, `stage.Stage`).
+
+`python -m diffzoo.train.vlm chain STAGE …` checks what every stage needs before the first trains (`check_chain`: its
+recipe, settings, data files — that they are there, not what they hold, which the run's loader reads once — and
+`init_from`), so a stage that cannot run is named before hours of the ones before it, not after.
 """
+import codecs
 import contextlib
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, List, Optional
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import matplotlib
 import torch
@@ -30,8 +35,9 @@ from diffzoo.recipes import RecipeError
 from diffzoo.vlm.factory import VLM, trainable_vlm
 from diffzoo.vlm.parts import trainable_parameters
 from diffzoo.vlm.plan import TrainingPlan
+from diffzoo.vlm.recipe import checked_recipe
+from diffzoo.vlm.stages import STAGE_CONFIG, check_spec, model_spec, spec_differences, stage_output
 
-from .inputs import check_settings
 from .resume import RUN_RECIPE, resume_point
 from .trainer import RunLog, VLMTrainer
 
@@ -49,7 +55,7 @@ class RunSetup:
     samples_per_step: int  # batch × accumulation × processes
     max_steps: int
     checkpoint: Optional[Path]  # the one a rerun resumes from; None for a new run
-    start: Optional[Path]  # an earlier stage's output the model starts from (`Job.starts_from`)
+    start: Optional[Path]  # an earlier stage's output the model starts from (`init_from`)
     vlm: VLM  # the model it trains, its plan applied
     plan: TrainingPlan
     held_names: FrozenSet[str]  # what a stage's output holds besides what trains (`trainable_vlm`)
@@ -77,11 +83,6 @@ class Job:
     weights: Optional[str] = None  # a checkpoint's model file (`resume.checkpoint_problem`); None: an adapter's
     no_step = ''  # the error for data of no step; its fields: samples, samples_per_step, batch, accumulation, world
 
-    def starts_from(self, recipe: Dict) -> Optional[Path]:
-        """The earlier run's output the model starts from (`trainable_vlm`), checked before the data is read; None:
-        the recipe's model as built."""
-        return None
-
     def read(self, recipe: Dict) -> int:
         """Read the training data (a missing file is named here); returns how many samples it holds."""
         raise NotImplementedError
@@ -105,11 +106,107 @@ class Job:
         raise NotImplementedError
 
 
+LLAVA_JSON = 'a LLaVA-format JSON (a list of {id, image?, conversations})'
+
+
+def check_settings(recipe: Dict) -> None:
+    """Refuse what no run of this recipe could do: a stage of a model whose tower and projector are inside its
+    checkpoint, a stage on VQAv2, LoRA fine-tuning on conversations or from a stage's output, FSDP without GPUs
+    (accelerate would train unsharded), FSDP over LoRA."""
+    data, stage = recipe['data'], recipe['train'] is not None
+    if stage and recipe['model']['type'] != 'build_vlm':
+        raise RecipeError('train: stages apply to build_vlm models (model.type: build_vlm); a PaliGemma checkpoint '
+                          'trains with LoRA (train: null)')
+    if stage and data['type'] != 'conversations':
+        raise RecipeError('train: a stage trains on conversations (data.type: conversations); VQAv2 fine-tuning is '
+                          'train: null')
+    if not stage and recipe['init_from']:
+        raise RecipeError(f'init_from={recipe["init_from"]!r}: a stage (train: {{…}}) starts from an earlier stage\'s '
+                          f'output; LoRA fine-tuning (train: null) starts from model as the recipe builds it. To '
+                          f'fine-tune a stage\'s output with LoRA, run a stage of train.language_model: lora')
+    if not stage and data['type'] != 'vqav2':
+        raise RecipeError(f'data.type {data["type"]}: LoRA fine-tuning (train: null) reads VQAv2; conversations train '
+                          f'in a stage (train: {{projector, vision, language_model, …}})')
+    cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
+    if recipe['fsdp'] is not None and not cuda:
+        raise RecipeError('fsdp: accelerate shards with FSDP on GPUs only (on CPUs it trains with DDP, every process '
+                          'holding the whole model); run on GPUs, or set fsdp: null')
+    if recipe['fsdp'] is not None and stage and recipe['train']['language_model'] == 'lora':
+        raise RecipeError('fsdp with train.language_model: lora: LoRA trains a few adapters, which DDP holds; FSDP is '
+                          'for training a large language model in full (set fsdp: null)')
+
+
+def check_data_files(data: Dict) -> None:
+    """The data files are there and readable: a conversation set's JSON (its first bytes open a list) and image
+    folder, a VQAv2 copy's folder. Reads a few bytes, not the file."""
+    if data['type'] == 'vqav2':
+        if not Path(data['root']).is_dir():
+            raise FileNotFoundError(f'data.root {data["root"]}: no such folder; point it at a VQAv2 copy (official '
+                                    f'JSON + COCO images, or Hugging Face parquet)')
+        return
+    path = Path(data['json'])
+    if not path.is_file():
+        raise FileNotFoundError(f'{path}: no such file; point data.json at {LLAVA_JSON}')
+    with open(path, 'rb') as f:
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+    if not head.startswith(b'['):
+        found = 'empty' if not head else f'starts with {head[:24]!r}'
+        raise ValueError(f'{path}: {found}, not a JSON list; point data.json at {LLAVA_JSON}')
+    folder = data['image_folder']
+    if folder is not None and not Path(folder).is_dir():
+        raise FileNotFoundError(f'{folder}: no such folder; point data.image_folder at the images the JSON names')
+
+
+def _check_init_from(recipe: Dict, chain: List[Path], specs: List[Dict], at: int) -> None:
+    """`init_from` names an earlier stage of the chain (its model this recipe's), or a finished stage on disk of
+    this recipe's model (`stage_output`); a later stage of the chain is named as such."""
+    init_from, spec = recipe['init_from'], model_spec(recipe)
+    named = {Path(init_from).resolve(), (Path(recipe['output']) / init_from).resolve()}
+    for i, run_dir in enumerate(chain):
+        if run_dir.resolve() not in named or i == at:
+            continue
+        if i > at:
+            raise RecipeError(f'init_from={init_from!r} is stage {i + 1} of the chain, which runs after this one; '
+                              f'list the stages in the order they train')
+        differs = spec_differences(specs[i], spec)
+        if differs:
+            raise RecipeError(f'init_from={init_from!r}: stage {i + 1} of the chain trains another model '
+                              f'({"; ".join(differs)}); start from a stage of the same model, or give this recipe '
+                              f'its model')
+        return
+    directory = stage_output(init_from, recipe['output'])  # finished, trained, whole: else refused, named
+    check_spec(directory, json.loads((directory / STAGE_CONFIG).read_text())['spec'], spec)
+
+
+def check_chain(names: Sequence[str], overrides: Sequence[str]) -> None:
+    """Every stage of a chain checked before the first trains: its recipe (with the overrides), settings, data
+    files and `init_from`. The error names the stage."""
+    recipes, chain = [], []
+    for name in names:
+        try:
+            recipes.append(checked_recipe(name, overrides))
+        except (RecipeError, ValueError, OSError) as exc:
+            raise RecipeError(f'stage {len(recipes) + 1} of {len(names)} ({name}), checked before any stage '
+                              f'runs: {exc}') from exc
+        chain.append(Path(recipes[-1]['output']) / Path(name).stem)  # its run directory (diffzoo.train.vlm.cli.main)
+    specs = [model_spec(r) for r in recipes]
+    for i, (name, recipe) in enumerate(zip(names, recipes)):
+        try:
+            check_settings(recipe)
+            check_data_files(recipe['data'])
+            if recipe['init_from']:
+                _check_init_from(recipe, chain, specs, i)
+        except (RecipeError, ValueError, OSError) as exc:
+            raise RecipeError(f'stage {i + 1} of {len(names)} ({name}), checked before any stage runs: '
+                              f'{exc}') from exc
+
+
 def setup_run(recipe: Dict, name: str, job: Job) -> RunSetup:
     """The run's setup (module docstring)."""
     check_settings(recipe)
     run_dir = Path(recipe['output']) / name
-    start = job.starts_from(recipe)
+    # a stage's `init_from`: a finished stage's output (a missing or unfinished one is named before the data is read)
+    start = stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
     samples = job.read(recipe)
     cuda = torch.cuda.is_available() and recipe['device'] != 'cpu'
     args = training_arguments(recipe, run_dir, cuda)
@@ -122,9 +219,10 @@ def setup_run(recipe: Dict, name: str, job: Job) -> RunSetup:
     max_steps = recipe['max_steps'] or math.ceil(steps_per_epoch * recipe['epochs'])  # as Trainer counts them
     checkpoint = resume_point(recipe, run_dir, args, weights=job.weights)
     vlm, plan, held_names = trainable_vlm(recipe, start)
+    trainable = trainable_parameters(vlm.model)
     collator = job.collator(vlm, recipe)
     setup = RunSetup(recipe, name, run_dir, args, samples_per_step, max_steps, checkpoint, start, vlm, plan,
-                     held_names, collator, trainable_parameters(vlm.model))
+                     held_names, collator, trainable)
     if setup.rank == 0:
         start_run(setup, job.first_line(setup))
     return setup
@@ -134,7 +232,8 @@ def run(recipe: Dict, name: str, job: Job) -> Dict:
     """One run of a checked recipe as `job` says (module docstring); returns what results.json holds."""
     with tensorboard_dir(Path(recipe['output']) / name):
         setup = setup_run(recipe, name, job)
-        trainer = job.trainer(setup, [RunLog(setup.run_dir / LOG, setup.samples_per_step)])
+        callbacks = [RunLog(setup.run_dir / LOG, setup.samples_per_step)]
+        trainer = job.trainer(setup, callbacks)
         trainer.restore_data_counts(setup.checkpoint)
         trainer.train(resume_from_checkpoint=str(setup.checkpoint) if setup.checkpoint else None)
         results = {'recipe': name, 'steps': trainer.state.global_step, 'trainable_parameters': setup.trainable}

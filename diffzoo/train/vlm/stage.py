@@ -38,7 +38,7 @@ from diffzoo.vlm.conversations import CONVERSATION_ID_LISTS, ConversationCollato
 from diffzoo.vlm.data import SkippedImages
 from diffzoo.vlm.factory import VLM
 from diffzoo.vlm.lora import merge_lora
-from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, model_spec, stage_output
+from diffzoo.vlm.stages import STAGE_CONFIG, STAGE_DIR, STAGE_WEIGHTS, copy_tensors, model_spec
 from diffzoo.vlm.templates import RULES, encode
 
 from .resume import writing
@@ -179,7 +179,7 @@ def write_output(setup: RunSetup, trainer: StageTrainer) -> Path:
                           f'next from nothing trained); give it max_steps or epochs above 0, and data for a step')
     model = trainer.model
     held_ids = {id(p) for p in trainer.held_parameters().values()}
-    if setup.plan.lora is not None:  # never under FSDP (inputs.check_settings); merged in place, held from now on
+    if setup.plan.lora is not None:  # never under FSDP (run.check_settings); merged in place, held from now on
         model, adapted = merge_lora(model)
         held_ids |= adapted
     state = {n: whole_tensor(p) for n, p in model.named_parameters() if id(p) in held_ids}  # LoRA's own: merged, gone
@@ -201,10 +201,6 @@ class Stage(Job):
     weights = STAGE_WEIGHTS
     no_step = ('{samples} conversations make no optimizer step of {samples_per_step} samples ({batch} × '
                '{accumulation} × {world} processes); lower the batch or add data')
-
-    def starts_from(self, recipe: Dict) -> Optional[Path]:
-        """`init_from`, a finished stage's output (a missing or unfinished one is named here)."""
-        return stage_output(recipe['init_from'], recipe['output']) if recipe['init_from'] else None
 
     def read(self, recipe: Dict) -> int:
         data = recipe['data']
@@ -244,11 +240,12 @@ class Stage(Job):
     def finish(self, setup: RunSetup, trainer: StageTrainer, results: Dict) -> None:
         data, name, run_dir = setup.recipe['data'], setup.name, setup.run_dir
         skipped, conversation_ids = trainer.gathered_data_losses()
+        report = data_problems_report(self.problems, conversation_ids, data['mismatch'])
+        collated = collator_summary(conversation_ids, data['max_length'], data['mismatch'])
         output = write_output(setup, trainer)
         if setup.world > 1:  # the next stage of a chain reads what rank 0 wrote
             dist.barrier()
         if setup.rank == 0:
-            report = data_problems_report(self.problems, conversation_ids, data['mismatch'])
             with writing(run_dir / DATA_PROBLEMS, "the stage's records", run_dir / 'checkpoints'):
                 (run_dir / DATA_PROBLEMS).write_text(json.dumps(report, indent=1) + '\n')
                 (run_dir / SKIPPED_IMAGES).write_text(json.dumps(skipped.record(), indent=1) + '\n')
@@ -256,7 +253,6 @@ class Stage(Job):
             results.update(final_loss=log[-1]['loss'] if log else None, first_loss=log[0]['loss'] if log else None,
                            data_problems=report, stage=str(output))
             write_results(run_dir, results, log)
-            collated = collator_summary(conversation_ids, data['max_length'], data['mismatch'])
             print(f'\n{name}: {results["steps"]} steps, loss {results["first_loss"]:.4f} → '
                   f'{results["final_loss"]:.4f}; {collated}; {skipped.summary()}\n  {output}\n  '
                   f'{run_dir / "results.json"}', flush=True)
