@@ -93,6 +93,11 @@ def allocator_counts(device: torch.device) -> Optional[Dict[str, int]]:
     return {k: stats.get(k, 0) for k in ALLOCATOR}
 
 
+def allocator_calls(before: Optional[Dict[str, int]], after: Optional[Dict[str, int]]) -> Optional[Dict[str, int]]:
+    """The allocator's calls between two `allocator_counts` (None off CUDA)."""
+    return None if before is None or after is None else {k: after[k] - before[k] for k in ALLOCATOR}
+
+
 def calibrate(fn: Callable[[], object], device: torch.device, target_s: float) -> int:
     """How many back-to-back calls make one timed repeat last about `target_s` (at least 1)."""
     once = time_call(fn, device)

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .measure import ALLOCATOR, allocator_counts, summarize, synchronize, without_profiler_notes
+from .measure import allocator_calls, allocator_counts, summarize, synchronize, without_profiler_notes
 from .whole_model import Subject, build, train_step
 
 STEP = 'diffzoo.bench step {}'
@@ -150,7 +150,7 @@ def run_steps(s: Subject, precision: str, steps: int, device: torch.device, rec:
         host = time.perf_counter() - start
         after = allocator_counts(device)
         rows.append({'step': i, 'host_s': host, 'wall_start': wall, 'wall_end': time.time(),
-                     'allocator': None if after is None else {k: after[k] - before[k] for k in ALLOCATOR}})
+                     'allocator': allocator_calls(before, after)})
         before = after
     synchronize(device)
     rec.step = -1

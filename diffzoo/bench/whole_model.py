@@ -27,7 +27,8 @@ import torch
 
 from diffzoo.layers import set_split_kernel
 
-from .measure import ALLOCATOR, BenchError, Probe, allocator_counts, autocast, rate, summarize, tensor_bytes, time_steps
+from .measure import (BenchError, Probe, allocator_calls, allocator_counts, autocast, rate, summarize, tensor_bytes,
+                      time_steps)
 
 CAPTIONS = ('a small red circle left of a large blue square', 'a large yellow triangle',
             'a photo of a dog on a beach at sunset', 'a diagram of differential attention')
@@ -131,8 +132,7 @@ def time_blocks(subjects: List[Subject], kind: str, precision: str, blocks: int,
             before = allocator_counts(device)
             times[s.name].append(time_steps(lambda: step(s, precision), device, block_steps))
             if before is not None:
-                after = allocator_counts(device)
-                allocs[s.name].append({k: after[k] - before[k] for k in ALLOCATOR})
+                allocs[s.name].append(allocator_calls(before, allocator_counts(device)))
         line = ', '.join(f'{s.name} {statistics.median(times[s.name][-1]) * 1e3:,.1f} ms' + _mallocs(allocs[s.name])
                          for s in subjects)
         print(f'  {tag}{kind} block {r + 1}/{blocks} ({block_steps} steps, median): {line}', flush=True)

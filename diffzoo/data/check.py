@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from .keys import repeats_across, shard_keys
-from .shards import (IMAGE_EXTS, SIZES_FILE, TEXT_EXT, iter_samples, list_shards, read_sizes)
+from .shards import IMAGE_EXTS, SIZES_FILE, TEXT_EXT, iter_samples, list_shards, listed_but_gone, read_sizes
 
 
 # Members open_clip_train's pipeline decodes besides images (webdataset's `decode("pilrgb")` runs its
@@ -204,11 +204,10 @@ class DatasetReport:
         if self.sizes is None:
             out.append(f'no {SIZES_FILE}: run python -m diffzoo.data sizes {self.directory}')
             return out
-        gone = sorted(set(self.sizes) - {s.name for s in self.shards})
+        gone = listed_but_gone(self.sizes, [s.name for s in self.shards], self.directory)
         if gone:
-            out.append(f'{SIZES_FILE} lists {len(gone)} shards that are not in {self.directory} ({_shown(gone)}; '
-                       f'{sum(self.sizes[name] for name in gone):,} samples): deleted or moved, their samples are in '
-                       f'no epoch or evaluation; put them back, or {fix} to count the shards that are there')
+            out.append(f'{SIZES_FILE} {gone}: deleted or moved, their samples are in no epoch or evaluation; put them back, or '
+                       f'{fix} to count the shards that are there')
         wrong = self.sizes_disagreements()
         if wrong['absent']:
             out.append(f'{SIZES_FILE} has no entry for {len(wrong["absent"])} shards '

@@ -17,7 +17,7 @@ import socket
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 from diffzoo.files import atomic_write_json
 
@@ -210,3 +210,15 @@ def read_sizes(directory) -> Optional[Dict[str, int]]:
         raise DataError(f'{path}: {len(bad)} entries are not sample counts (first: {bad[0][0]!r}: {bad[0][1]!r}); '
                         f'{fix}')
     return {k: int(v) for k, v in data.items()}
+
+
+def listed_but_gone(sizes: Dict[str, int], present: Collection[str], directory) -> Optional[str]:
+    """What sizes.json (`sizes`) lists of `directory` that is not `present` there (deleted or moved since it was
+    written), in words: 'lists N shards that are not in DIR (a, b, c, …; S samples)'; None for none. Each caller
+    names the file and says what that means where it stands (a run, a data check)."""
+    gone = sorted(set(sizes) - set(present))
+    if not gone:
+        return None
+    shown = ', '.join(gone[:3]) + (', …' if len(gone) > 3 else '')
+    return (f'lists {len(gone)} shards that are not in {directory} ({shown}; '
+            f'{sum(sizes[name] for name in gone):,} samples)')

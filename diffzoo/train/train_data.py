@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from diffzoo.data.shards import SIZES_FILE, DataError, list_shards, read_sizes, sizes_from_stats
+from diffzoo.data.shards import SIZES_FILE, DataError, list_shards, listed_but_gone, read_sizes, sizes_from_stats
 from diffzoo.recipes import RecipeError
 
 
@@ -105,12 +105,12 @@ def gone_shards(shards: List[str]) -> Optional[str]:
         sizes = read_sizes(folder)
     except DataError:
         return None  # shard_sizes has refused it already, or the run counts its samples another way
-    gone = sorted(name for name in sizes if not os.path.exists(os.path.join(folder, name)))
-    if not gone:
+    if sizes is None:
         return None
-    return (f'{os.path.join(folder, SIZES_FILE)} lists {len(gone)} shards that are not in {folder} '
-            f'({", ".join(gone[:3])}{", …" if len(gone) > 3 else ""}; {sum(int(sizes[name]) for name in gone):,} '
-            f'samples): this run trains without them; put them back, or run python -m diffzoo.data sizes {folder} '
+    gone = listed_but_gone(sizes, [n for n in sizes if os.path.exists(os.path.join(folder, n))], folder)
+    if gone is None:
+        return None
+    return (f'{os.path.join(folder, SIZES_FILE)} {gone}: this run trains without them; put them back, or run python -m diffzoo.data sizes {folder} '
             f'--recount to count the shards that are there')
 
 
