@@ -365,6 +365,7 @@ def test_bench_shapes_within_twice_sdpa(n, mask, dtype, batch):
     every other tensor's is that of the first draw. On the first draw the λ gradients of the fp32 reference and of
     each kernel are also measured against the fp64 path and printed (a diagnostic, not a rule): whether a kernel
     that misses the rule is off the truth or off the fp32 reference."""
+    torch.manual_seed(n + batch)  # the layer's own draw, whatever ran before it in this worker
     m = _layer(768, 6)
     draws = [_bench_shape_errors(m, n, mask, dtype, batch, n + batch + 1000 * i, truth=i == 0)
              for i in range(LAMBDA_SEEDS)]
