@@ -97,9 +97,9 @@ def apply(rows: Sequence[Seam], changed=LibraryChanged, keep: bool = False) -> L
     it held) for `undo`. Rows with the same `replace` and the same original (a library's second reference to
     one function) get one replacement. With `keep`, a name holding a replacement diffzoo made keeps it."""
     originals = [row.original(changed) for row in rows]
-    held = [(row.module, row.name, getattr(row.module, row.name)) for row in rows]
+    previous = [(row.module, row.name, getattr(row.module, row.name)) for row in rows]
     made, replacements = {}, []
-    for row, original, (_, _, current) in zip(rows, originals, held):
+    for row, original, (_, _, current) in zip(rows, originals, previous):
         if keep and hasattr(current, ORIGINAL):
             replacements.append(current)
             continue
@@ -107,25 +107,25 @@ def apply(rows: Sequence[Seam], changed=LibraryChanged, keep: bool = False) -> L
         if key not in made:
             made[key] = row.replace(original)
         replacements.append(made[key])
-    for (module, name, _), replacement in zip(held, replacements):
+    for (module, name, _), replacement in zip(previous, replacements):
         setattr(module, name, replacement)
-    return held
+    return previous
 
 
-def undo(held: Sequence[Tuple[ModuleType, str, Any]]) -> None:
+def undo(previous: Sequence[Tuple[ModuleType, str, Any]]) -> None:
     """Put back what `apply` found, in reverse order."""
-    for module, name, value in reversed(held):
+    for module, name, value in reversed(previous):
         setattr(module, name, value)
 
 
 @contextlib.contextmanager
 def patched(rows: Sequence[Seam], changed=LibraryChanged) -> Iterator[None]:
     """`rows` applied for the block; what the names held before is back after it, whatever ends it."""
-    held = apply(rows, changed)
+    previous = apply(rows, changed)
     try:
         yield
     finally:
-        undo(held)
+        undo(previous)
 
 
 def restore(rows: Sequence[Seam]) -> None:

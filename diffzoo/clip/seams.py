@@ -34,7 +34,6 @@ import os
 import threading
 import warnings
 from importlib import resources
-from typing import Callable
 
 import open_clip
 import open_clip.coca_model
@@ -63,16 +62,6 @@ DIFFZOO_KEY = 'diffzoo'
 class OpenClipChanged(LibraryChanged):
     library = f'open_clip {open_clip.__version__}'
     tested = f'open_clip_torch {TESTED_OPEN_CLIP}: pip install "open_clip_torch>=3.3,<3.4"'
-
-
-def expect_function(module, name: str, params) -> Callable:
-    """open_clip's own `module.name`, a function taking `params` first (`OpenClipChanged` when it is not)."""
-    return Seam(module, name, None, '', tuple(params)).original(OpenClipChanged)
-
-
-def wrap_function(module, name: str, params, make_wrapper) -> None:
-    """`module.name` wrapped by `make_wrapper(original)` for the process, checked as a table's row is."""
-    seam.apply([Seam(module, name, seam.wrapping(make_wrapper), '', tuple(params))], OpenClipChanged)
 
 
 def _conversion(where: str, settings) -> dict:

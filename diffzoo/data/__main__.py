@@ -32,13 +32,13 @@ def _img2dataset_flags(tokens: List[str]) -> Dict:
         raise DataError(f'img2dataset flags after -- must be --name value pairs; got {exc.token!r}') from None
 
 
-def _cmd_download(a, extra) -> int:
-    card = load_card(a.dataset)
-    processes = a.processes or _env_int('IMG2DATASET_PROCESSES', os.cpu_count() or 1)
-    threads = a.threads or _env_int('IMG2DATASET_THREADS', 64)
+def _cmd_download(args, extra) -> int:
+    card = load_card(args.dataset)
+    processes = args.processes or _env_int('IMG2DATASET_PROCESSES', os.cpu_count() or 1)
+    threads = args.threads or _env_int('IMG2DATASET_THREADS', 64)
     wandb = os.environ.get('WANDB', '0').lower() in ('1', 'true', 'yes', 'on')
-    report = download(card, a.tsv, a.out_dir, processes, threads, wandb, a.extend, _img2dataset_flags(extra))
-    for line in report.lines(a.tsv, a.out_dir):
+    report = download(card, args.tsv, args.out_dir, processes, threads, wandb, args.extend, _img2dataset_flags(extra))
+    for line in report.lines(args.tsv, args.out_dir):
         print(line)
     if 'downloaded' in card.expected:
         lo, hi = card.expected['downloaded']
@@ -46,15 +46,15 @@ def _cmd_download(a, extra) -> int:
     return 0
 
 
-def _cmd_sizes(a, _) -> int:
-    report = write_sizes(a.directory, recount=a.recount)
+def _cmd_sizes(args, _) -> int:
+    report = write_sizes(args.directory, recount=args.recount)
     counted = f' ({len(report.counted)} counted from the tar, no stats)' if report.counted else ''
-    print(f'{a.directory}/sizes.json: {len(report.sizes)} shards, {report.total:,} samples{counted}')
+    print(f'{args.directory}/sizes.json: {len(report.sizes)} shards, {report.total:,} samples{counted}')
     return 0
 
 
-def _cmd_check(a, _) -> int:
-    report = check_dataset(a.directory, workers=a.workers, decode=not a.no_decode)
+def _cmd_check(args, _) -> int:
+    report = check_dataset(args.directory, workers=args.workers, decode=not args.no_decode)
     undecodable = sum(len(s.undecodable) for s in report.shards)
     undecodable_text = sum(len(s.undecodable_text) for s in report.shards)
     missing = sum(sum(s.missing.values()) for s in report.shards)
@@ -75,50 +75,51 @@ def _cmd_check(a, _) -> int:
         print(f'  {name:<{width}}  {value:>12,}')
     problems = report.problems()
     if problems:
-        print(f'{a.directory}: {len(problems)} problems')
+        print(f'{args.directory}: {len(problems)} problems')
         for p in problems[:50]:
             print(f'  {p}')
         if len(problems) > 50:
             print(f'  … and {len(problems) - 50} more')
         return 1
-    print(f'{a.directory}: OK')
+    print(f'{args.directory}: OK')
     return 0
 
 
-def _cmd_retry(a, _) -> int:
-    report = write_retry(a.directory, a.out, exclude=a.exclude_error)
-    print(f'{report.failed:,} failed URLs in {a.directory}; {report.written:,} written to {a.out}'
+def _cmd_retry(args, _) -> int:
+    report = write_retry(args.directory, args.out, exclude=args.exclude_error)
+    print(f'{report.failed:,} failed URLs in {args.directory}; {report.written:,} written to {args.out}'
           + (f', {report.excluded:,} excluded' if report.excluded else ''))
     for error, n in report.errors.most_common(8):
         print(f'  {n:>10,}  {error}')
     if report.unfinished:
         print(f'{len(report.unfinished)} shards are unfinished (no _stats.json; {", ".join(report.unfinished[:3])}): '
               f're-run the download script first, it finishes them')
-    print(f'download them into the same directory: scripts/download_<dataset>.sh {a.out} {a.directory} --extend')
+    print(f'download them into the same directory: scripts/download_<dataset>.sh {args.out} {args.directory} --extend')
     return 0
 
 
-def _cmd_synthetic(a, _) -> int:
-    config = CorpusConfig(train=a.train, val=a.val, image_size=a.image_size, per_shard=a.per_shard, seed=a.seed)
-    manifest = write_corpus(a.out_dir, config, fresh=a.fresh)
+def _cmd_synthetic(args, _) -> int:
+    config = CorpusConfig(train=args.train, val=args.val, image_size=args.image_size, per_shard=args.per_shard,
+                          seed=args.seed)
+    manifest = write_corpus(args.out_dir, config, fresh=args.fresh)
     for split, n in manifest['samples'].items():
-        print(f'  {a.out_dir}/{split}: {n:,} scenes')
+        print(f'  {args.out_dir}/{split}: {n:,} scenes')
     print('  classes: ' + '; '.join(f'{task} ({", ".join(names)})' for task, names in manifest['classes'].items()))
     return 0
 
 
-def _cmd_llava_qa(a, _) -> int:
+def _cmd_llava_qa(args, _) -> int:
     from .llava_qa import READERS, convert
-    sets = {name: getattr(a, name) for name in READERS if getattr(a, name)}
+    sets = {name: getattr(args, name) for name in READERS if getattr(args, name)}
     if not sets:
         raise DataError(f'name at least one set: {", ".join("--" + n for n in READERS)}')
-    report = convert(sets, a.image_root, Path(a.out), a.split, None if a.no_prompt else a.prompt)
+    report = convert(sets, args.image_root, Path(args.out), args.split, None if args.no_prompt else args.prompt)
     print(f'{"set":<8} {"kept":>10} {"no image":>10} {"no answer":>10}')
     for name, kept, missing, empty in report.rows():
         print(f'{name:<8} {kept:>10,} {missing:>10,} {empty:>10,}')
     for line in report.notes():  # what else each set left out, by reason
         print(line)
-    print(f'{a.out}: {sum(report.kept.values()):,} conversations; image paths relative to {a.image_root} '
+    print(f'{args.out}: {sum(report.kept.values()):,} conversations; image paths relative to {args.image_root} '
           f'(the recipe\'s data.image_folder)')
     return 0
 

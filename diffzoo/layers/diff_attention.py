@@ -31,7 +31,8 @@ Contract: `fused_attn=True` (default) runs the kernels of `diffzoo.layers.kernel
 variant's `split_kernel`; all exact); `False` computes explicitly and passes each differential map
 (B, h, N, N) through `diff_map`, an identity where hooks and `capture_attention_maps` read it. Softmax, λ
 and the sub-norm's statistics are computed in torch.promote_types(dtype, float32), then cast back. The
-forward branches only on what construction fixed and on `fused_attn`, so TorchScript, torch.fx,
+forward branches on what construction fixed, on `fused_attn`, and (not under TorchScript) on whether `proj` is a
+plain, unhooked `nn.Linear` the fused op may apply itself; never on tensor values, so TorchScript, torch.fx,
 torch.compile(fullgraph=True), torch.export and ONNX take it (tests/layers/test_tracing.py).
 """
 import functools
@@ -262,7 +263,8 @@ class DifferentialAttention(DiffAttention):
 
     def attend(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
         """The layer's output (B, N, C); `forward` of this class and of subclasses with other signatures.
-        Its branches read what construction fixed (v2's `lambda_proj`, the variant) and `fused_attn`."""
+        Its branches read what construction fixed (v2's `lambda_proj`, the variant), `fused_attn` and the
+        module `proj` (`_folded_proj`)."""
         B, N, C = x.shape
         q, k, v = self._project(x)
         lam = self.compute_lambda(x)

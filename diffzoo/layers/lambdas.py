@@ -23,6 +23,9 @@ LAMBDA_VECTORS = ('lambda_q1', 'lambda_k1', 'lambda_q2', 'lambda_k2')
 # scalars, v2's W_λ and the sub-norm; `lambda_lr` trains them at their own rate and a converted layer starts them
 # from its own initial values
 LAMBDA_PARAMETERS = (*LAMBDA_VECTORS, 'lambda_a', 'lambda_b', 'lambda_proj', 'sub_norm')
+# state-dict key endings one of which every differential layer holds: the λ vectors', timm's dual scalars', v2's W_λ
+DIFFERENTIAL_KEYS = (LAMBDA_VECTORS[0], 'lambda_a', 'lambda_proj.weight')
+LAMBDA_STD = 0.1  # the λ vectors' N(0, 0.1) at first (timm's and unilm's)
 
 
 def resolve_lambda_init(lambda_init: LambdaInit, depth: int) -> float:

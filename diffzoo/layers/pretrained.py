@@ -38,11 +38,10 @@ import torch
 import torch.nn as nn
 
 from .diff_attention import DifferentialAttention
-from .lambdas import LAMBDA_PARAMETERS
+from .lambdas import DIFFERENTIAL_KEYS, LAMBDA_PARAMETERS
 
 SOURCES = ('timm', 'timm_eva', 'open_clip')
 HEAD_PAIRINGS = ('adjacent', 'halves')
-DIFFERENTIAL_KEYS = ('lambda_q1', 'lambda_a', 'lambda_proj.weight')  # one of them in every differential state dict
 RECORD = '_extra_state'
 
 

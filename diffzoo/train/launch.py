@@ -42,9 +42,9 @@ def _plot_lambda(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog='python -m diffzoo.train plot-lambda')
     p.add_argument('run_dir')
     p.add_argument('--out', default=None, help='PNG path (default RUN_DIR/lambda.png)')
-    a = p.parse_args(argv)
+    args = p.parse_args(argv)
     from .lambda_log import plot_lambda  # matplotlib: imported after parsing, so --help answers at once
-    print(plot_lambda(a.run_dir, a.out))
+    print(plot_lambda(args.run_dir, args.out))
     return 0
 
 

@@ -63,7 +63,7 @@ from timm.layers import RmsNorm
 
 from diffzoo.layers import resolve_lambda_init
 from diffzoo.layers.blocks import block_indices
-from diffzoo.layers.lambdas import LAMBDA_VECTORS
+from diffzoo.layers.lambdas import LAMBDA_STD, LAMBDA_VECTORS
 from .attention import DIFF_EAGER, DIFF_SDPA, layer_lambda, register_attention
 from .hf_config import SETTINGS_KEY, mark_differential, saved_settings
 from .options import HEAD_PAIRINGS, MLPS, VARIANTS
@@ -114,7 +114,7 @@ def _add_parameters(attn: nn.Module, variant: str, lambda_init: float, head_pair
     dd = {'device': weight.device, 'dtype': weight.dtype}
     d = attn.head_dim
     for name in LAMBDA_VECTORS:
-        setattr(attn, name, nn.Parameter(torch.empty(d, **dd).normal_(0, 0.1)))
+        setattr(attn, name, nn.Parameter(torch.empty(d, **dd).normal_(0, LAMBDA_STD)))
     attn.sub_norm = RmsNorm(2 * d if variant == 'split' else d, eps=SUB_NORM_EPS, **dd)
     attn.differential = DifferentialSpec(variant, lambda_init, head_pairing)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from diffzoo.clip import DiffTextTransformer, seams
+from diffzoo.seam import Seam
 from diffzoo.layers import DifferentialAttention
 
 
@@ -35,7 +36,7 @@ def test_changed_open_clip_internals_fail_loudly(monkeypatch):
         seams.install()
     monkeypatch.delattr(open_clip.factory, 'load_state_dict')
     with pytest.raises(seams.OpenClipChanged, match='has no open_clip.factory.load_state_dict'):
-        seams.wrap_function(open_clip.factory, 'load_state_dict', ('checkpoint_path',), lambda f: f)
+        Seam(open_clip.factory, 'load_state_dict', None, '', ('checkpoint_path',)).original(seams.OpenClipChanged)
 
 
 def test_plain_open_clip_models_are_untouched():

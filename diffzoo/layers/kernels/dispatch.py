@@ -8,10 +8,9 @@
     explicit_output      explicit path: the maps times V in fp32 (autocast off), then the sub-norm
 
 Each is a leaf of torch.fx (registered with timm's `register_notrace_function`; the attention module
-wraps its names with `torch.fx.wrap`): a symbolic trace records one call, and the choices inside —
-`split_kernel="auto"` by device, dtype and length, the Triton kernel's fallbacks, a mask's dtype and
-per-head layout —
-are made on the real tensors when the graph runs, exactly as in eager mode. Each also compiles
+wraps its names with `torch.fx.wrap`): a symbolic trace records one call, and the choices inside
+(`split_kernel="auto"` by device, dtype and length, the Triton kernel's fallbacks, a mask's dtype and
+per-head layout) are made on the real tensors when the graph runs, exactly as in eager mode. Each also compiles
 with TorchScript; there the Triton kernel and the saved-outputs op (a custom op and an
 autograd.Function, which TorchScript cannot compile) give way to the SDPA kernels and the same
 sub-norm chain under ordinary autograd. torch.compile and torch.export trace through them.
@@ -29,20 +28,19 @@ from .sub_norm import sub_normed_difference
 
 SPLIT_KERNELS = ('two_calls', 'one_call', 'padded', 'four_calls', 'triton')
 
-# `split_kernel="auto"` on CUDA runs the Triton kernel for a (dtype, most tokens) row below: where its GPU tests
-# (tests/layers/test_kernels.py, `pytest -m gpu`) have passed on an H100 and an H200, and nowhere else. The one
-# place to change when a GPU run passes more: `python -m diffzoo.bench.gpu OUT tests` says which rows its run
-# supports. docs/performance.md holds the evidence.
+# `split_kernel="auto"` on CUDA runs the Triton kernel for a (dtype, most tokens) row below, where its GPU tests
+# (tests/layers/test_kernels.py, `pytest -m gpu`) pass, and nowhere else. `python -m diffzoo.bench.gpu OUT tests`
+# says which rows a run supports; docs/performance.md says why each row ends where it does.
 TRITON_ON_CUDA: Tuple[Tuple[torch.dtype, int], ...] = (
-    (torch.bfloat16, 4096),  # every case, 77 (causal) to 4096 tokens, batch 1 and 256
-    (torch.float16, 577),  # to 577 tokens; at 4096, batch 256, its dL/dλ is off by 2.4x SDPA's error
+    (torch.bfloat16, 4096),
+    (torch.float16, 577),
 )
 
 
 @register_notrace_function
 def sdpa_split_kernel(device_type: str) -> str:
-    """The SDPA kernel `auto` runs where the Triton kernel does not, measured with `python -m diffzoo.bench`:
-    two_calls on CUDA (cuDNN takes the unequal widths), four_calls on CPU (flash kernels, nothing copied)."""
+    """The SDPA kernel `auto` runs where the Triton kernel does not: two_calls on CUDA (cuDNN takes the unequal
+    widths), four_calls on CPU (flash kernels, nothing copied); docs/performance.md compares them."""
     if device_type == 'cpu':
         return 'four_calls'
     return 'two_calls'
