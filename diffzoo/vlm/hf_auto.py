@@ -1,6 +1,6 @@
 """The `diffzoo_differential` model type in transformers' Auto classes (formats: `diffzoo.vlm.hf_config`).
 
-`register()` (run by `import diffzoo` once transformers is imported) gives AutoConfig the entry
+`register()` (run by `import diffzoo` where transformers is installed) gives AutoConfig the entry
 `DifferentialConfig`. Reading a saved differential config through it builds the base config's
 `Differential<Config>` and registers, through transformers' own `Auto*.register`, with every Auto
 model class that maps `<Config>` (AutoModel → LlamaModel, AutoModelForCausalLM → LlamaForCausalLM,
