@@ -13,8 +13,9 @@ the sub-norm weight and dy exactly as the kernel's custom op receives them; then
 For each of kernel and two_calls: the error of dL/dλ, the root mean square of the per-row errors, their
 mean as a z-score (a rounding error that keeps its sign from row to row grows with the rows, not with
 their square root: |z| of a few and more says so), the share of the squared error in the worst 0.1 % of
-rows (a heavy tail), and the error of dL/dλ per head. The inputs' own rounding, common to every kernel,
-is not in these errors (the GPU test's reference is the fp32 layer: it is).
+rows (a heavy tail), and the error of dL/dλ per head; for the kernel also the error of dL/dλ as its op returns
+it, the rows summed in one fp32 sum (the others sum the rows' errors in fp64). The inputs' own rounding, common
+to every kernel, is not in these errors (the GPU test's reference is the fp32 layer: it is).
 
     python -m diffzoo.bench.lambda_error --device cuda --tokens 4096 --batch 256 --dtype fp16 --out X.json
 """
@@ -76,13 +77,14 @@ def reference_rows(a: Dict, chunk: int = 1) -> torch.Tensor:
 
 
 def kernel_rows(a: Dict) -> torch.Tensor:
-    """The Triton kernel's ρ2 per row (B, h, N), fp32: its forward, then its norm and dQ backward kernels."""
+    """The Triton kernel's row statistics that dL/dλ sums, (2 or 3, B, h, N) fp32: ρ2 and, where there is one, ρ2_lo
+    (its forward, then its norm and dQ backward kernels)."""
     from diffzoo.layers.kernels import split_triton
     _, D, lse = split_triton.forward(a['q'], a['k'], a['v'], a['lam'], a['weight'], None, a['scale'], a['eps'], False)
     dD, dD_lo, _, _ = split_triton.norm_backward(a['dy'], a['weight'], D, a['eps'], False)
     _, delta = split_triton.dq_backward(a['q'], a['k'], a['v'], a['lam'], None, dD, lse, a['scale'], False,
                                         dD_lo=dD_lo)
-    return delta[1:].sum(0)  # ρ2, plus ρ2_lo where there is one
+    return delta[1:]  # ρ2, and ρ2_lo where there is one
 
 
 def two_calls_rows(a: Dict) -> torch.Tensor:
@@ -111,15 +113,20 @@ def measure(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, d
             chunk: int = 1) -> Dict:
     a = layer_inputs(batch, tokens, dim, heads, dtype, device, seed)
     exact = reference_rows(a, chunk)
+    streams = kernel_rows(a)
+    kernel = error_stats(streams.sum(0), exact)
+    # the op's own dL/dλ, −Σ over every row in one fp32 sum (split_triton.backward): the rows' error and the sum's
+    kernel['dlambda_error_as_op'] = -streams.sum().item() + exact.sum().item()
     return {'seed': seed, 'dlambda': -exact.sum().item(), 'rows': exact.numel(),
-            'kernel': error_stats(kernel_rows(a), exact), 'two_calls': error_stats(two_calls_rows(a), exact)}
+            'kernel': kernel, 'two_calls': error_stats(two_calls_rows(a), exact)}
 
 
 def summary(draws, dtype: str) -> Dict:
     def rms_of(key):
         return {k: math.sqrt(sum(d[k][key] ** 2 for d in draws) / len(draws)) for k in ('kernel', 'two_calls')}
     rms, row = rms_of('dlambda_error'), rms_of('row_rms')
-    return {'dtype': dtype, 'dlambda_error_rms': rms, 'row_error_rms': row,
+    as_op = math.sqrt(sum(d['kernel']['dlambda_error_as_op'] ** 2 for d in draws) / len(draws))
+    return {'dtype': dtype, 'dlambda_error_rms': rms, 'row_error_rms': row, 'kernel_dlambda_error_as_op_rms': as_op,
             'within_twice_two_calls': rms['kernel'] <= 2 * rms['two_calls'],
             'mean_z': {k: [round(d[k]['mean_z'], 2) for d in draws] for k in ('kernel', 'two_calls')}}
 
@@ -152,13 +159,15 @@ def main(argv: Optional[list] = None) -> int:
         d = draws[-1]
         line = '; '.join(f'{k} {d[k]["dlambda_error"]:+.3e} (rows rms {d[k]["row_rms"]:.2e}, z {d[k]["mean_z"]:+.1f})'
                          for k in ('kernel', 'two_calls'))
+        line += f'; the kernel\'s as its op sums the rows in fp32 {d["kernel"]["dlambda_error_as_op"]:+.3e}'
         print(f'draw {seed}: dL/dλ {d["dlambda"]:.4f} over {d["rows"]:,} rows; error {line}', flush=True)
     result = {'tokens': a.tokens, 'batch': a.batch, 'dim': a.dim, 'heads': a.heads, 'device': a.device,
               'draws': draws, 'summary': summary(draws, a.dtype)}
     s = result['summary']
     print(f'rms over {a.seeds} draws of the dL/dλ error against fp64 on the same inputs: kernel '
           f'{s["dlambda_error_rms"]["kernel"]:.3e}, two_calls {s["dlambda_error_rms"]["two_calls"]:.3e}; per row '
-          f'{s["row_error_rms"]["kernel"]:.2e} and {s["row_error_rms"]["two_calls"]:.2e}')
+          f'{s["row_error_rms"]["kernel"]:.2e} and {s["row_error_rms"]["two_calls"]:.2e}; the kernel\'s as its op sums '
+          f'the rows in fp32 {s["kernel_dlambda_error_as_op_rms"]:.3e}')
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
     return 0

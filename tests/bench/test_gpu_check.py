@@ -43,9 +43,10 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     monkeypatch.setattr(steps, 'PACKAGE', tmp_path / 'site-packages' / 'diffzoo')
     assert cli.main([str(tmp_path / 'out'), 'tune', 'tests', '--device', 'cuda']) == 1
     report, by_name = records(tmp_path / 'out')
-    assert [r['name'] for r in report['steps']] == ['tune', 'kernel-tests', 'gpu-tests', 'lambda-error']
-    error = by_name['lambda-error']
-    assert error['status'] == 'failed' and 'no CUDA device here' in error['last_line']
+    assert [r['name'] for r in report['steps']] == ['tune', 'kernel-tests', 'gpu-tests', 'lambda-error',
+                                                    'lambda-rounding']
+    for name in ('lambda-error', 'lambda-rounding'):
+        assert by_name[name]['status'] == 'failed' and 'no CUDA device here' in by_name[name]['last_line']
     tune = by_name['tune']
     assert (tune['status'], tune['rc'], tune['timeout_s']) == ('failed', 2, 300) and tune['seconds'] > 0
     assert 'it needs a CUDA GPU' in tune['last_line'] and 'diffzoo.bench.tune --write' in tune['command']
@@ -56,7 +57,8 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     log = (tmp_path / 'out' / 'gpu_check.log').read_text()
     assert '=== tune/tune' in log and 'it needs a CUDA GPU' in log
     table = capsys.readouterr().out
-    assert 'tests/kernel-tests' in table and 'failed or timed out: tune/tune, tests/lambda-error\n' in table
+    assert 'tests/kernel-tests' in table
+    assert 'failed or timed out: tune/tune, tests/lambda-error, tests/lambda-rounding\n' in table
 
 
 @pytest.mark.slow  # real processes

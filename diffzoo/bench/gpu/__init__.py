@@ -5,8 +5,9 @@ few commands; the seconds are each step's time box on CUDA; `--plan` prints them
   tests     165 s  the kernel tests on CUDA (tests/layers/test_kernels.py and the official checkpoint's CUDA
                    test), which rows of split_kernel="auto"'s table they support (OUT/dispatch.json), the fp16
                    λ gradient's error row by row at 4096 tokens, batch 256 (python -m diffzoo.bench.lambda_error,
-                   OUT/lambda-error.json), then every other test marked gpu (pytest -m gpu); needs the
-                   repository's tests/
+                   OUT/lambda-error.json) and per sample beside each path's rounding modelled
+                   (python -m diffzoo.bench.lambda_rounding, OUT/lambda-rounding.json), then every other test
+                   marked gpu (pytest -m gpu); needs the repository's tests/
   bench     145 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
                    diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive
                    steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); the model

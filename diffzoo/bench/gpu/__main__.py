@@ -104,8 +104,13 @@ def table(runner: Runner) -> str:
     if error:
         rms = error['dlambda_error_rms']
         lines.append(f'fp16 dL/dλ error against fp64 on the same inputs (rms of draws): kernel {rms["kernel"]:.3e}, '
-                     f'two_calls {rms["two_calls"]:.3e}; per-row z-scores kernel {error["mean_z"]["kernel"]}, '
-                     f'two_calls {error["mean_z"]["two_calls"]}')
+                     f'two_calls {rms["two_calls"]:.3e} (the kernel\'s as its op sums the rows in fp32 '
+                     f'{error["kernel_dlambda_error_as_op_rms"]:.3e}); per-row z-scores kernel '
+                     f'{error["mean_z"]["kernel"]}, two_calls {error["mean_z"]["two_calls"]}')
+    rounding = runner.results.get('lambda_rounding')
+    if rounding:
+        lines.append('fp16 dL/dλ error a sample against fp64 (rms, mean ± se): ' + '; '.join(
+            f'{path} {r["rms"]:.2e}, {r["mean"]:+.1e} ± {r["mean_se"]:.0e}' for path, r in rounding.items()))
     b16 = runner.results.get('commands', {}).get('train_b16', {})
     moon = b16.get('moonshot')
     if moon and moon['ratio'] is not None:

@@ -47,8 +47,9 @@ def tune(runner: Runner, s: Settings) -> None:
 def tests(runner: Runner, s: Settings) -> None:
     """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), which rows of
     `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row at 4096 tokens
-    (diffzoo.bench.lambda_error), then every other test marked gpu; on the CPU only the tests marked gpu are
-    collected (and skip, no CUDA), and lambda_error runs under the interpreter at 300 tokens: the plumbing."""
+    (diffzoo.bench.lambda_error) and per sample at batch 1, the kernel beside each path's rounding modelled
+    (diffzoo.bench.lambda_rounding), then every other test marked gpu; on the CPU only the tests marked gpu are
+    collected (and skip, no CUDA), and both λ benches run under the interpreter at small sizes: the plumbing."""
     py, cuda = sys.executable, s.device == 'cuda'
     workers = ['-n', str(s.test_workers), '--dist', 'loadgroup'] if cuda else []  # xdist_group marks
     pytest = [py, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
@@ -69,8 +70,14 @@ def tests(runner: Runner, s: Settings) -> None:
                                           str(s.out / 'dispatch.json')], 20, reserve=60, grace=5)
         if support.status == 'ok':
             runner.results['dispatch'] = json.loads((s.out / 'dispatch.json').read_text())
-    if runner.run('lambda-error', error, 35 if cuda else 120, reserve=30).status == 'ok':
+    if runner.run('lambda-error', error, 35 if cuda else 120, reserve=55).status == 'ok':
         runner.results['lambda_error'] = json.loads((s.out / 'lambda-error.json').read_text())['summary']
+    size = ['--tokens', '4096', '--draws', '24'] if cuda else ['--tokens', '64', '--dim', '128', '--heads', '1',
+                                                              '--draws', '2']
+    rounding = [*([] if cuda else ['env', 'TRITON_INTERPRET=1']), py, '-m', 'diffzoo.bench.lambda_rounding', '--device',
+                s.device, *size, '--triton', '--out', str(s.out / 'lambda-rounding.json')]
+    if runner.run('lambda-rounding', rounding, 25 if cuda else 60, reserve=30).status == 'ok':
+        runner.results['lambda_rounding'] = json.loads((s.out / 'lambda-rounding.json').read_text())['summary']
     if s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file():
         runner.run('gpu-tests', rest)
 
