@@ -28,19 +28,15 @@ from typing import Dict, Optional
 
 import torch
 
+from .lambda_rounding import tests_layer
+
 DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 
 def layer_inputs(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, device: torch.device,
                  seed: int) -> Dict:
     """q (B, 2h, N, d), k, v (B, h, N, 2d), λ, the sub-norm weight and dy (B, N, C), as the custom op gets them."""
-    from diffzoo.layers import DifferentialAttention
-    torch.manual_seed(0)
-    m = DifferentialAttention(dim, num_heads=heads, qkv_bias=True, lambda_init=0.8).to(device)
-    with torch.no_grad():  # the kernel tests' parameters, bf16-representable
-        for name, p in m.named_parameters():
-            std = 0.1 if name.startswith('lambda') else 0.3 if p.ndim == 1 else dim ** -0.5
-            p.normal_(0, std).copy_(p.to(torch.bfloat16).float())
+    m = tests_layer(dim, heads, 0, device)
     torch.manual_seed(seed)
     x = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16).float()
     grad = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16)
