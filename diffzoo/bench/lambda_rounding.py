@@ -7,11 +7,14 @@ the layer (`tests/layers/test_kernels.py`'s kind: width `dim`, `heads` different
     fp32       the layer in fp32 (the GPU test's reference)
     inputs     fp64 arithmetic with q, k, v, the sub-norm's output and the projection's input gradient dy
                rounded to fp16, as autocast rounds them for every kernel
-    kernel     inputs, and D saved in fp16 for the sub-norm's backward (the Triton kernel's rounding points;
-               its dD is kept whole by ρ2_lo)
+    kernel     inputs, and D saved in fp16 for the sub-norm's backward, as the Triton kernel saves it (its dD is
+               kept whole by ρ2_lo)
     two_calls  inputs, and SDPA's A1V and A2V rounded to fp16, then their difference rounded to fp16
     triton     with --triton, the Triton kernel itself under autocast fp16 (on CUDA; on the CPU under the
                interpreter, TRITON_INTERPRET=1, a minute a draw at 1,024 tokens)
+
+Neither model rounds the maps before their product with V, which both kernels do as flash attention does:
+--triton measures the kernel whole.
 
     python -m diffzoo.bench.lambda_rounding --tokens 4096 --draws 12 [--triton] [--device cuda] [--out X.json]
 """
@@ -35,7 +38,8 @@ def fp16(t: torch.Tensor) -> torch.Tensor:
 
 
 def tests_layer(dim: int, heads: int, seed: int, device: torch.device) -> nn.Module:
-    """The kernel tests' layer: fp32 parameters drawn N(0, 0.1) (λ), N(0, 0.3) (vectors), N(0, 1/dim), bf16-exact."""
+    """The kernel tests' layer: fp32 parameters drawn N(0, 0.1²) (λ), N(0, 0.3²) (vectors), N(0, 1/dim) (matrices),
+    each bf16-exact."""
     from diffzoo.layers import DifferentialAttention
     torch.manual_seed(seed)
     m = DifferentialAttention(dim, num_heads=heads, qkv_bias=True, lambda_init=0.8).to(device)

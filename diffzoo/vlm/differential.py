@@ -158,9 +158,9 @@ def differentialize(
                          f'converts a plain model: load it again from its pretrained files (from_pretrained) and '
                          f'call differentialize once, with every layer to convert')
     chosen = block_indices(layers, len(blocks), f'{type(model).__name__}\'s decoder', key='layers')
-    inits = [resolve_lambda_init(lambda_init, blocks[i].self_attn.layer_idx) for i in chosen]  # λ_init per layer
     for i in chosen:
         _check_attention(blocks[i].self_attn, variant, i)
+    inits = [resolve_lambda_init(lambda_init, blocks[i].self_attn.layer_idx) for i in chosen]  # λ_init per layer
     pairing = _resolve_head_pairing(head_pairing, variant, blocks[chosen[0]].self_attn)
     for i, init in zip(chosen, inits):
         _add_parameters(blocks[i].self_attn, variant, init, pairing)

@@ -47,9 +47,10 @@ def tune(runner: Runner, s: Settings) -> None:
 def tests(runner: Runner, s: Settings) -> None:
     """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), which rows of
     `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row at 4096 tokens
-    (diffzoo.bench.lambda_error) and per sample at batch 1, the kernel beside each path's rounding modelled
-    (diffzoo.bench.lambda_rounding), then every other test marked gpu; on the CPU only the tests marked gpu are
-    collected (and skip, no CUDA), and both λ benches run under the interpreter at small sizes: the plumbing."""
+    (diffzoo.bench.lambda_error), every other test marked gpu, then in what the box has left the error per sample
+    at batch 1, the kernel beside each path's rounding modelled (diffzoo.bench.lambda_rounding); on the CPU only
+    the tests marked gpu are collected (and skip, no CUDA), and both λ benches run under the interpreter at small
+    sizes: the plumbing."""
     py, cuda = sys.executable, s.device == 'cuda'
     workers = ['-n', str(s.test_workers), '--dist', 'loadgroup'] if cuda else []  # xdist_group marks
     pytest = [py, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
@@ -70,16 +71,16 @@ def tests(runner: Runner, s: Settings) -> None:
                                           str(s.out / 'dispatch.json')], 20, reserve=60, grace=5)
         if support.status == 'ok':
             runner.results['dispatch'] = json.loads((s.out / 'dispatch.json').read_text())
-    if runner.run('lambda-error', error, 35 if cuda else 120, reserve=55).status == 'ok':
+    if runner.run('lambda-error', error, 35 if cuda else 120, reserve=30).status == 'ok':
         runner.results['lambda_error'] = json.loads((s.out / 'lambda-error.json').read_text())['summary']
+    if s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file():
+        runner.run('gpu-tests', rest)
     size = ['--tokens', '4096', '--draws', '24'] if cuda else ['--tokens', '64', '--dim', '128', '--heads', '1',
                                                               '--draws', '2']
     rounding = [*([] if cuda else ['env', 'TRITON_INTERPRET=1']), py, '-m', 'diffzoo.bench.lambda_rounding', '--device',
                 s.device, *size, '--triton', '--out', str(s.out / 'lambda-rounding.json')]
-    if runner.run('lambda-rounding', rounding, 25 if cuda else 60, reserve=30).status == 'ok':
+    if runner.run('lambda-rounding', rounding, 25 if cuda else 60).status == 'ok':  # last: what the box has left
         runner.results['lambda_rounding'] = json.loads((s.out / 'lambda-rounding.json').read_text())['summary']
-    if s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file():
-        runner.run('gpu-tests', rest)
 
 
 def bench(runner: Runner, s: Settings) -> None:
@@ -211,7 +212,8 @@ BOXES = {  # seconds per step: cuda, cpu
 
 
 RUNS = {  # what each step runs, for the plan
-    'tune': 'tune', 'tests': 'kernel-tests (up to 110 s), dispatch, lambda-error (35 s), gpu-tests',
+    'tune': 'tune', 'tests': 'kernel-tests (up to 110 s), dispatch, lambda-error (35 s), gpu-tests, lambda-rounding '
+                             '(what is left, up to 25 s)',
     'bench': 'bench (bf16: model and steps sections), bench-fp16 (model section, 45 s)', 'compile': 'compile',
     'commands': '0-env beside 2-corpus, 2-train-diffclip-b16-cc3m@defaults, 2-train-clip-b16-baseline-cc3m@open_clip',
     'extras': '1-train-tiny, 3-vlm, 4-eramv (their corpus and assets behind them)',

@@ -122,7 +122,7 @@ def check_settings(recipe: Dict) -> None:
                           'train: null')
     if not stage and recipe['init_from']:
         raise RecipeError(f'init_from={recipe["init_from"]!r}: a stage (train: {{…}}) starts from an earlier stage\'s '
-                          f'output; LoRA fine-tuning (train: null) starts from model as the recipe builds it. To '
+                          f'output; LoRA fine-tuning (train: null) starts from the model as the recipe builds it. To '
                           f'fine-tune a stage\'s output with LoRA, run a stage of train.language_model: lora')
     if not stage and data['type'] != 'vqav2':
         raise RecipeError(f'data.type {data["type"]}: LoRA fine-tuning (train: null) reads VQAv2; conversations train '
