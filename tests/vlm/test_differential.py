@@ -295,6 +295,15 @@ def test_layers_are_refused_by_name_and_nothing_converts(layers, why):
     assert not differential_parameters(model) and SETTINGS_KEY not in model.config.to_dict()
 
 
+def test_an_attention_module_without_what_it_needs_is_refused_by_layer_and_nothing_converts():
+    """A decoder layer whose attention lacks `layer_idx` (λ_init by depth reads it) is named before any layer changes."""
+    model = _model('llama')
+    del model.model.layers[1].self_attn.layer_idx
+    with pytest.raises(ValueError, match=r"layer 1: LlamaAttention lacks \['layer_idx'\]; differentialize needs"):
+        differentialize(model)
+    assert not differential_parameters(model) and SETTINGS_KEY not in model.config.to_dict()
+
+
 def test_a_second_call_is_refused_so_the_saved_settings_cover_every_differential_layer():
     """Layers of two settings in memory, and a config recording only the last call's, would reload otherwise."""
     model = differentialize(_model('llama'), layers=[0])
