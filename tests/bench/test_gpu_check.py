@@ -64,16 +64,16 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
 @pytest.mark.slow  # real processes
 def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget_leaves_no_time(tmp_path):
     """A 12 s budget: tune (a 5 s box) and compile (what is left, about 7 s) are ended while they run and recorded
-    as timed out; bench's two commands find no time left and are skipped. The run prints its plan first."""
+    as timed out; bench's three commands find no time left and are skipped. The run prints its plan first."""
     out = tmp_path / 'out'
     done = subprocess.run([sys.executable, '-m', 'diffzoo.bench.gpu', str(out), 'tune', 'compile', 'bench',
                            '--device', 'cpu', '--budget', '12', '--limit', 'tune=5'], capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     report, by_name = records(out)
     assert (report['device'], report['budget_s']) == ('cpu', 12)
-    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-fp16']
+    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-fp16', 'bench-alone']
     tune, compiled, bench = by_name['tune'], by_name['compile'], by_name['bench']
-    assert by_name['bench-fp16']['status'] == 'skipped'
+    assert by_name['bench-fp16']['status'] == by_name['bench-alone']['status'] == 'skipped'
     assert (tune['status'], tune['timeout_s']) == ('timed out', 5) and 5 <= tune['seconds'] < 9
     assert tune['command'].startswith('env TRITON_INTERPRET=1 ') and '--device cpu --tokens 20' in tune['command']
     assert compiled['status'] == 'timed out' and 5 <= compiled['timeout_s'] <= 7
@@ -184,3 +184,19 @@ def test_the_dispatch_task_says_which_rows_of_auto_s_table_the_kernel_tests_supp
     assert [(c['tokens'], c['batch']) for c in report['fp16']['not_passed']] == [(4096, 256)]
     assert 'could extend' not in report['fp16']['verdict']
     assert 'bf16: the row (to 4096 tokens) is supported' in done.stdout
+
+
+@pytest.mark.slow  # a real model section
+def test_first_steps_reads_each_block_s_first_step_of_a_model_section_alone(tmp_path):
+    """bench-alone's summary: the model section of one model as its own baseline, each block's first training step
+    and the median of the others, from the section's own JSON."""
+    from diffzoo.bench.__main__ import main as bench
+    out = tmp_path / 'alone.json'
+    assert bench(['--device', 'cpu', '--smoke', '--sections', 'model', '--model', 'diffclip-tiny', '--baseline',
+                  'diffclip-tiny', '--blocks', '3', '--block-steps', '3', '--out', str(out)]) == 0
+    result = json.loads(out.read_text())
+    summary = steps.first_steps(result)
+    blocks = result['models']['rows'][0]['train']['blocks']
+    assert summary['model'] == 'diffclip-tiny' and len(blocks) == 3
+    assert summary['first_step_s'] == [block[0] for block in blocks]
+    assert summary['other_steps_median_s'] == sorted(t for block in blocks for t in block[1:])[3]

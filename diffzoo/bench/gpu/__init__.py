@@ -11,7 +11,8 @@ few commands; the seconds are each step's time box on CUDA; `--plan` prints them
   bench     145 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
                    diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive
                    steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); the model
-                   section again in fp16 with a gradient scaler (OUT/bench-fp16.json)
+                   section again in fp16 with a gradient scaler (OUT/bench-fp16.json); in what is left, diffclip-b16
+                   alone (OUT/bench-alone.json)
   compile   145 s  the model section with both towers under torch.compile (OUT/bench-compile.json)
   commands  135 s  diffclip-b16-cc3m through scripts/train.sh on every default and clip-b16-baseline-cc3m on
                    open_clip's own pipeline, in one job on synthetic shards: images/s per GPU, their ratio (the

@@ -107,6 +107,11 @@ def table(runner: Runner) -> str:
                      f'two_calls {rms["two_calls"]:.3e} (the kernel\'s as its op sums the rows in fp32 '
                      f'{error["kernel_dlambda_error_as_op_rms"]:.3e}); per-row z-scores kernel '
                      f'{error["mean_z"]["kernel"]}, two_calls {error["mean_z"]["two_calls"]}')
+    alone = runner.results.get('bench_alone')
+    if alone:
+        lines.append(f'{alone["model"]} alone, training: the first step of each block '
+                     + ', '.join(f'{t * 1e3:.1f}' for t in alone['first_step_s'])
+                     + f' ms; the other steps\' median {alone["other_steps_median_s"] * 1e3:.1f} ms')
     rounding = runner.results.get('lambda_rounding')
     if rounding:
         lines.append('fp16 dL/dλ error a sample against fp64 (rms, mean ± se): ' + '; '.join(

@@ -87,7 +87,8 @@ def bench(runner: Runner, s: Settings) -> None:
     """python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path (`auto`),
     diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive steps
     profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); then the model section in
-    fp16 with a gradient scaler, as open_clip's --precision amp (OUT/bench-fp16.json)."""
+    fp16 with a gradient scaler, as open_clip's --precision amp (OUT/bench-fp16.json); then, in what the box has
+    left, diffclip-b16 alone (OUT/bench-alone.json)."""
     py = sys.executable
     base = [py, '-m', 'diffzoo.bench', '--device', s.device]
     if s.device == 'cuda':
@@ -102,6 +103,22 @@ def bench(runner: Runner, s: Settings) -> None:
                 'clip-tiny-baseline']
     runner.run('bench', [*bf16, '--out', str(s.out / 'bench.json')], reserve=45)
     runner.run('bench-fp16', [*fp16, '--out', str(s.out / 'bench-fp16.json')])
+    # the differential model alone (its own baseline), in what the box has left: do the first steps of its blocks
+    # still grow where no other model's block runs between them, as in a training?
+    alone = (['--model', 'diffclip-b16', '--baseline', 'diffclip-b16', '--blocks', '4', '--block-steps', '6']
+             if s.device == 'cuda' else ['--smoke', '--model', 'diffclip-tiny', '--baseline', 'diffclip-tiny'])
+    if runner.run('bench-alone', [*base, '--sections', 'model', *alone, '--out', str(s.out / 'bench-alone.json')],
+                  30 if s.device == 'cuda' else 120).status == 'ok':
+        runner.results['bench_alone'] = first_steps(json.loads((s.out / 'bench-alone.json').read_text()))
+
+
+def first_steps(bench: Dict) -> Dict:
+    """Of a model section's first row, training: the first step of each block and the median of the others (s)."""
+    row = bench['models']['rows'][0]
+    blocks = row['train']['blocks']
+    rest = sorted(t for block in blocks for t in block[1:])
+    return {'model': row['model'], 'first_step_s': [block[0] for block in blocks],
+            'other_steps_median_s': rest[len(rest) // 2] if rest else None}
 
 
 def compile_models(runner: Runner, s: Settings) -> None:
@@ -214,7 +231,8 @@ BOXES = {  # seconds per step: cuda, cpu
 RUNS = {  # what each step runs, for the plan
     'tune': 'tune', 'tests': 'kernel-tests (up to 110 s), dispatch, lambda-error (35 s), gpu-tests, lambda-rounding '
                              '(what is left, up to 25 s)',
-    'bench': 'bench (bf16: model and steps sections), bench-fp16 (model section, 45 s)', 'compile': 'compile',
+    'bench': 'bench (bf16: model and steps sections), bench-fp16 (model section, 45 s), bench-alone (what is left, '
+             'up to 30 s)', 'compile': 'compile',
     'commands': '0-env beside 2-corpus, 2-train-diffclip-b16-cc3m@defaults, 2-train-clip-b16-baseline-cc3m@open_clip',
     'extras': '1-train-tiny, 3-vlm, 4-eramv (their corpus and assets behind them)',
     'stages': 'stage-assets, stage1, stage2, stage3, stage3-fsdp',
