@@ -9,9 +9,9 @@
     run(recipe, name, job) -> results          that setup, then the job's Trainer with its callbacks, the training,
                                                and the job's end: its outputs, then results.json and loss.png
 
-Fine-tuning and a stage differ only in where their model starts, what they read, how their samples become batches
-(a stage's checked against the model), the Trainer they train with and what they write at the end: a `Job` says it
-(`finetune.FineTuning`, `stage.Stage`).
+Fine-tuning and a stage differ only in what they read, how their samples become batches (a stage's checked against
+the model), the Trainer they train with and what they write at the end: a `Job` says it (`finetune.FineTuning`,
+`stage.Stage`). Where the model starts is the recipe's: as built, or a stage's `init_from`.
 
 `python -m diffzoo.train.vlm chain STAGE …` checks what every stage needs before the first trains (`check_chain`: its
 recipe, settings, data files — that they are there, not what they hold, which the run's loader reads once — and
