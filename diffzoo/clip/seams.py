@@ -120,7 +120,9 @@ _TEXT_TOWER_BUILDS = threading.Lock()  # one differential text tower built at a 
 def differential_text_transformer(**settings):
     """open_clip's builder, while one `_build_text_tower` call runs, building `DiffTextTransformer` with `settings`
     (variant, lambda_init) where it builds its `TextTransformer`: it then maps the whole `CLIPTextCfg` (every
-    field it reads, as it reads it) onto the differential tower."""
+    field it reads, as it reads it) onto the differential tower. diffzoo's builds take turns (a lock); a plain
+    open_clip text tower built by another thread in that moment would be differential too, so build models from
+    one thread."""
     row = Seam(open_clip.model, 'TextTransformer', seam.constant(functools.partial(DiffTextTransformer, **settings)),
                'no hook for its text tower\'s class: its builder reads every CLIPTextCfg field into this one',
                holds=lambda original: original is TextTransformer, what='open_clip.transformer.TextTransformer')
