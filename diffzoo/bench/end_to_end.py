@@ -101,8 +101,8 @@ def summarise(recipe: str, log: Path, warmup: int) -> Dict:
                          f'--train-samples (or a smaller --batch) for at least two')
     share = summarize([w['data_s'] / w['batch_s'] for w in timed])
     logging = 1 / whole if whole > 1 else 0.0
-    waited = sum(float(m[1]) for m in WAIT_RE.finditer(text))
-    seconds = sum(float(m[2]) for m in WAIT_RE.finditer(text))
+    waits = [(float(m[1]), float(m[2])) for m in WAIT_RE.finditer(text)]  # per epoch: after its first batch
+    waited, seconds = sum(w for w, _ in waits), sum(s for _, s in waits)
     at_loader = waited / seconds if seconds > 0 else None
     bound = at_loader > LOADER_BOUND if at_loader is not None else share['median'] > LOADER_BOUND + logging
     return {'recipe': recipe, 'steps': sum(w['steps'] for w in windows), 'windows': len(timed),

@@ -206,8 +206,8 @@ class DatasetReport:
             return out
         gone = listed_but_gone(self.sizes, [s.name for s in self.shards], self.directory)
         if gone:
-            out.append(f'{SIZES_FILE} {gone}: deleted or moved, their samples are in no epoch or evaluation; put them back, or '
-                       f'{fix} to count the shards that are there')
+            out.append(f'{SIZES_FILE} {gone}: deleted or moved, their samples are in no epoch or evaluation; put '
+                       f'them back, or {fix} to count the shards that are there')
         wrong = self.sizes_disagreements()
         if wrong['absent']:
             out.append(f'{SIZES_FILE} has no entry for {len(wrong["absent"])} shards '

@@ -110,8 +110,8 @@ def gone_shards(shards: List[str]) -> Optional[str]:
     gone = listed_but_gone(sizes, [n for n in sizes if os.path.exists(os.path.join(folder, n))], folder)
     if gone is None:
         return None
-    return (f'{os.path.join(folder, SIZES_FILE)} {gone}: this run trains without them; put them back, or run python -m diffzoo.data sizes {folder} '
-            f'--recount to count the shards that are there')
+    return (f'{os.path.join(folder, SIZES_FILE)} {gone}: this run trains without them; put them back, or run '
+            f'python -m diffzoo.data sizes {folder} --recount to count the shards that are there')
 
 
 def dataset_size(shards: List[str]) -> int:

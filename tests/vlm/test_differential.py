@@ -296,7 +296,8 @@ def test_layers_are_refused_by_name_and_nothing_converts(layers, why):
 
 
 def test_an_attention_module_without_what_it_needs_is_refused_by_layer_and_nothing_converts():
-    """A decoder layer whose attention lacks `layer_idx` (λ_init by depth reads it) is named before any layer changes."""
+    """A decoder layer whose attention lacks `layer_idx` (λ_init by depth reads it) is named before any layer
+    changes."""
     model = _model('llama')
     del model.model.layers[1].self_attn.layer_idx
     with pytest.raises(ValueError, match=r"layer 1: LlamaAttention lacks \['layer_idx'\]; differentialize needs"):
