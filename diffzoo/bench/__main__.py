@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument('--sections', nargs='+', choices=SECTIONS, default=None,
                    help='default: all; on CPU all but train')
     p.add_argument('--compile', action='store_true', help='also time torch.compile of both towers, count graph breaks')
+    p.add_argument('--explain', action=argparse.BooleanOptionalAction, default=True,
+                   help='--compile: each model\'s graph breaks and their reasons from torch._dynamo.explain first '
+                        '(default on; --no-explain leaves the breaks counted while the compiled models run)')
     p.add_argument('--split-kernel', default='auto',
                    help='split_kernel of the differential models and the split-fused layer row: auto (the '
                         "device's default), two_calls, one_call, padded, four_calls or triton (default auto)")
@@ -137,7 +140,7 @@ def resolve(args: argparse.Namespace) -> Dict:
         defaults.update({k: v for k, v in DEFAULTS['smoke'].items() if v is not None})
     cfg = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
     cfg['target_model'] = defaults['target_model']
-    cfg.update(device=device.type, device_index=device.index, compile=args.compile,
+    cfg.update(device=device.type, device_index=device.index, compile=args.compile, explain=args.explain,
                data=args.data, smoke=args.smoke, tf32=args.tf32, threads=args.threads, split_kernel=args.split_kernel)
     if args.split_kernel != 'auto' and args.split_kernel not in SPLIT_KERNELS:
         raise BenchError(f'--split-kernel {args.split_kernel}: expected auto or one of {", ".join(SPLIT_KERNELS)}')
@@ -226,7 +229,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if section == 'model':
                 results['models'] = whole_model.run(cfg['models'], cfg['batch'], cfg['precision'], cfg['blocks'],
                                                     cfg['block_steps'], cfg['warmup'], device,
-                                                    compile_models=cfg['compile'], split_kernel=cfg['split_kernel'])
+                                                    compile_models=cfg['compile'], split_kernel=cfg['split_kernel'],
+                                                    explain=cfg['explain'])
                 report.add_model_ratios(results['models'], cfg['baseline'])
             elif section == 'layer':
                 results['layers'] = attention.run(cfg['tokens'], cfg['tokens_per_batch'], cfg['precision'],

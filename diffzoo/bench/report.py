@@ -186,6 +186,10 @@ def _ratio(x: Optional[float]) -> str:
     return '-' if x is None else f'{x:.2f}x'
 
 
+def _count(n: Optional[int]) -> str:
+    return '-' if n is None else str(n)
+
+
 def _block_ratio(row: Dict, quantity: str) -> str:
     """A time ratio with the interquartile range of its per-block ratios; `!` marks an unsteady one."""
     s = row.get('ratio_spread', {}).get(quantity)
@@ -227,9 +231,11 @@ def render(results: Dict) -> str:
                      _block_ratio(r, 'train_time'), fmt_mb(r['train']['peak_bytes']),
                      _ratio(r['ratios']['train_memory']), _spread(r['infer']['images_per_s']),
                      f'{r["infer"]["speedup"]:.2f}x', _block_ratio(r, 'infer_time'),
-                     str(r['graph_breaks']), str(r['graph_breaks_in_attention'])] for r in comp['rows']]
+                     _count(r['graph_breaks']), _count(r['graph_breaks_in_attention'])] for r in comp['rows']]
             out.append(_table(['model', 'train samples/s', 'speed-up', 'x time', 'train peak MB', 'x mem',
                                'infer images/s', 'speed-up', 'x time', 'graph breaks', 'in attention'], rows))
+            met = comp['graph_breaks_while_running_all_models']
+            out.append(f'graph breaks met while the compiled models ran: {met}')
             out.extend(_unsteady_note(comp['rows']))
     agreement = results.get('steps_agreement')
     if agreement:

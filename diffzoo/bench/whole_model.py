@@ -152,8 +152,9 @@ def probe(s: Subject, kind: str, precision: str, device: torch.device) -> Dict:
 
 
 def run(names: List[str], batch: int, precision: str, blocks: int, block_steps: int, warmup: int,
-        device: torch.device, compile_models: bool = False, split_kernel: str = 'auto') -> Dict:
-    """The whole-model section: rows per model, and the compile section when asked."""
+        device: torch.device, compile_models: bool = False, split_kernel: str = 'auto', explain: bool = True) -> Dict:
+    """The whole-model section: rows per model, and the compile section when asked (`explain`: see
+    `run_compiled`)."""
     subjects = []
     for name in names:
         print(f'  building {name} (batch {batch}, {device.type}, {precision})', flush=True)
@@ -174,7 +175,7 @@ def run(names: List[str], batch: int, precision: str, blocks: int, block_steps: 
         })
     section = {'rows': rows, 'split_kernel': split_kernel, 'blocks': blocks, 'block_steps': block_steps}
     if compile_models:
-        section['compile'] = run_compiled(subjects, rows, precision, blocks, block_steps, warmup, device)
+        section['compile'] = run_compiled(subjects, rows, precision, blocks, block_steps, warmup, device, explain)
     return section
 
 
@@ -201,14 +202,18 @@ def graph_breaks(s: Subject, precision: str) -> Dict:
 
 
 def run_compiled(subjects: List[Subject], eager_rows: List[Dict], precision: str, blocks: int, block_steps: int,
-                 warmup: int, device: torch.device) -> Dict:
+                 warmup: int, device: torch.device, explain: bool = True) -> Dict:
     """Compile both towers of every model in place (`module.compile()`), time them as the eager
-    models were, and report speed-up against the eager medians, peak memory and the graph breaks."""
+    models were, and report speed-up against the eager medians, peak memory and the graph breaks: per model
+    with their reasons (`torch._dynamo.explain`, one more trace of each model) when `explain`, else only those
+    met while all the compiled models run."""
     from torch._dynamo.utils import counters
     breaks = {}
     for s in subjects:
-        print(f'  torch._dynamo.explain {s.name}', flush=True)
-        breaks[s.name] = graph_breaks(s, precision)
+        if explain:
+            print(f'  torch._dynamo.explain {s.name}', flush=True)
+        breaks[s.name] = graph_breaks(s, precision) if explain else dict.fromkeys(
+            ('graphs', 'graph_breaks', 'graph_breaks_in_attention', 'break_reasons'))
         s.model.visual.compile()
         text_tower(s.model).compile()
     counters.clear()

@@ -43,14 +43,14 @@ def test_a_failing_command_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     monkeypatch.setattr(steps, 'PACKAGE', tmp_path / 'site-packages' / 'diffzoo')
     assert cli.main([str(tmp_path / 'out'), 'tune', 'tests', '--device', 'cuda']) == 1
     report, by_name = records(tmp_path / 'out')
-    assert [r['name'] for r in report['steps']] == ['tune', 'kernel-tests', 'gpu-tests', 'lambda-error',
-                                                    'lambda-rounding']
+    assert [r['name'] for r in report['steps']] == ['tune', 'loader-tests', 'kernel-tests', 'gpu-tests',
+                                                    'lambda-error', 'lambda-rounding']
     for name in ('lambda-error', 'lambda-rounding'):
         assert by_name[name]['status'] == 'failed' and 'no CUDA device here' in by_name[name]['last_line']
     tune = by_name['tune']
     assert (tune['status'], tune['rc'], tune['timeout_s']) == ('failed', 2, 300) and tune['seconds'] > 0
     assert 'it needs a CUDA GPU' in tune['last_line'] and 'diffzoo.bench.tune --write' in tune['command']
-    for name in ('kernel-tests', 'gpu-tests'):
+    for name in ('loader-tests', 'kernel-tests', 'gpu-tests'):
         assert by_name[name]['status'] == 'skipped' and by_name[name]['rc'] is None
         assert 'tests/ folder is not here (an installed package)' in by_name[name]['reason']
     assert report['commit'].startswith('unknown')
@@ -71,7 +71,7 @@ def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget
     assert done.returncode == 1, done.stderr
     report, by_name = records(out)
     assert (report['device'], report['budget_s']) == ('cpu', 12)
-    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-fp16', 'bench-alone']
+    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-alone', 'bench-fp16']
     tune, compiled, bench = by_name['tune'], by_name['compile'], by_name['bench']
     assert by_name['bench-fp16']['status'] == by_name['bench-alone']['status'] == 'skipped'
     assert (tune['status'], tune['timeout_s']) == ('timed out', 5) and 5 <= tune['seconds'] < 9

@@ -2,18 +2,20 @@
 
 Steps, the first four by default (590 s together on CUDA: the run fits 10 minutes), the others by name (each a
 few commands; the seconds are each step's time box on CUDA; `--plan` prints them and runs nothing):
-  tests     165 s  the kernel tests on CUDA (tests/layers/test_kernels.py and the official checkpoint's CUDA
-                   test), which rows of split_kernel="auto"'s table they support (OUT/dispatch.json), the fp16
-                   λ gradient's error row by row at 4096 tokens, batch 256 (python -m diffzoo.bench.lambda_error,
-                   OUT/lambda-error.json) and per sample beside each path's rounding modelled
-                   (python -m diffzoo.bench.lambda_rounding, OUT/lambda-rounding.json), then every other test
-                   marked gpu (pytest -m gpu); needs the repository's tests/
+  tests     165 s  the CUDA device loader's tests first (tests/train/test_device_data.py: the device data
+                   backend's exactness, which its CUDA default waits on), the kernel tests on CUDA
+                   (tests/layers/test_kernels.py and the official checkpoint's CUDA test), which rows of
+                   split_kernel="auto"'s table they support (OUT/dispatch.json), the fp16 λ gradient's error row by
+                   row at 4096 tokens, batch 256 (python -m diffzoo.bench.lambda_error, OUT/lambda-error.json), every
+                   other test marked gpu (pytest -m gpu), then per sample beside each path's rounding modelled
+                   (python -m diffzoo.bench.lambda_rounding, OUT/lambda-rounding.json); needs the repository's tests/
   bench     145 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
                    diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive
-                   steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); the model
-                   section again in fp16 with a gradient scaler (OUT/bench-fp16.json); in what is left, diffclip-b16
-                   alone (OUT/bench-alone.json)
-  compile   145 s  the model section with both towers under torch.compile (OUT/bench-compile.json)
+                   steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt);
+                   diffclip-b16 alone (OUT/bench-alone.json); in what is left, the model section again in fp16
+                   with a gradient scaler (OUT/bench-fp16.json)
+  compile   145 s  the model section with both towers under torch.compile, graph breaks counted as they run
+                   (OUT/bench-compile.json)
   commands  135 s  diffclip-b16-cc3m through scripts/train.sh on every default and clip-b16-baseline-cc3m on
                    open_clip's own pipeline, in one job on synthetic shards: images/s per GPU, their ratio (the
                    moonshot: at least 1), the share of each step waiting for data; an all_reduce over NCCL; see

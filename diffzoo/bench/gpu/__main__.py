@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
                    help='commands: synthetic scenes\' size in px, cropped to 224 (default cuda 64, cpu 128)')
     p.add_argument('--corpus-processes', type=int, default=None,
                    help='commands: processes writing the B/16 corpus (default: CPUs - 2, at most 10)')
-    p.add_argument('--test-workers', type=int, default=4, help='tests: pytest-xdist workers on CUDA (default 4)')
+    p.add_argument('--test-workers', type=int, default=8, help='tests: pytest-xdist workers on CUDA (default 8)')
     p.add_argument('--work', default=None, help='scratch folder (default: a new one under TMPDIR, removed at the end)')
     p.add_argument('--keep-work', action='store_true', help='keep the scratch folder (corpora, runs, logs)')
     return p

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2]  # diffzoo/
 LAUNCH_CONFIGS = PACKAGE / 'layers' / 'kernels' / 'launch_configs.json'
 KERNEL_TESTS = ('tests/layers/test_kernels.py', 'tests/clip/test_official_checkpoint.py::'
                 'test_official_outputs_on_cuda_in_fp32_and_with_the_triton_kernel_in_bf16')
+LOADER_TESTS = 'tests/train/test_device_data.py'  # the device data backend's CUDA tests (marked gpu)
 
 
 @dataclass
@@ -45,36 +46,40 @@ def tune(runner: Runner, s: Settings) -> None:
 
 
 def tests(runner: Runner, s: Settings) -> None:
-    """The kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test), which rows of
-    `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row at 4096 tokens
+    """First the CUDA device loader's tests (whether `data_backend: device` is exact on this GPU: the CUDA default
+    waits on them), then the kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test),
+    which rows of `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row at 4096 tokens
     (diffzoo.bench.lambda_error), every other test marked gpu, then in what the box has left the error per sample
     at batch 1, the kernel beside each path's rounding modelled (diffzoo.bench.lambda_rounding); on the CPU only
     the tests marked gpu are collected (and skip, no CUDA), and both λ benches run under the interpreter at small
     sizes: the plumbing."""
     py, cuda = sys.executable, s.device == 'cuda'
+    pytest = [py, '-m', 'pytest', '-q', '-p', 'no:cacheprovider']
     workers = ['-n', str(s.test_workers), '--dist', 'loadgroup'] if cuda else []  # xdist_group marks
-    pytest = [py, '-m', 'pytest', '-q', '-rP', '-p', 'no:cacheprovider', *workers]
     junit = s.out / 'kernel-tests.xml'
-    kernel = [*pytest, *([] if cuda else ['-m', 'gpu']), '--junitxml', str(junit), *KERNEL_TESTS]
-    rest = [*pytest, '-m', 'gpu', 'tests', '--ignore', KERNEL_TESTS[0]]
+    loader = [*pytest, '-rA', '-m', 'gpu', LOADER_TESTS]  # one process: two tests
+    kernel = [*pytest, '-rP', *workers, *([] if cuda else ['-m', 'gpu']), '--junitxml', str(junit), *KERNEL_TESTS]
+    rest = [*pytest, '-rA', *workers, '-m', 'gpu', 'tests', '--ignore', KERNEL_TESTS[0], '--ignore', LOADER_TESTS]
     shape = ['--tokens', '4096', '--batch', '256'] if cuda else ['--tokens', '300', '--batch', '1', '--dim', '128',
                                                                   '--heads', '1', '--seeds', '1']
     error = [*([] if cuda else ['env', 'TRITON_INTERPRET=1']), py, '-m', 'diffzoo.bench.lambda_error', '--device',
              s.device, *shape, '--dtype', 'fp16', '--out', str(s.out / 'lambda-error.json')]
-    if s.checkout is None or not (s.checkout / KERNEL_TESTS[0]).is_file():
+    checkout = s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file()
+    if not checkout:
         reason = "the repository's tests/ folder is not here (an installed package): run from a diffzoo checkout"
-        runner.skip('kernel-tests', kernel, reason)
-        runner.skip('gpu-tests', rest, reason)
+        for name, cmd in (('loader-tests', loader), ('kernel-tests', kernel), ('gpu-tests', rest)):
+            runner.skip(name, cmd, reason)
     else:
-        runner.run('kernel-tests', kernel, reserve=55)
+        runner.run('loader-tests', loader, 40 if cuda else 120, reserve=120)
+        runner.run('kernel-tests', kernel, reserve=50)
         support = runner.run('dispatch', [py, '-m', 'diffzoo.bench.gpu.tasks', 'dispatch', str(junit),
-                                          str(s.out / 'dispatch.json')], 20, reserve=60, grace=5)
+                                          str(s.out / 'dispatch.json')], 20, reserve=40, grace=5)
         if support.status == 'ok':
             runner.results['dispatch'] = json.loads((s.out / 'dispatch.json').read_text())
-    if runner.run('lambda-error', error, 35 if cuda else 120, reserve=30).status == 'ok':
+    if runner.run('lambda-error', error, 30 if cuda else 120, reserve=15).status == 'ok':
         runner.results['lambda_error'] = json.loads((s.out / 'lambda-error.json').read_text())['summary']
-    if s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file():
-        runner.run('gpu-tests', rest)
+    if checkout:
+        runner.run('gpu-tests', rest, 30 if cuda else 300)
     size = ['--tokens', '4096', '--draws', '24'] if cuda else ['--tokens', '64', '--dim', '128', '--heads', '1',
                                                               '--draws', '2']
     rounding = [*([] if cuda else ['env', 'TRITON_INTERPRET=1']), py, '-m', 'diffzoo.bench.lambda_rounding', '--device',
@@ -86,30 +91,30 @@ def tests(runner: Runner, s: Settings) -> None:
 def bench(runner: Runner, s: Settings) -> None:
     """python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path (`auto`),
     diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive steps
-    profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); then the model section in
-    fp16 with a gradient scaler, as open_clip's --precision amp (OUT/bench-fp16.json); then, in what the box has
-    left, diffclip-b16 alone (OUT/bench-alone.json)."""
+    profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); then diffclip-b16 alone
+    (OUT/bench-alone.json); then, in what the box has left, the model section in fp16 with a gradient scaler, as
+    open_clip's --precision amp (OUT/bench-fp16.json)."""
     py = sys.executable
     base = [py, '-m', 'diffzoo.bench', '--device', s.device]
     if s.device == 'cuda':
         bf16 = [*base, '--sections', 'model', 'steps', '--model', 'diffclip-b16', 'diffclip-b16@two_calls',
-                'clip-b16-baseline', '--blocks', '5', '--block-steps', '8', '--steps', '10']
+                'clip-b16-baseline', '--blocks', '5', '--block-steps', '8', '--steps', '6']
         fp16 = [*base, '--sections', 'model', '--precision', 'fp16', '--model', 'diffclip-b16', 'clip-b16-baseline',
-                '--blocks', '4', '--block-steps', '8']
+                '--blocks', '3', '--block-steps', '6']
     else:  # the interpreted Triton kernel takes seconds a call: the CPU's own kernel at smoke sizes
         bf16 = [*base, '--smoke', '--sections', 'model', 'steps', '--model', 'diffclip-tiny', 'diffclip-tiny@two_calls',
                 'clip-tiny-baseline']
         fp16 = [*base, '--smoke', '--sections', 'model', '--precision', 'fp16', '--model', 'diffclip-tiny',
                 'clip-tiny-baseline']
     runner.run('bench', [*bf16, '--out', str(s.out / 'bench.json')], reserve=45)
-    runner.run('bench-fp16', [*fp16, '--out', str(s.out / 'bench-fp16.json')])
-    # the differential model alone (its own baseline), in what the box has left: do the first steps of its blocks
-    # still grow where no other model's block runs between them, as in a training?
-    alone = (['--model', 'diffclip-b16', '--baseline', 'diffclip-b16', '--blocks', '4', '--block-steps', '6']
+    # the differential model alone (its own baseline): do the first steps of its blocks still grow where no other
+    # model's block runs between them, as in a training?
+    alone = (['--model', 'diffclip-b16', '--baseline', 'diffclip-b16', '--blocks', '3', '--block-steps', '6']
              if s.device == 'cuda' else ['--smoke', '--model', 'diffclip-tiny', '--baseline', 'diffclip-tiny'])
     if runner.run('bench-alone', [*base, '--sections', 'model', *alone, '--out', str(s.out / 'bench-alone.json')],
-                  30 if s.device == 'cuda' else 120).status == 'ok':
+                  25 if s.device == 'cuda' else 120, reserve=20).status == 'ok':
         runner.results['bench_alone'] = first_steps(json.loads((s.out / 'bench-alone.json').read_text()))
+    runner.run('bench-fp16', [*fp16, '--out', str(s.out / 'bench-fp16.json')])  # last: what the box has left
 
 
 def first_steps(bench: Dict) -> Dict:
@@ -125,7 +130,7 @@ def compile_models(runner: Runner, s: Settings) -> None:
     """The model section with both towers under torch.compile, on the default path (OUT/bench-compile.json)."""
     cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'model', '--compile']
     if s.device == 'cuda':
-        cmd += ['--model', 'diffclip-b16', 'clip-b16-baseline', '--blocks', '3', '--block-steps', '5']
+        cmd += ['--model', 'diffclip-b16', 'clip-b16-baseline', '--blocks', '3', '--block-steps', '5', '--no-explain']
     else:
         cmd += ['--smoke', '--model', 'diffclip-tiny', 'clip-tiny-baseline']
     runner.run('compile', [*cmd, '--out', str(s.out / 'bench-compile.json')])
@@ -229,10 +234,10 @@ BOXES = {  # seconds per step: cuda, cpu
 
 
 RUNS = {  # what each step runs, for the plan
-    'tune': 'tune', 'tests': 'kernel-tests (up to 110 s), dispatch, lambda-error (35 s), gpu-tests, lambda-rounding '
-                             '(what is left, up to 25 s)',
-    'bench': 'bench (bf16: model and steps sections), bench-fp16 (model section, 45 s), bench-alone (what is left, '
-             'up to 30 s)', 'compile': 'compile',
+    'tune': 'tune', 'tests': 'loader-tests (40 s), kernel-tests, dispatch, lambda-error (30 s), gpu-tests (30 s), '
+                             'lambda-rounding (what is left, up to 25 s)',
+    'bench': 'bench (bf16: model and steps sections), bench-alone (25 s), bench-fp16 (model section, what is left)',
+    'compile': 'compile',
     'commands': '0-env beside 2-corpus, 2-train-diffclip-b16-cc3m@defaults, 2-train-clip-b16-baseline-cc3m@open_clip',
     'extras': '1-train-tiny, 3-vlm, 4-eramv (their corpus and assets behind them)',
     'stages': 'stage-assets, stage1, stage2, stage3, stage3-fsdp',
