@@ -66,13 +66,18 @@ def check_space(args, run_dir: Optional[str]) -> None:
         raise NoSpaceError(no_space_message(os.path.abspath(run_dir), needed, free, f'one checkpoint of {args.model}'))
 
 
-def print_plan(plan: Optional[Plan], source: Optional[str], argv: List[str], run_dir: Optional[str]) -> None:
+def print_plan(plan: Optional[Plan], source: Optional[str], argv: List[str], run_dir: Optional[str],
+               data_backend: str = 'open_clip', device_type: str = 'cpu') -> None:
+    """The recipe's settings (and the data backend it trains on where it names none), what they derive for this
+    world, open_clip_train's command line and the run directory."""
     if plan is not None:
         recipe = os.path.basename(source)[:-len('.yaml')]
         print(f'diffzoo.train: recipe {recipe} ({source})' + (f', run {plan.name}' if plan.name != recipe else ''))
-        width = max(len(k) for k in plan.recipe)
+        width = max(len(k) for k in (*plan.recipe, 'data_backend'))
         for key, value in plan.recipe.items():
             print(f'  {key:<{width}}  {value}')
+        if 'data_backend' not in plan.recipe:
+            print(f'  {"data_backend":<{width}}  {data_backend} (the default on {device_type})')
         print(f'derived for {plan.derived["world_size"]} process(es): '
               + ', '.join(f'{k} {v}' for k, v in plan.derived.items() if k != 'world_size'))
     print('open_clip_train ' + ' '.join(argv))
@@ -128,7 +133,7 @@ def run(argv: List[str], doc: str = '') -> int:
     run_dir = check_run_dir(args, rank, world_size, samples, accept, lambda_lr, data_backend)
     if rank == 0:
         check_space(args, run_dir)
-        print_plan(plan, source, argv, run_dir)
+        print_plan(plan, source, argv, run_dir, data_backend, torch.device(args.device).type)
         if samples is not None:  # sizes.json was read: does it list shards that are gone?
             gone = gone_shards(expand_shards(args.train_data)[1])
             if gone:

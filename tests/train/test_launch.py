@@ -93,6 +93,7 @@ def test_resolved_configuration_is_printed_first(damaged_run):
     out = result.stdout
     assert out.startswith('diffzoo.train: recipe diffclip-tiny')
     assert 'derived for 1 process(es): shards 5, samples 48' in out
+    assert re.search(r'^  data_backend +open_clip \(the default on cpu\)$', out, re.M)  # the recipe names none
     assert 'open_clip_train --model diffclip-tiny' in out
     # open_clip_train's model and parameter dump: one line on the console, whole in out.log
     log = (damaged_run[0] / 'runs' / 'diffclip-tiny' / 'out.log').read_text()
