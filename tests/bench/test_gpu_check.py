@@ -200,3 +200,21 @@ def test_first_steps_reads_each_block_s_first_step_of_a_model_section_alone(tmp_
     assert summary['model'] == 'diffclip-tiny' and len(blocks) == 3
     assert summary['first_step_s'] == [block[0] for block in blocks]
     assert summary['other_steps_median_s'] == sorted(t for block in blocks for t in block[1:])[3]
+
+
+@pytest.mark.slow  # both smoke models compiled for training and inference (about 20 s)
+def test_the_compile_step_compiles_both_models_and_counts_the_graph_breaks_as_they_run(tmp_path):
+    """The compile step's command (`--no-explain`): both towers of the differential model and the baseline compiled,
+    timed against their eager medians, and the graph breaks counted while they run, none on the default path; no
+    per-model `torch._dynamo.explain` trace, so each model's own break counts are left out (`-` in the table)."""
+    assert cli.main([str(tmp_path), 'compile', '--device', 'cpu']) == 0
+    report, by_name = records(tmp_path)
+    assert '--no-explain' in by_name['compile']['command'] and by_name['compile']['status'] == 'ok'
+    compiled = json.loads((tmp_path / 'bench-compile.json').read_text())['models']['compile']
+    assert compiled['graph_breaks_while_running_all_models'] == 0
+    assert [r['model'] for r in compiled['rows']] == ['diffclip-tiny', 'clip-tiny-baseline']
+    for row in compiled['rows']:
+        assert row['graph_breaks'] is None and row['break_reasons'] is None
+        assert row['train']['speedup'] > 0 and row['infer']['speedup'] > 0
+    log = (tmp_path / 'gpu_check.log').read_text()
+    assert 'torch._dynamo.explain' not in log and 'graph breaks met while the compiled models ran: 0' in log

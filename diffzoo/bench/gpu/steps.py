@@ -128,9 +128,10 @@ def first_steps(bench: Dict) -> Dict:
 
 def compile_models(runner: Runner, s: Settings) -> None:
     """The model section with both towers under torch.compile, on the default path (OUT/bench-compile.json)."""
-    cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'model', '--compile']
+    cmd = [sys.executable, '-m', 'diffzoo.bench', '--device', s.device, '--sections', 'model', '--compile',
+           '--no-explain']
     if s.device == 'cuda':
-        cmd += ['--model', 'diffclip-b16', 'clip-b16-baseline', '--blocks', '3', '--block-steps', '5', '--no-explain']
+        cmd += ['--model', 'diffclip-b16', 'clip-b16-baseline', '--blocks', '3', '--block-steps', '5']
     else:
         cmd += ['--smoke', '--model', 'diffclip-tiny', 'clip-tiny-baseline']
     runner.run('compile', [*cmd, '--out', str(s.out / 'bench-compile.json')])
