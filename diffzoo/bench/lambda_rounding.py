@@ -16,7 +16,14 @@ the layer (`tests/layers/test_kernels.py`'s kind: width `dim`, `heads` different
 Neither model rounds the maps before their product with V, which both kernels do as flash attention does:
 --triton measures the kernel whole.
 
+With --batch B (above 1), each draw is a batch of B samples instead, and for two_calls (and with --triton the
+kernel) the error of the batch's dL/dλ from one call of the layer against the sum of its samples' errors, each
+sample called alone: the samples of a batch share nothing but the layer, so the two agree to the last sums' rounding
+unless something in a call of B samples adds its own error (the GPU test's error grows from batch 1 to 256 by more
+than √256).
+
     python -m diffzoo.bench.lambda_rounding --tokens 4096 --draws 12 [--triton] [--device cuda] [--out X.json]
+    python -m diffzoo.bench.lambda_rounding --tokens 4096 --batch 256 --draws 2 --triton --device cuda
 """
 import argparse
 import copy
@@ -115,6 +122,40 @@ def draws(tokens: int, dim: int, heads: int, count: int, triton: bool, device: t
     return rows
 
 
+def batch_draws(tokens: int, dim: int, heads: int, batch: int, count: int, triton: bool,
+                device: torch.device) -> List[Dict]:
+    """Per draw of `batch` samples: the fp64 layer's dL/dλ (its samples' summed) and, per kernel, the error of one
+    call on the whole batch (`batch`), the sum of each sample's error called alone (`samples`) and their
+    difference (`interaction`)."""
+    m = tests_layer(dim, heads, tokens + 1, device)
+    m64 = copy.deepcopy(m).double()
+    rows = []
+    for draw in range(count):
+        torch.manual_seed(20_000 + draw)
+        x = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16).float()
+        grad = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16).float()
+        truths = [layer_dlambda(m64, x[i:i + 1].double(), grad[i:i + 1].double()) for i in range(batch)]
+        row: Dict = {'dlambda': sum(truths)}
+        for kernel in ('two_calls', 'triton') if triton else ('two_calls',):
+            whole = layer_dlambda(m, x, grad, kernel) - row['dlambda']
+            alone = sum(layer_dlambda(m, x[i:i + 1], grad[i:i + 1], kernel) - t for i, t in enumerate(truths))
+            row[kernel] = {'batch': whole, 'samples': alone, 'interaction': whole - alone}
+        rows.append(row)
+        print(f'draw {draw}: dL/dλ {row["dlambda"]:+.3f} over {batch} samples; ' + '; '.join(
+            f'{k}: one call {v["batch"]:+.2e}, its samples alone {v["samples"]:+.2e}, the call adds '
+            f'{v["interaction"]:+.2e}' for k, v in row.items() if k != 'dlambda'), flush=True)
+    return rows
+
+
+def batch_summary(rows: List[Dict]) -> Dict:
+    """Per kernel, over the draws: rms of the one-call error, of the samples' summed errors and of what the call
+    adds."""
+    def rms(values):
+        return math.sqrt(sum(v * v for v in values) / len(values))
+    return {k: {part: rms([r[k][part] for r in rows]) for part in ('batch', 'samples', 'interaction')}
+            for k in rows[0] if k != 'dlambda'}
+
+
 def summary(rows: List[Dict]) -> Dict:
     """Per path: rms, mean and its standard error over the draws, and what 256 independent samples would sum."""
     out = {}
@@ -135,7 +176,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument('--tokens', type=int, default=4096)
     p.add_argument('--dim', type=int, default=768, help='layer width (default 768, ViT-B)')
     p.add_argument('--heads', type=int, default=6, help='differential heads (default 6: q/k 64, v 128 wide)')
-    p.add_argument('--draws', type=int, default=12, help='samples drawn (default 12)')
+    p.add_argument('--draws', type=int, default=12, help='samples drawn, or batches with --batch (default 12)')
+    p.add_argument('--batch', type=int, default=1,
+                   help='samples a draw: above 1, one call on the batch against its samples called alone (module '
+                        'docstring; default 1)')
     p.add_argument('--triton', action='store_true', help='the Triton kernel too (CPU: TRITON_INTERPRET=1, slow)')
     p.add_argument('--device', default='cpu', help='cpu (default) or cuda')
     p.add_argument('--out', default=None, help='JSON of every draw and the summary')
@@ -150,11 +194,22 @@ def main(argv: Optional[list] = None) -> int:
         if reason is not None:
             print(f'error: --triton: the Triton kernel cannot run here: {reason}', file=sys.stderr)
             return 2
-    rows = draws(args.tokens, args.dim, args.heads, args.draws, args.triton, device)
-    result = {'tokens': args.tokens, 'dim': args.dim, 'heads': args.heads, 'draws': rows, 'summary': summary(rows)}
-    for path, s in result['summary'].items():
-        print(f'{path:>9}: rms {s["rms"]:.3e} a sample, mean {s["mean"]:+.2e} ± {s["mean_se"]:.1e}; 256 independent '
-              f'samples {s["batch_256_rms"]:.2e}')
+    if args.batch < 1 or args.draws < 1:
+        print(f'error: --batch {args.batch} --draws {args.draws}: both take 1 or more', file=sys.stderr)
+        return 2
+    result = {'tokens': args.tokens, 'dim': args.dim, 'heads': args.heads, 'batch': args.batch}
+    if args.batch > 1:
+        rows = batch_draws(args.tokens, args.dim, args.heads, args.batch, args.draws, args.triton, device)
+        result.update(draws=rows, summary=batch_summary(rows))
+        for kernel, s in result['summary'].items():
+            print(f'{kernel:>9}: rms over {args.draws} batches of {args.batch}: one call {s["batch"]:.3e}, its samples '
+                  f'alone {s["samples"]:.3e}, what the call adds {s["interaction"]:.3e}')
+    else:
+        rows = draws(args.tokens, args.dim, args.heads, args.draws, args.triton, device)
+        result.update(draws=rows, summary=summary(rows))
+        for path, s in result['summary'].items():
+            print(f'{path:>9}: rms {s["rms"]:.3e} a sample, mean {s["mean"]:+.2e} ± {s["mean_se"]:.1e}; 256 '
+                  f'independent samples {s["batch_256_rms"]:.2e}')
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
     return 0

@@ -37,3 +37,24 @@ def test_cuda_asked_for_without_a_gpu_is_refused(capsys):
         pytest.skip('a GPU is here')
     assert lambda_rounding.main(['--device', 'cuda']) == 2
     assert 'no CUDA device here' in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the Triton interpreter
+def test_a_batch_in_one_call_errs_as_its_samples_alone_sum_and_the_summary_reads_the_draws(tmp_path):
+    """--batch: per draw, the error of one call on B samples, the sum of the samples' errors called alone, and what
+    the call adds: here (the interpreter, IEEE arithmetic) within the rounding of fp32 sums of dL/dλ's size, which
+    each path's own error exceeds several times over."""
+    out = tmp_path / 'batch.json'
+    assert lambda_rounding.main(['--tokens', '64', '--dim', '128', '--heads', '2', '--batch', '3', '--draws', '2',
+                                 '--triton', '--out', str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result['batch'] == 3 and len(result['draws']) == 2
+    for draw in result['draws']:
+        for kernel in ('two_calls', 'triton'):
+            row = draw[kernel]
+            assert row['interaction'] == pytest.approx(row['batch'] - row['samples'])
+            rounding = 16 * torch.finfo(torch.float32).eps * abs(draw['dlambda'])
+            assert abs(row['interaction']) < rounding < abs(row['samples']) / 4
+    s = result['summary']['triton']
+    assert s['batch'] == pytest.approx((sum(d['triton']['batch'] ** 2 for d in result['draws']) / 2) ** 0.5)
+    assert lambda_rounding.main(['--batch', '0']) == 2
