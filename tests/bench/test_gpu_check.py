@@ -143,9 +143,11 @@ def test_the_b16_runs_start_with_the_moonshot_pair_and_its_ratio_is_read_from_th
         (recipes[0], 'open_clip')]
     line = ('2026-11-24,14:00:00 | INFO | Train Epoch: 0 [{n:>4}/2048 (17%)] Data (t): 0.012 Batch (t): {t:.3f}, '
             '{ips:#g}/s, {ips:#g}/s/gpu LR: 0.000100 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794)')
-    for (recipe, backend), ips in zip(commands.b16_runs(recipes, []), (1500.0, 1200.0)):
+    for (recipe, backend), ips, record in zip(commands.b16_runs(recipes, []), (1500.0, 1200.0),
+                                              ({'data_backend': 'device'}, {})):
         log = tmp_path / 'runs-b16' / f'{recipe}-{backend}' / 'out.log'
         log.parent.mkdir(parents=True)
+        (log.parent / 'diffzoo-run.json').write_text(json.dumps({'model': recipe, **record}))  # as train.sh records
         log.write_text('Running with a single process. Device cuda:0\n'  # a line a step, batch 256
                        + '\n'.join(line.format(n=256 * (i + 1), t=256 / (ips + i), ips=ips + i) for i in range(8))
                        + '\n')
@@ -155,7 +157,11 @@ def test_the_b16_runs_start_with_the_moonshot_pair_and_its_ratio_is_read_from_th
     # steps 5-7, from their Batch (t), which open_clip prints to the millisecond
     assert (moon['differential_images_per_s'], moon['baseline_images_per_s']) == (256 / 0.170, 256 / 0.212)
     assert moon['ratio'] == pytest.approx(0.212 / 0.170) and moon['met']
-    assert result['notes'][f'2-train-{recipes[0]}@defaults'].startswith('8 steps on cuda:0, 1505.9 images/s/gpu')
+    assert result['notes'][f'2-train-{recipes[0]}@defaults'].startswith(
+        '8 steps on cuda:0, data_backend device, 1505.9 images/s/gpu')
+    rows = result['train_b16']['rows']  # the backend each trained on, read from its run record
+    assert [r['data_backend_trained'] for r in rows] == ['device', 'open_clip']
+    assert moon['differential_data_backend'] == 'device'
 
 
 @pytest.mark.slow  # real processes

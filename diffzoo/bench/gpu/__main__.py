@@ -119,7 +119,8 @@ def table(runner: Runner) -> str:
     b16 = runner.results.get('commands', {}).get('train_b16', {})
     moon = b16.get('moonshot')
     if moon and moon['ratio'] is not None:
-        lines.append(f'moonshot: {moon["differential"]} (all defaults, train.sh) '
+        lines.append(f'moonshot: {moon["differential"]} (all defaults, train.sh; data_backend '
+                     f'{moon.get("differential_data_backend")}) '
                      f'{moon["differential_images_per_s"]:,.1f} images/s against {moon["baseline"]} (open_clip\'s '
                      f'pipeline) {moon["baseline_images_per_s"]:,.1f}: '
                      f'{moon["ratio"]:.3f} ({"met" if moon["met"] else "not met"}: at least 1 is DiffCLIP in diffzoo '

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from diffzoo.checkpoint import RUN_CONFIG
+
 from .runner import Runner
 
 VLM_RECIPE = 'paligemma-3b-vqav2-diff'
@@ -175,14 +177,23 @@ def _read(path: Path) -> str:
         return ''
 
 
+def _backend_trained(run_dir: Path) -> Optional[str]:
+    """The data backend a train.sh run trained on, from its run record (`diffzoo-run.json` names any but the
+    `open_clip` default); None without a record."""
+    record = _read(run_dir / RUN_CONFIG)
+    return json.loads(record).get('data_backend', 'open_clip') if record else None
+
+
 def _train_run(log: Path, warmup: int) -> Dict:
-    """What a train.sh run's out.log says: device, process group, steps and images/s (the bench's way)."""
+    """What a train.sh run's out.log says: device, process group, steps and images/s (the bench's way); and the
+    data backend it trained on (`data_backend_trained`, from its run record)."""
     text = _read(log)
     if not text:
         return {'log': str(log), 'found': False}
     running = RUNNING_RE.search(text)
     row = {'log': str(log), 'found': True, 'device': running[2] if running else None,
-           'process_group': None if running is None else ('none (one process)' if 'single' in running[1] else 'yes')}
+           'process_group': None if running is None else ('none (one process)' if 'single' in running[1] else 'yes'),
+           'data_backend_trained': _backend_trained(log.parent)}
     backend = re.search(r'dist_backend: (\S+)', text)
     row['dist_backend'] = backend[1] if backend else None
     try:  # torch, through the bench's measure module: imported once the commands have run
@@ -210,7 +221,8 @@ def summarise_b16(work: Path, runs: Sequence[Tuple[str, str]], sizes: Sizes) -> 
     diff, base = rows[0], rows[1]  # the moonshot's pair: b16_runs puts it first
     ips = [(r.get('images_per_s_per_gpu') or {}).get('median') for r in (diff, base)]
     moonshot = {'differential': diff['name'], 'baseline': base['name'], 'differential_images_per_s': ips[0],
-                'baseline_images_per_s': ips[1], 'ratio': _ratio(diff, base)}
+                'baseline_images_per_s': ips[1], 'ratio': _ratio(diff, base),
+                'differential_data_backend': diff.get('data_backend_trained')}
     moonshot['met'] = None if moonshot['ratio'] is None else moonshot['ratio'] >= 1
     result['train_b16'] = {'runs': [r['name'] for r in rows], 'rows': rows, 'moonshot': moonshot}
     if len(rows) > 2:  # --b16-backends: baseline images/s / differential images/s on the first backend, and
@@ -226,7 +238,8 @@ def summarise_b16(work: Path, runs: Sequence[Tuple[str, str]], sizes: Sizes) -> 
         ips = (row.get('images_per_s_per_gpu') or {}).get('median')
         share = (row.get('data_share') or {}).get('median')
         at_loader = row.get('data_wait_at_loader')
-        lines[f'2-train-{row["name"]}'] = (f'{row.get("steps", 0)} steps on {row.get("device")}, {_fmt(ips)} '
+        lines[f'2-train-{row["name"]}'] = (f'{row.get("steps", 0)} steps on {row.get("device")}, '
+                                           f'data_backend {row.get("data_backend_trained")}, {_fmt(ips)} '
                                            f'images/s/gpu (median), data wait '
                                            f'{_fmt(at_loader * 100 if at_loader is not None else None)} % at the '
                                            f'loader (Data (t): {_fmt(share * 100 if share is not None else None)} %)')
