@@ -212,6 +212,16 @@ def check_run_dir(args, rank: int, world_size: int, num_samples: Optional[int], 
     return run_dir
 
 
+def recorded_data_backend(run_dir: str) -> Optional[str]:
+    """The data backend a run's record says it trained on (`check_run_dir` records any but the `open_clip`
+    default); None where the run directory holds no record."""
+    path = os.path.join(run_dir, RUN_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get('data_backend', 'open_clip')
+
+
 def pop_accept(tokens: List[str]):
     """(whether ACCEPT_FLAG is among `tokens`, the tokens without it)."""
     return ACCEPT_FLAG in tokens, [t for t in tokens if t != ACCEPT_FLAG]

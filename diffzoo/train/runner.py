@@ -128,12 +128,13 @@ def run(argv: List[str], doc: str = '') -> int:
     if lambda_lr is not None and getattr(args, 'opt', 'adamw') != 'adamw':
         raise RecipeError(f'lambda_lr: gives λ its own AdamW groups, and --opt {args.opt} builds another optimizer '
                           f'(timm\'s); leave one of them out')
-    default_backend = DEFAULT_DATA_BACKEND.get(torch.device(args.device).type, 'open_clip')
+    device_type = torch.device(args.device).type
+    default_backend = DEFAULT_DATA_BACKEND.get(device_type, 'open_clip')
     data_backend = plan.recipe.get('data_backend', default_backend) if plan is not None else 'open_clip'
     run_dir = check_run_dir(args, rank, world_size, samples, accept, lambda_lr, data_backend)
     if rank == 0:
         check_space(args, run_dir)
-        print_plan(plan, source, argv, run_dir, data_backend, torch.device(args.device).type)
+        print_plan(plan, source, argv, run_dir, data_backend, device_type)
         if samples is not None:  # sizes.json was read: does it list shards that are gone?
             gone = gone_shards(expand_shards(args.train_data)[1])
             if gone:

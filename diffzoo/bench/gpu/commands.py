@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from diffzoo.checkpoint import RUN_CONFIG
+from diffzoo.train.run_record import recorded_data_backend
 
 from .runner import Runner
 
@@ -177,13 +177,6 @@ def _read(path: Path) -> str:
         return ''
 
 
-def _backend_trained(run_dir: Path) -> Optional[str]:
-    """The data backend a train.sh run trained on, from its run record (`diffzoo-run.json` names any but the
-    `open_clip` default); None without a record."""
-    record = _read(run_dir / RUN_CONFIG)
-    return json.loads(record).get('data_backend', 'open_clip') if record else None
-
-
 def _train_run(log: Path, warmup: int) -> Dict:
     """What a train.sh run's out.log says: device, process group, steps and images/s (the bench's way); and the
     data backend it trained on (`data_backend_trained`, from its run record)."""
@@ -193,7 +186,7 @@ def _train_run(log: Path, warmup: int) -> Dict:
     running = RUNNING_RE.search(text)
     row = {'log': str(log), 'found': True, 'device': running[2] if running else None,
            'process_group': None if running is None else ('none (one process)' if 'single' in running[1] else 'yes'),
-           'data_backend_trained': _backend_trained(log.parent)}
+           'data_backend_trained': recorded_data_backend(str(log.parent))}
     backend = re.search(r'dist_backend: (\S+)', text)
     row['dist_backend'] = backend[1] if backend else None
     try:  # torch, through the bench's measure module: imported once the commands have run
