@@ -17,9 +17,20 @@ rows (a heavy tail), and the error of dL/dλ per head; for the kernel also the e
 it, the rows summed in one fp32 sum (the others sum the rows' errors in fp64). The inputs' own rounding, common
 to every kernel, is not in these errors (the GPU test's reference is the fp32 layer: it is).
 
+With --as-test, the draws are the GPU test's own (`test_bench_shapes_within_twice_sdpa`: its layer, seed N + B,
+and its inputs, seeds N + B + 1000·i), and each draw also takes the layer whole as the test does, dL/dλ read off
+λ_q1's gradient: the fp32 layer (the test's reference) and the fp64 one on the unrounded inputs (the truth), both a
+sample at a time, and the kernel and two_calls under autocast, one call each. Against the truth: the fp32
+reference's error, the 16-bit inputs' (every kernel's, q, k, v and dy rounded: fp64 on the op's inputs), and each
+kernel's in the layer; then each kernel against the fp32 reference, which is what the test's rule compares. Where
+the kernel's layer error is its op's and the common part is small, the test's figure is the kernel's own; where
+not, the excess is named.
+
     python -m diffzoo.bench.lambda_error --device cuda --tokens 4096 --batch 256 --dtype fp16 --out X.json
+    python -m diffzoo.bench.lambda_error --device cuda --tokens 4096 --batch 256 --dtype fp16 --as-test --seeds 1
 """
 import argparse
+import copy
 import json
 import math
 import sys
@@ -28,18 +39,24 @@ from typing import Dict, Optional
 
 import torch
 
-from .lambda_rounding import tests_layer
+from .lambda_rounding import layer_dlambda, tests_layer
 
 DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 
-def layer_inputs(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, device: torch.device,
-                 seed: int) -> Dict:
-    """q (B, 2h, N, d), k, v (B, h, N, 2d), λ, the sub-norm weight and dy (B, N, C), as the custom op gets them."""
-    m = tests_layer(dim, heads, 0, device)
+def draw(batch: int, tokens: int, dim: int, device: torch.device, seed: int):
+    """The layer's input x and its output's gradient, (B, N, C) each, bf16-exact fp32, drawn as the GPU test draws."""
     torch.manual_seed(seed)
     x = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16).float()
-    grad = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16)
+    grad = torch.randn(batch, tokens, dim, device=device).to(torch.bfloat16).float()
+    return x, grad
+
+
+def layer_inputs(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, device: torch.device,
+                 seed: int, layer_seed: int = 0) -> Dict:
+    """q (B, 2h, N, d), k, v (B, h, N, 2d), λ, the sub-norm weight and dy (B, N, C), as the custom op gets them."""
+    m = tests_layer(dim, heads, layer_seed, device)
+    x, grad = draw(batch, tokens, dim, device, seed)
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
         q, k, v = m._project(x)
         lam = m.compute_lambda(x)
@@ -105,16 +122,37 @@ def error_stats(rows: torch.Tensor, exact: torch.Tensor) -> Dict:
             'worst_0.1%_share': worst, 'per_head': [-e.item() for e in per_head]}
 
 
+def layer_errors(a: Dict, on_inputs: float, as_op: float, batch: int, tokens: int, dim: int, heads: int,
+                 dtype: torch.dtype, device: torch.device, seed: int, layer_seed: int, chunk: int) -> Dict:
+    """The layer whole, as the GPU test runs it (module docstring): dL/dλ of the fp64 layer on the unrounded inputs,
+    each path's error against it, and each kernel's against the fp32 layer (the test's rule)."""
+    m = tests_layer(dim, heads, layer_seed, device)
+    x, grad = draw(batch, tokens, dim, device, seed)
+    exact = layer_dlambda(copy.deepcopy(m).double(), x.double(), grad.double(), chunk=chunk)
+    reference = layer_dlambda(m, x, grad, chunk=chunk)
+    kernels = {k: layer_dlambda(m, x, grad, k, dtype) for k in ('triton', 'two_calls')}
+    return {'dlambda': exact, 'lambda': a['lam'].item(),
+            'against_fp64': {'fp32 reference': reference - exact, '16-bit inputs': on_inputs - exact,
+                             **{k: v - exact for k, v in kernels.items()}},
+            'against_fp32_reference': {k: v - reference for k, v in kernels.items()},
+            'kernel_in_layer_minus_op': kernels['triton'] - as_op}
+
+
 def measure(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, device: torch.device, seed: int,
-            chunk: int = 1) -> Dict:
-    a = layer_inputs(batch, tokens, dim, heads, dtype, device, seed)
+            chunk: int = 1, layer_seed: int = 0, layer: bool = False) -> Dict:
+    """One draw: the rows' errors (module docstring) and, with `layer`, the layer whole (`layer_errors`)."""
+    a = layer_inputs(batch, tokens, dim, heads, dtype, device, seed, layer_seed)
     exact = reference_rows(a, chunk)
     streams = kernel_rows(a)
     kernel = error_stats(streams.sum(0), exact)
     # the op's own dL/dλ, −Σ over every row in one fp32 sum (split_triton.backward): the rows' error and the sum's
     kernel['dlambda_error_as_op'] = -streams.sum().item() + exact.sum().item()
-    return {'seed': seed, 'dlambda': -exact.sum().item(), 'rows': exact.numel(),
-            'kernel': kernel, 'two_calls': error_stats(two_calls_rows(a), exact)}
+    result = {'seed': seed, 'dlambda': -exact.sum().item(), 'rows': exact.numel(),
+              'kernel': kernel, 'two_calls': error_stats(two_calls_rows(a), exact)}
+    if layer:
+        result['layer'] = layer_errors(a, -exact.sum().item(), -streams.sum().item(), batch, tokens, dim, heads, dtype,
+                                       device, seed, layer_seed, chunk)
+    return result
 
 
 def summary(draws, dtype: str) -> Dict:
@@ -122,9 +160,29 @@ def summary(draws, dtype: str) -> Dict:
         return {k: math.sqrt(sum(d[k][key] ** 2 for d in draws) / len(draws)) for k in ('kernel', 'two_calls')}
     rms, row = rms_of('dlambda_error'), rms_of('row_rms')
     as_op = math.sqrt(sum(d['kernel']['dlambda_error_as_op'] ** 2 for d in draws) / len(draws))
-    return {'dtype': dtype, 'dlambda_error_rms': rms, 'row_error_rms': row, 'kernel_dlambda_error_as_op_rms': as_op,
-            'within_twice_two_calls': rms['kernel'] <= 2 * rms['two_calls'],
-            'mean_z': {k: [round(d[k]['mean_z'], 2) for d in draws] for k in ('kernel', 'two_calls')}}
+    out = {'dtype': dtype, 'dlambda_error_rms': rms, 'row_error_rms': row, 'kernel_dlambda_error_as_op_rms': as_op,
+           'within_twice_two_calls': rms['kernel'] <= 2 * rms['two_calls'],
+           'mean_z': {k: [round(d[k]['mean_z'], 2) for d in draws] for k in ('kernel', 'two_calls')}}
+    if 'layer' in draws[0]:  # --as-test: each part's rms over the draws
+        layers = [d['layer'] for d in draws]
+        out['layer'] = {side: {k: _rms([w[side][k] for w in layers]) for k in layers[0][side]}
+                        for side in ('against_fp64', 'against_fp32_reference')}
+        test = out['layer']['against_fp32_reference']
+        out['layer']['test_rule_holds'] = test['triton'] <= 2 * test['two_calls']
+    return out
+
+
+def _rms(values) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
+def layer_line(w: Dict) -> str:
+    """One draw's layer whole, in words."""
+    fp64 = ', '.join(f'{k} {v:+.3e}' for k, v in w['against_fp64'].items())
+    ref = ', '.join(f'{k} {v:+.3e}' for k, v in w['against_fp32_reference'].items())
+    return (f'  the layer whole (λ {w["lambda"]:.4f}, dL/dλ {w["dlambda"]:.4f}): against fp64 {fp64}; against the fp32 '
+            f'reference (the test\'s rule) {ref}; the kernel in the layer minus its op '
+            f'{w["kernel_in_layer_minus_op"]:+.2e}')
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -138,6 +196,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument('--dtype', choices=tuple(DTYPES), default='fp16')
     p.add_argument('--seeds', type=int, default=3, help='draws of the inputs (default 3, as the GPU test)')
     p.add_argument('--chunk', type=int, default=1, help='samples per fp64 reference chunk (default 1)')
+    p.add_argument('--layer-seed', type=int, default=0, help="the layer's draw (default 0; --as-test: the test's)")
+    p.add_argument('--as-test', action='store_true',
+                   help="the GPU test's own layer and draws, and the layer whole as the test runs it "
+                        '(module docstring)')
     p.add_argument('--out', default=None, help='JSON of every draw and the summary')
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -150,20 +212,33 @@ def main(argv: Optional[list] = None) -> int:
         print(f'error: the Triton kernel cannot run here: {reason}', file=sys.stderr)
         return 2
     draws = []
-    for seed in range(a.seeds):
-        draws.append(measure(a.batch, a.tokens, a.dim, a.heads, DTYPES[a.dtype], device, 1000 * seed, a.chunk))
+    base = a.tokens + a.batch if a.as_test else 0  # test_bench_shapes_within_twice_sdpa's seeds
+    layer_seed = base if a.as_test else a.layer_seed
+    for seed in (base + 1000 * i for i in range(a.seeds)):
+        draws.append(measure(a.batch, a.tokens, a.dim, a.heads, DTYPES[a.dtype], device, seed, a.chunk, layer_seed,
+                             layer=a.as_test))
         d = draws[-1]
         line = '; '.join(f'{k} {d[k]["dlambda_error"]:+.3e} (rows rms {d[k]["row_rms"]:.2e}, z {d[k]["mean_z"]:+.1f})'
                          for k in ('kernel', 'two_calls'))
         line += f'; the kernel\'s as its op sums the rows in fp32 {d["kernel"]["dlambda_error_as_op"]:+.3e}'
         print(f'draw {seed}: dL/dλ {d["dlambda"]:.4f} over {d["rows"]:,} rows; error {line}', flush=True)
+        if a.as_test:
+            print(layer_line(d['layer']), flush=True)
+    with torch.no_grad():
+        lam = tests_layer(a.dim, a.heads, layer_seed, device).compute_lambda(None).item()
     result = {'tokens': a.tokens, 'batch': a.batch, 'dim': a.dim, 'heads': a.heads, 'device': a.device,
-              'draws': draws, 'summary': summary(draws, a.dtype)}
+              'layer_seed': layer_seed, 'lambda': lam, 'draws': draws, 'summary': summary(draws, a.dtype)}
     s = result['summary']
     print(f'rms over {a.seeds} draws of the dL/dλ error against fp64 on the same inputs: kernel '
           f'{s["dlambda_error_rms"]["kernel"]:.3e}, two_calls {s["dlambda_error_rms"]["two_calls"]:.3e}; per row '
           f'{s["row_error_rms"]["kernel"]:.2e} and {s["row_error_rms"]["two_calls"]:.2e}; the kernel\'s as its op sums '
           f'the rows in fp32 {s["kernel_dlambda_error_as_op_rms"]:.3e}')
+    if a.as_test:
+        fp64, ref = s['layer']['against_fp64'], s['layer']['against_fp32_reference']
+        print('the layer whole, rms: against fp64 ' + ', '.join(f'{k} {v:.3e}' for k, v in fp64.items())
+              + '; against the fp32 reference ' + ', '.join(f'{k} {v:.3e}' for k, v in ref.items())
+              + '; the test\'s rule (kernel within twice two_calls) '
+              + ('holds' if s['layer']['test_rule_holds'] else 'fails'))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
     return 0

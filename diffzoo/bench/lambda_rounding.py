@@ -57,16 +57,20 @@ def tests_layer(dim: int, heads: int, seed: int, device: torch.device) -> nn.Mod
     return m
 
 
-def layer_dlambda(m: nn.Module, x: torch.Tensor, grad: torch.Tensor, kernel: Optional[str] = None) -> float:
-    """dL/dλ of `m` (explicit path; or, with `kernel`, that fused kernel under autocast fp16) for the output
-    gradient `grad`, read off λ_q1's gradient: dL/dλ_q1 = dL/dλ · exp(λ_q1·λ_k1) · λ_k1."""
+def layer_dlambda(m: nn.Module, x: torch.Tensor, grad: torch.Tensor, kernel: Optional[str] = None,
+                  dtype: torch.dtype = torch.float16, chunk: Optional[int] = None) -> float:
+    """dL/dλ of `m` (explicit path, `chunk` samples at a time if given; or, with `kernel`, that fused kernel under
+    autocast in `dtype`, one call) for the output gradient `grad`, read off λ_q1's gradient:
+    dL/dλ_q1 = dL/dλ · exp(λ_q1·λ_k1) · λ_k1."""
     m = copy.deepcopy(m)
     m.fused_attn = kernel is not None
     if kernel is None:
-        m(x).backward(grad)
+        step = chunk or x.shape[0]
+        for i in range(0, x.shape[0], step):  # the gradients add up over the chunks
+            m(x[i:i + step]).backward(grad[i:i + step])
     else:
         m.split_kernel = kernel
-        with torch.autocast(x.device.type, dtype=torch.float16):
+        with torch.autocast(x.device.type, dtype=dtype):
             out = m(x)
         out.backward(grad.to(out.dtype))
     with torch.no_grad():

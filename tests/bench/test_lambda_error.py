@@ -36,3 +36,36 @@ def test_the_kernel_s_dlambda_rows_are_closer_to_fp64_than_two_calls_at_vit_b_he
     rows = lambda_error.kernel_rows(lambda_error.layer_inputs(2, 300, 128, 1, torch.float16, DEVICE, seed=0))
     bound = rows.numel() * torch.finfo(torch.float32).eps * rows.abs().sum().item()
     assert abs(kernel['dlambda_error_as_op'] - kernel['dlambda_error']) <= bound, (kernel, bound)
+
+
+def test_as_test_draws_the_gpu_tests_own_layer_and_inputs_and_takes_the_layer_whole(tmp_path):
+    """--as-test: the layer and the inputs are those of tests/layers/test_kernels.py's bench-shape test at the same
+    tokens and batch, bit for bit; the layer whole runs the same op as the rows (the kernel's dL/dλ in the layer is
+    its op's, to an fp32 sum's rounding), and the fp32 reference is far nearer fp64 than the 16-bit inputs are."""
+    import json
+
+    from diffzoo.bench.lambda_rounding import tests_layer
+    from tests.layers import test_kernels as gpu_test
+    n, batch = 16, 2
+    torch.manual_seed(n + batch)
+    theirs = gpu_test._layer(768, 6)
+    ours = tests_layer(768, 6, n + batch, DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip(theirs.state_dict().values(), ours.state_dict().values()))
+    torch.manual_seed(n + batch + 1000)
+    x = gpu_test._bf16_exact(torch.randn(batch, n, 768, device=DEVICE))
+    grad = gpu_test._bf16_exact(torch.randn(batch, n, 768, device=DEVICE))
+    drawn = lambda_error.draw(batch, n, 768, DEVICE, n + batch + 1000)
+    assert torch.equal(drawn[0], x) and torch.equal(drawn[1], grad)
+
+    out = tmp_path / 'as-test.json'
+    assert lambda_error.main(['--device', DEVICE.type, '--tokens', str(n), '--batch', str(batch), '--seeds', '2',
+                              '--as-test', '--out', str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [d['seed'] for d in result['draws']] == [n + batch, n + batch + 1000]
+    for d in result['draws']:
+        layer = d['layer']
+        assert abs(layer['kernel_in_layer_minus_op']) <= 1e-5 * abs(layer['dlambda']) + 1e-6, layer
+        fp64 = layer['against_fp64']
+        assert abs(fp64['fp32 reference']) * 10 < abs(fp64['16-bit inputs']), fp64
+    test = result['summary']['layer']['against_fp32_reference']
+    assert result['summary']['layer']['test_rule_holds'] == (test['triton'] <= 2 * test['two_calls'])

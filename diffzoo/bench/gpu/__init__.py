@@ -6,7 +6,8 @@ few commands; the seconds are each step's time box on CUDA; `--plan` prints them
                    backend's exactness, which its CUDA default waits on), the kernel tests on CUDA
                    (tests/layers/test_kernels.py and the official checkpoint's CUDA test), which rows of
                    split_kernel="auto"'s table they support (OUT/dispatch.json), the fp16 λ gradient's error row by
-                   row at 4096 tokens, batch 256 (python -m diffzoo.bench.lambda_error, OUT/lambda-error.json), every
+                   row and in the layer whole, on the GPU test's own layer and draws at 4096 tokens, batch 256
+                   (python -m diffzoo.bench.lambda_error --as-test, OUT/lambda-error.json), every
                    other test marked gpu (pytest -m gpu), then per sample beside each path's rounding modelled
                    (python -m diffzoo.bench.lambda_rounding, OUT/lambda-rounding.json); needs the repository's tests/
   bench     145 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,

@@ -107,6 +107,12 @@ def table(runner: Runner) -> str:
                      f'two_calls {rms["two_calls"]:.3e} (the kernel\'s as its op sums the rows in fp32 '
                      f'{error["kernel_dlambda_error_as_op_rms"]:.3e}); per-row z-scores kernel '
                      f'{error["mean_z"]["kernel"]}, two_calls {error["mean_z"]["two_calls"]}')
+        layer = error.get('layer')
+        if layer:
+            fp64, ref = (', '.join(f'{k} {v:.3e}' for k, v in layer[side].items())
+                         for side in ('against_fp64', 'against_fp32_reference'))
+            lines.append(f'the GPU test\'s layer whole (rms of draws), against fp64: {fp64}; against the fp32 '
+                         f'reference: {ref}; the test\'s rule ' + ('holds' if layer['test_rule_holds'] else 'fails'))
     alone = runner.results.get('bench_alone')
     if alone:
         lines.append(f'{alone["model"]} alone, training: the first step of each block '

@@ -48,8 +48,9 @@ def tune(runner: Runner, s: Settings) -> None:
 def tests(runner: Runner, s: Settings) -> None:
     """First the CUDA device loader's tests (whether `data_backend: device` is exact on this GPU: the CUDA default
     waits on them), then the kernel tests (tests/layers/test_kernels.py and the official checkpoint's CUDA test),
-    which rows of `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row at 4096 tokens
-    (diffzoo.bench.lambda_error), every other test marked gpu, then in what the box has left the error per sample
+    which rows of `split_kernel="auto"`'s table they support, the fp16 λ gradient's error row by row and in the layer
+    whole at 4096 tokens, on the GPU test's own layer and draws (diffzoo.bench.lambda_error --as-test), every other
+    test marked gpu, then in what the box has left the error per sample
     at batch 1, the kernel beside each path's rounding modelled (diffzoo.bench.lambda_rounding); on the CPU only
     the tests marked gpu are collected (and skip, no CUDA), and both λ benches run under the interpreter at small
     sizes: the plumbing."""
@@ -62,10 +63,11 @@ def tests(runner: Runner, s: Settings) -> None:
     kernel = [*pytest, '-rP', *workers, *([] if cuda else ['-m', 'gpu']), '--junitxml', str(junit), *KERNEL_TESTS]
     rest = [*pytest, '-rA', *workers, '-m', 'gpu', 'tests', '--ignore', KERNEL_TESTS[0], '--ignore', LOADER_TESTS,
             '--deselect', KERNEL_TESTS[1]]  # the official checkpoint's CUDA test ran with the kernel tests
-    shape = ['--tokens', '4096', '--batch', '256'] if cuda else ['--tokens', '300', '--batch', '1', '--dim', '128',
-                                                                  '--heads', '1', '--seeds', '1']
+    # the GPU test's own layer and draws, the layer whole beside its rows; on the CPU, the interpreter at small sizes
+    shape = ['--tokens', '4096', '--batch', '256', '--seeds', '2'] if cuda else [
+        '--tokens', '300', '--batch', '1', '--dim', '128', '--heads', '1', '--seeds', '1']
     error = [*([] if cuda else ['env', 'TRITON_INTERPRET=1']), py, '-m', 'diffzoo.bench.lambda_error', '--device',
-             s.device, *shape, '--dtype', 'fp16', '--out', str(s.out / 'lambda-error.json')]
+             s.device, *shape, '--dtype', 'fp16', '--as-test', '--out', str(s.out / 'lambda-error.json')]
     checkout = s.checkout is not None and (s.checkout / KERNEL_TESTS[0]).is_file()
     if not checkout:
         reason = "the repository's tests/ folder is not here (an installed package): run from a diffzoo checkout"
@@ -78,7 +80,7 @@ def tests(runner: Runner, s: Settings) -> None:
                                           str(s.out / 'dispatch.json')], 20, reserve=40, grace=5)
         if support.status == 'ok':
             runner.results['dispatch'] = json.loads((s.out / 'dispatch.json').read_text())
-    if runner.run('lambda-error', error, 30 if cuda else 120, reserve=15).status == 'ok':
+    if runner.run('lambda-error', error, 45 if cuda else 120, reserve=15).status == 'ok':
         runner.results['lambda_error'] = json.loads((s.out / 'lambda-error.json').read_text())['summary']
     if checkout:
         runner.run('gpu-tests', rest, 30 if cuda else 300)
@@ -237,7 +239,7 @@ BOXES = {  # seconds per step: cuda, cpu
 
 
 RUNS = {  # what each step runs, for the plan
-    'tune': 'tune', 'tests': 'loader-tests (40 s), kernel-tests, dispatch, lambda-error (30 s), gpu-tests (30 s), '
+    'tune': 'tune', 'tests': 'loader-tests (40 s), kernel-tests, dispatch, lambda-error (45 s), gpu-tests (30 s), '
                              'lambda-rounding (what is left, up to 25 s)',
     'bench': 'bench (bf16: model and steps sections), bench-alone (25 s), bench-fp16 (model section, what is left)',
     'compile': 'compile',
