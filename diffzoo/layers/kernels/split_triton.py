@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .bwd import _diff_attn_bwd_dkdv, _diff_attn_bwd_dq, _diff_attn_norm_bwd
@@ -68,7 +67,11 @@ class Launch(NamedTuple):
 
 
 def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(n))
+    return max(least, 1 << (n - 1).bit_length())  # host arithmetic on ints (triton's helpers cost µs a call)
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
 
 
 def token_class(n_ctx: int) -> str:
@@ -98,6 +101,12 @@ def arch(device: torch.device) -> str:
         return 'sm_90'
     major, minor = torch.cuda.get_device_capability(device)
     return f'sm_{major}{minor}'
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_on(kernel: str, n_ctx: int, d: int, dv: int, device: torch.device) -> Launch:
+    """`launch_config` on `device`, once per shape (the table is read once per process)."""
+    return launch_config(kernel, n_ctx, d, dv, arch(device))
 
 
 def widths(d: int, dv: int) -> str:
@@ -135,13 +144,19 @@ def _strides(q, k, v) -> Tuple[int, ...]:
 
 def _common(q, v, key_bias, is_causal: bool) -> dict:
     _, _, _, d, dv = _geometry(q, v)
+    return _constants(d, dv, is_causal, key_bias is not None, q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(d: int, dv: int, is_causal: bool, has_bias: bool, dtype: torch.dtype) -> dict:
+    """The kernels' shared compile-time arguments (read, never changed, by every launch)."""
     return dict(HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), IS_CAUSAL=is_causal,
-                HAS_BIAS=key_bias is not None, **_dot_args(q.dtype))
+                HAS_BIAS=has_bias, **_dot_args(dtype))
 
 
 def _launch(kernel: str, q, v, given: Optional[Launch]) -> Launch:
     B, h, N, d, dv = _geometry(q, v)
-    return given if given is not None else launch_config(kernel, N, d, dv, arch(q.device))
+    return given if given is not None else _launch_on(kernel, N, d, dv, q.device)
 
 
 def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal: bool,
@@ -155,7 +170,7 @@ def forward(q, k, v, lam, weight, key_bias, scale: float, eps: float, is_causal:
     y = v.new_empty(B, N, h * dv)
     D = torch.empty_like(y) if for_backward else y.new_empty(0)
     lse = torch.empty(2, B, h, N, device=q.device, dtype=torch.float32) if for_backward else D
-    _diff_attn_fwd[(triton.cdiv(N, cfg.block_m), B * h)](
+    _diff_attn_fwd[(_cdiv(N, cfg.block_m), B * h)](
         q, k, v, key_bias, lam, weight, y, D, lse, *_strides(q, k, v), N, h, scale * LOG2E, eps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ONE_TILE=cfg.one_tile, STORE_STATS=for_backward,
         num_warps=cfg.warps, num_stages=cfg.stages, **_common(q, v, key_bias, is_causal),
@@ -171,7 +186,7 @@ def norm_backward(dy, weight, D, eps: float, want_y: bool):
     dv_width = weight.shape[0]
     rows = D.shape[0] * D.shape[1]
     block_r = 32
-    n_row_blocks = triton.cdiv(rows, block_r)
+    n_row_blocks = _cdiv(rows, block_r)
     block_dv = _pow2(dv_width)
     dD = torch.empty_like(D)
     dD_lo = torch.empty_like(D) if D.dtype == torch.float16 else None
@@ -192,7 +207,7 @@ def dq_backward(q, k, v, lam, key_bias, dD, lse, scale: float, is_causal: bool, 
     cfg = _launch('dq', q, v, launch)
     dq = q.new_empty(B, N, 2 * h, d).transpose(1, 2)
     delta = torch.empty(2 if dD_lo is None else 3, B, h, N, device=q.device, dtype=torch.float32)
-    _diff_attn_bwd_dq[(triton.cdiv(N, cfg.block_m), B * h)](
+    _diff_attn_bwd_dq[(_cdiv(N, cfg.block_m), B * h)](
         q, k, v, key_bias, lam, dD, dD_lo, lse, delta, dq, *_strides(q, k, v),
         dq.stride(0), dq.stride(1), dq.stride(2), N, h, scale * LOG2E, scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ONE_TILE=cfg.one_tile, HAS_LO=dD_lo is not None,
@@ -208,7 +223,7 @@ def dkdv_backward(q, k, v, lam, key_bias, dD, lse, delta, scale: float, is_causa
     cfg = _launch('dkdv', q, v, launch)
     dk = k.new_empty(B, N, 2 * h, d).transpose(1, 2)
     dv = v.new_empty(B, N, h, dv_width).transpose(1, 2)
-    _diff_attn_bwd_dkdv[(triton.cdiv(N, cfg.block_n), B * h)](
+    _diff_attn_bwd_dkdv[(_cdiv(N, cfg.block_n), B * h)](
         q, k, v, key_bias, lam, dD, lse, delta, dk, dv, *_strides(q, k, v),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         N, h, scale * LOG2E, scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.warps,
