@@ -185,6 +185,44 @@ def test_the_custom_op_passes_through_compile_fullgraph_and_export(backend):
     torch._dynamo.reset()
 
 
+def test_eager_calls_run_the_ops_functions_without_the_dispatcher_and_give_the_ops_numbers():
+    """In eager mode the layer's calls take the eager path (an autograd.Function over the ops' own functions, its
+    backward node in the graph); its output and every gradient equal the custom op's, called through the dispatcher
+    on the same inputs, bit for bit, with and without the output projection; without grad, the inference op's."""
+    from diffzoo.layers.kernels import triton_op
+    dtype = torch.bfloat16 if DEVICE == 'cuda' else torch.float32
+    torch.manual_seed(0)
+    B_, h, N, d = 2, 2, 24, 16
+    q, k = (torch.randn(B_, 2 * h, N, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    v = torch.randn(B_, h, N, 2 * d, device=DEVICE, dtype=dtype)
+    lam = torch.tensor(0.6, device=DEVICE)
+    weight = torch.rand(2 * d, device=DEVICE, dtype=dtype) + 0.5
+    pw, pb = torch.randn(40, 2 * h * d, device=DEVICE) / 8, torch.randn(40, device=DEVICE)
+    for proj in ((None, None), (pw, pb)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, lam, weight, *(p for p in proj if p is not None))]
+        twins = [t.detach().clone().requires_grad_(True) for t in leaves]
+
+        def call(ts, op):
+            qq, kk, vv, ll, ww, *pp = ts
+            pp = pp or [None, None]
+            if op:
+                return torch.ops.diffzoo.split_diff_attention(qq, kk, vv, ll, ww, None, *pp, 0.25, 1e-5, False)[0]
+            return triton_op.split_diff_attention(qq, kk, vv, ll, ww, 0.25, 1e-5, None, False, *pp)
+        eager, through_op = call(leaves, False), call(twins, True)
+        assert type(eager.grad_fn).__name__ == '_EagerBackward'
+        grad = torch.randn_like(eager)
+        eager.backward(grad)
+        through_op.backward(grad)
+        assert torch.equal(eager, through_op)
+        for a, b in zip(leaves, twins):
+            assert torch.equal(a.grad, b.grad)
+        with torch.no_grad():
+            out = call(leaves, False)
+        inference = torch.ops.diffzoo.split_diff_attention_inference(q, k, v, lam, weight, None, *proj, 0.25, 1e-5,
+                                                                      False)
+        assert out.grad_fn is None and torch.equal(out, inference) and torch.equal(out, eager.detach())
+
+
 def test_saves_no_more_activations_than_sdpa_attention():
     """The kernel keeps q, k, v (the qkv projection) and D where plain attention keeps q, k, v and
     its output: the same activations, plus row statistics and the small λ/norm parameters."""
