@@ -75,7 +75,7 @@ def tests(runner: Runner, s: Settings) -> None:
             runner.skip(name, cmd, reason)
     else:
         runner.run('loader-tests', loader, 40 if cuda else 120, reserve=120)
-        runner.run('kernel-tests', kernel, reserve=50)
+        runner.run('kernel-tests', kernel, reserve=65)  # dispatch, lambda-error and gpu-tests after it
         support = runner.run('dispatch', [py, '-m', 'diffzoo.bench.gpu.tasks', 'dispatch', str(junit),
                                           str(s.out / 'dispatch.json')], 20, reserve=40, grace=5)
         if support.status == 'ok':
