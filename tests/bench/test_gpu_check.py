@@ -71,9 +71,11 @@ def test_the_dry_run_ends_commands_past_their_time_box_and_skips_what_the_budget
     assert done.returncode == 1, done.stderr
     report, by_name = records(out)
     assert (report['device'], report['budget_s']) == ('cpu', 12)
-    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-alone', 'bench-fp16']
+    assert [r['name'] for r in report['steps']] == ['tune', 'compile', 'bench', 'bench-alone', 'bench-host',
+                                                    'bench-fp16']
     tune, compiled, bench = by_name['tune'], by_name['compile'], by_name['bench']
-    assert by_name['bench-fp16']['status'] == by_name['bench-alone']['status'] == 'skipped'
+    assert by_name['bench-fp16']['status'] == by_name['bench-alone']['status'] == by_name['bench-host']['status'] \
+        == 'skipped'
     assert (tune['status'], tune['timeout_s']) == ('timed out', 5) and 5 <= tune['seconds'] < 9
     assert tune['command'].startswith('env TRITON_INTERPRET=1 ') and '--device cpu --tokens 20' in tune['command']
     assert compiled['status'] == 'timed out' and 5 <= compiled['timeout_s'] <= 7

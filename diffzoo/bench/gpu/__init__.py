@@ -13,7 +13,8 @@ few commands; the seconds are each step's time box on CUDA; `--plan` prints them
   bench     145 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
                    diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive
                    steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt);
-                   diffclip-b16 alone (OUT/bench-alone.json); in what is left, the model section again in fp16
+                   diffclip-b16 alone (OUT/bench-alone.json); the host's time a layer call (python -m
+                   diffzoo.bench.host, OUT/bench-host.json); in what is left, the model section again in fp16
                    with a gradient scaler (OUT/bench-fp16.json)
   compile   145 s  the model section with both towers under torch.compile, graph breaks counted as they run
                    (OUT/bench-compile.json)

@@ -118,6 +118,11 @@ def table(runner: Runner) -> str:
         lines.append(f'{alone["model"]} alone, training: the first step of each block '
                      + ', '.join(f'{t * 1e3:.1f}' for t in alone['first_step_s'])
                      + f' ms; the other steps\' median {alone["other_steps_median_s"] * 1e3:.1f} ms')
+    host = runner.results.get('bench_host')
+    if host:
+        calls = ', '.join(f'{name} {row["train"]["median_us"]:.0f} ({row["train"]["over_sdpa_us"]:+.0f})'
+                          for name, row in host.items())
+        lines.append(f'host time a layer call, µs, forward and backward (over timm\'s attention): {calls}')
     rounding = runner.results.get('lambda_rounding')
     if rounding:
         lines.append('fp16 dL/dλ error a sample against fp64 (rms, mean ± se): ' + '; '.join(

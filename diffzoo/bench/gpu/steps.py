@@ -96,7 +96,8 @@ def bench(runner: Runner, s: Settings) -> None:
     """python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path (`auto`),
     diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive steps
     profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt); then diffclip-b16 alone
-    (OUT/bench-alone.json); then, in what the box has left, the model section in fp16 with a gradient scaler, as
+    (OUT/bench-alone.json); the host's time a layer call (python -m diffzoo.bench.host, OUT/bench-host.json); then,
+    in what the box has left, the model section in fp16 with a gradient scaler, as
     open_clip's --precision amp (OUT/bench-fp16.json)."""
     py = sys.executable
     base = [py, '-m', 'diffzoo.bench', '--device', s.device]
@@ -118,6 +119,12 @@ def bench(runner: Runner, s: Settings) -> None:
     if runner.run('bench-alone', [*base, '--sections', 'model', *alone, '--out', str(s.out / 'bench-alone.json')],
                   25 if s.device == 'cuda' else 120, reserve=20).status == 'ok':
         runner.results['bench_alone'] = first_steps(json.loads((s.out / 'bench-alone.json').read_text()))
+    # the host's time a layer call, the kernel's path against two_calls and timm's: what a step after a
+    # synchronisation waits on
+    if runner.run('bench-host', [py, '-m', 'diffzoo.bench.host', '--device', s.device, '--out',
+                                 str(s.out / 'bench-host.json')], 15 if s.device == 'cuda' else 60,
+                  reserve=15).status == 'ok':
+        runner.results['bench_host'] = json.loads((s.out / 'bench-host.json').read_text())['layers']
     runner.run('bench-fp16', [*fp16, '--out', str(s.out / 'bench-fp16.json')])  # last: what the box has left
 
 
@@ -241,7 +248,8 @@ BOXES = {  # seconds per step: cuda, cpu
 RUNS = {  # what each step runs, for the plan
     'tune': 'tune', 'tests': 'loader-tests (40 s), kernel-tests, dispatch, lambda-error (45 s), gpu-tests (30 s), '
                              'lambda-rounding (what is left, up to 25 s)',
-    'bench': 'bench (bf16: model and steps sections), bench-alone (25 s), bench-fp16 (model section, what is left)',
+    'bench': 'bench (bf16: model and steps sections), bench-alone (25 s), bench-host (15 s), bench-fp16 (model '
+             'section, what is left)',
     'compile': 'compile',
     'commands': '0-env beside 2-corpus, 2-train-diffclip-b16-cc3m@defaults, 2-train-clip-b16-baseline-cc3m@open_clip',
     'extras': '1-train-tiny, 3-vlm, 4-eramv (their corpus and assets behind them)',
