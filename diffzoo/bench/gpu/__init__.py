@@ -1,6 +1,6 @@
 """python -m diffzoo.bench.gpu OUT [STEP ...]: the project's GPU checks in one time-boxed run on a CUDA machine.
 
-Steps, the first four by default (590 s together on CUDA: the run fits 10 minutes), the others by name (each a
+Steps, the first four by default (600 s together on CUDA: the run fits 10 minutes), the others by name (each a
 few commands; the seconds are each step's time box on CUDA; `--plan` prints them and runs nothing):
   tests     165 s  the CUDA device loader's tests first (tests/train/test_device_data.py: the device data
                    backend's exactness, which its CUDA default waits on), the kernel tests on CUDA
@@ -10,7 +10,7 @@ few commands; the seconds are each step's time box on CUDA; `--plan` prints them
                    (python -m diffzoo.bench.lambda_error --as-test, OUT/lambda-error.json), every
                    other test marked gpu (pytest -m gpu), then per sample beside each path's rounding modelled
                    (python -m diffzoo.bench.lambda_rounding, OUT/lambda-rounding.json); needs the repository's tests/
-  bench     145 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
+  bench     155 s  python -m diffzoo.bench, model and steps sections in bf16: diffclip-b16 on the default path,
                    diffclip-b16@two_calls and the baseline, each step timed in interleaved blocks, then consecutive
                    steps profiled, the slowest against the fastest (OUT/bench.json, OUT/bench-steps.txt);
                    diffclip-b16 alone (OUT/bench-alone.json); the host's time a layer call (python -m
