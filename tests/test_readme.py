@@ -18,7 +18,7 @@ RUN = {
     'python -m diffzoo.train recipes': 'clip-b16-baseline-cc3m',
     'python -m diffzoo.train.vlm recipes': 'paligemma-3b-vqav2-diff',
     'python -m diffzoo.bench.gpu --help': 'the project\'s GPU checks in one time-boxed run',
-    'python -m diffzoo.bench.gpu OUT --plan': 'total      590 s',
+    'python -m diffzoo.bench.gpu OUT --plan': 'total      600 s',
 }
 WEIGHTS, DATA, GPU = 'needs pretrained weights', 'needs a dataset', 'needs a GPU'
 QUICK = 'the quick start, run as a whole by tests/test_demo.py::test_the_quick_start_runs_as_written'
