@@ -21,14 +21,15 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 from timm.layers import Attention
 
 from diffzoo.layers import DifferentialAttention, kernels
+
+from .measure import BenchError, resolve_device, time_call
 
 LAUNCHES = ('_diff_attn_fwd', '_diff_attn_bwd_dq', '_diff_attn_bwd_dkdv', '_diff_attn_norm_bwd')
 
@@ -68,18 +69,6 @@ def layers(dim: int, heads: int, device: torch.device, dtype: torch.dtype) -> Di
     return {name: m.to(device, dtype) for name, m in made.items()}
 
 
-def per_call(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    """Seconds a call over `reps` back-to-back calls, the GPU synchronised before and after the block."""
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / reps
-
-
 def measure(dim: int, heads: int, tokens: int, batch: int, reps: int, blocks: int, device: torch.device,
             dtype: torch.dtype) -> Dict:
     torch.manual_seed(0)
@@ -96,11 +85,11 @@ def measure(dim: int, heads: int, tokens: int, batch: int, reps: int, blocks: in
         return call
     calls = {(name, kind): make(m) for name, m in made.items() for kind, make in (('train', train), ('infer', infer))}
     for fn in calls.values():  # warm-up: allocator, autotuning, first-call paths
-        per_call(fn, 3, device)
+        time_call(fn, device, 3)
     times = {key: [] for key in calls}
     for _ in range(blocks):
         for key, fn in calls.items():
-            times[key].append(per_call(fn, reps, device))
+            times[key].append(time_call(fn, device, reps))  # the GPU synchronised around each block
     rows = {}
     for (name, kind), values in times.items():
         rows.setdefault(name, {})[kind] = {'median_us': statistics.median(values) * 1e6,
@@ -131,9 +120,10 @@ def main(argv: Optional[list] = None) -> int:
                    help='replace the Triton launches by no-ops (default: on the CPU only)')
     p.add_argument('--out', default=None, help='JSON of the blocks and medians')
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        print('error: --device cuda: no CUDA device here (torch.cuda.is_available() is False)', file=sys.stderr)
+    try:
+        device = resolve_device(a.device)
+    except BenchError as exc:
+        print(f'error: {exc}', file=sys.stderr)
         return 2
     stub = device.type != 'cuda' if a.stub is None else a.stub
     if not kernels.HAS_TRITON:

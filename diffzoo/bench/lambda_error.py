@@ -39,7 +39,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .lambda_rounding import layer_dlambda, tests_layer
+from .lambda_rounding import layer_dlambda, root_mean_square, tests_layer
 
 DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
@@ -157,23 +157,19 @@ def measure(batch: int, tokens: int, dim: int, heads: int, dtype: torch.dtype, d
 
 def summary(draws, dtype: str) -> Dict:
     def rms_of(key):
-        return {k: math.sqrt(sum(d[k][key] ** 2 for d in draws) / len(draws)) for k in ('kernel', 'two_calls')}
+        return {k: root_mean_square([d[k][key] for d in draws]) for k in ('kernel', 'two_calls')}
     rms, row = rms_of('dlambda_error'), rms_of('row_rms')
-    as_op = math.sqrt(sum(d['kernel']['dlambda_error_as_op'] ** 2 for d in draws) / len(draws))
+    as_op = root_mean_square([d['kernel']['dlambda_error_as_op'] for d in draws])
     out = {'dtype': dtype, 'dlambda_error_rms': rms, 'row_error_rms': row, 'kernel_dlambda_error_as_op_rms': as_op,
            'within_twice_two_calls': rms['kernel'] <= 2 * rms['two_calls'],
            'mean_z': {k: [round(d[k]['mean_z'], 2) for d in draws] for k in ('kernel', 'two_calls')}}
     if 'layer' in draws[0]:  # --as-test: each part's rms over the draws
         layers = [d['layer'] for d in draws]
-        out['layer'] = {side: {k: _rms([w[side][k] for w in layers]) for k in layers[0][side]}
+        out['layer'] = {side: {k: root_mean_square([w[side][k] for w in layers]) for k in layers[0][side]}
                         for side in ('against_fp64', 'against_fp32_reference')}
         test = out['layer']['against_fp32_reference']
         out['layer']['test_rule_holds'] = test['triton'] <= 2 * test['two_calls']
     return out
-
-
-def _rms(values) -> float:
-    return math.sqrt(sum(v * v for v in values) / len(values))
 
 
 def layer_line(w: Dict) -> str:

@@ -151,14 +151,14 @@ def batch_draws(tokens: int, dim: int, heads: int, batch: int, count: int, trito
     return rows
 
 
-def _rms(values: List[float]) -> float:
+def root_mean_square(values: List[float]) -> float:
     return math.sqrt(sum(v * v for v in values) / len(values))
 
 
 def batch_summary(rows: List[Dict]) -> Dict:
     """Per kernel, over the draws: rms of the one-call error, of the samples' summed errors and of what the call
     adds."""
-    return {k: {part: _rms([r[k][part] for r in rows]) for part in ('batch', 'samples', 'interaction')}
+    return {k: {part: root_mean_square([r[k][part] for r in rows]) for part in ('batch', 'samples', 'interaction')}
             for k in rows[0] if k != 'dlambda'}
 
 
@@ -171,7 +171,7 @@ def summary(rows: List[Dict]) -> Dict:
         e = [r[path] for r in rows]
         mean = sum(e) / len(e)
         sd = math.sqrt(sum((v - mean) ** 2 for v in e) / max(1, len(e) - 1))
-        rms = _rms(e)
+        rms = root_mean_square(e)
         out[path] = {'rms': rms, 'mean': mean, 'mean_se': sd / math.sqrt(len(e)), 'batch_256_rms': 16 * rms}
     return out
 

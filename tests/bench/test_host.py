@@ -42,4 +42,4 @@ def test_the_stubbed_layer_runs_the_kernel_path_and_cuda_without_a_gpu_is_refuse
             assert type(m(x).grad_fn).__name__ != '_EagerBackward'
     if not torch.cuda.is_available():
         assert host.main(['--device', 'cuda']) == 2
-        assert 'no CUDA device here' in capsys.readouterr().err
+        assert '--device cuda: torch.cuda.is_available() is False here' in capsys.readouterr().err
